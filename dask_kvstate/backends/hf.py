@@ -1,0 +1,208 @@
+"""Hugging Face transformers backend: prefill into KV tensors, resume from them, decode.
+
+All KV handed in or out is one tensor ``[layers, 2, kv_heads, tokens, head_dim]`` (the
+block layout). Inside a forward pass transformers wants a ``DynamicCache``; a forward
+with a cache appends to it in place, so a cache is always built fresh from the stored
+tensors (``torch.cat`` copies) and stored tensors are never mutated.
+
+Decoding is a plain greedy / seeded-sampling loop rather than ``model.generate`` so
+that text replay and every reuse path run the very same decode steps, and so that time
+to first token is measured where it happens.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dask_kvstate.backends import models
+from dask_kvstate.blocks import kv_identity
+
+
+@dataclass
+class GenerationResult:
+    """Token ids out of one generation, and where the time went."""
+
+    token_ids: list[int]
+    ttft: float  # seconds from the call to the first new token
+    prefill_s: float
+    decode_s: float
+    prefill_tokens: int  # tokens pushed through the model before decoding
+    reused_tokens: int  # prompt tokens whose KV came from a state
+
+
+class HFBackend:
+    """One loaded causal LM with the few KV operations stateflow needs.
+
+    Parameters
+    ----------
+    name : str
+        The model name it was loaded under (``smollm2-135m``, ``tiny-llama`` or a folder).
+    model, tokenizer
+        A transformers causal LM (eval mode) and its tokenizer.
+    """
+
+    def __init__(self, name: str, model, tokenizer, device: str | None = None):
+        self.name = name
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = model.to(self.device)
+        self.tokenizer = tokenizer
+        self.config = model.config.get_text_config(decoder=True)
+        self.dtype = next(model.parameters()).dtype
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
+        self.head_dim = int(
+            getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        )
+        self.kv_bytes_per_token = self.num_layers * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+        self.config_fingerprint = self._config_fingerprint()
+        self.model_fingerprint = self._model_fingerprint()
+        self.kv_identity = kv_identity(self.model_fingerprint, self.config_fingerprint)
+        self.eos_ids = self._eos_ids()
+        # Tokenizers' Rust core is not re-entrant for one object across threads.
+        self._tok_lock = threading.Lock()
+
+    @classmethod
+    def load(cls, name: str, cache_dir: str | None = None, device: str | None = None) -> HFBackend:
+        """Load a model by name (raises ValueError listing the known names)."""
+        model, tokenizer = models.load(name, cache_dir)
+        return cls(name, model, tokenizer, device)
+
+    # -- identity ------------------------------------------------------------------
+    def _config_fingerprint(self) -> str:
+        c = self.config
+        tok_json = self.tokenizer.backend_tokenizer.to_str() if hasattr(self.tokenizer, "backend_tokenizer") else repr(
+            self.tokenizer.get_vocab()
+        )
+        desc = {
+            "architecture": (getattr(self.model.config, "architectures", None) or [type(self.model).__name__])[0],
+            "layers": self.num_layers,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "rope": getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None),
+            "rope_theta": getattr(c, "rope_theta", None),
+            "dtype": str(self.dtype),
+            "tokenizer": hashlib.sha256(tok_json.encode()).hexdigest(),
+        }
+        blob = json.dumps(desc, sort_keys=True, default=str).encode()
+        return "c-" + hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+    def _model_fingerprint(self) -> str:
+        # The weights themselves: a re-quantized or fine-tuned checkpoint under the
+        # same name gets a different fingerprint, so its KV is never mixed in.
+        h = hashlib.blake2b(digest_size=16)
+        for name, t in sorted(self.model.state_dict().items()):
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return "m-" + h.hexdigest()
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set()
+        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(int(i) for i in source)
+        return frozenset(ids)
+
+    # -- text ----------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` without special tokens (prompts carry their own)."""
+        with self._tok_lock:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def detokenize(self, ids: list[int]) -> str:
+        with self._tok_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # -- KV ------------------------------------------------------------------------
+    def cache_from_kv(self, kv: torch.Tensor | None):
+        """A fresh ``DynamicCache`` holding a copy of ``kv`` ([L, 2, H, T, D]) or empty."""
+        from transformers import DynamicCache
+
+        if kv is None or kv.shape[3] == 0:
+            return DynamicCache(config=self.model.config)
+        kv = kv.to(self.device, non_blocking=True)
+        return DynamicCache([(kv[i, 0][None], kv[i, 1][None]) for i in range(self.num_layers)], config=self.model.config)
+
+    @staticmethod
+    def kv_from_cache(cache) -> torch.Tensor:
+        """Stack a batch-1 cache into one ``[L, 2, H, T, D]`` tensor."""
+        return torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in cache.layers])
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], past_kv: torch.Tensor | None = None):
+        """Run ``ids[past_len:]`` through the model on top of ``past_kv``.
+
+        Returns ``(cache, last_logits)``: the cache covers all of ``ids``; the logits
+        are those of the last position (only those are computed).
+        """
+        past_len = 0 if past_kv is None else int(past_kv.shape[3])
+        assert past_len < len(ids), f"prefill needs at least one new token ({past_len} cached of {len(ids)})"
+        cache = self.cache_from_kv(past_kv)
+        x = torch.tensor([ids[past_len:]], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
+        return out.cache, out.logits[0, -1].float()
+
+    @torch.inference_mode()
+    def decode(self, cache, logits: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int | None = None) -> tuple[list[int], float]:  # fmt: skip
+        """Decode up to ``max_new_tokens`` from ``logits``; returns (ids, time of first token)."""
+        gen = None
+        if temperature > 0:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(int(seed) if seed is not None else torch.seed())
+        out: list[int] = []
+        first_at = time.perf_counter()
+        for step in range(max_new_tokens):
+            tok = _pick(logits, temperature, top_p, gen)
+            if step == 0:
+                first_at = time.perf_counter()
+            out.append(tok)
+            if tok in self.eos_ids or step == max_new_tokens - 1:
+                break
+            x = torch.tensor([[tok]], dtype=torch.long, device=self.device)
+            res = self.model(input_ids=x, cache=cache, use_cache=True)
+            cache, logits = res.cache, res.logits[0, -1].float()
+        return out, first_at
+
+    def generate(self, ids: list[int], past_kv: torch.Tensor | None = None, *, max_new_tokens: int,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                 started: float | None = None) -> GenerationResult:  # fmt: skip
+        """Generate from prompt ``ids``, reusing ``past_kv`` for its leading tokens.
+
+        ``past_kv`` must be the KV of ``ids[:past_len]`` with ``past_len < len(ids)``.
+        ``started`` is when the caller began (for TTFT); defaults to now.
+        """
+        t0 = time.perf_counter() if started is None else started
+        if not ids:
+            raise ValueError("cannot generate from an empty prompt: give at least one token of text")
+        p0 = time.perf_counter()
+        cache, logits = self.prefill(ids, past_kv)
+        p1 = time.perf_counter()
+        out, first_at = self.decode(cache, logits, max_new_tokens=max_new_tokens, temperature=temperature,
+                                    top_p=top_p, seed=seed)  # fmt: skip
+        reused = 0 if past_kv is None else int(past_kv.shape[3])
+        return GenerationResult(
+            token_ids=out,
+            ttft=(first_at - t0) if out else 0.0,
+            prefill_s=p1 - p0,
+            decode_s=time.perf_counter() - p1,
+            prefill_tokens=len(ids) - reused,
+            reused_tokens=reused,
+        )
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen) -> int:
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs, 1, generator=gen))

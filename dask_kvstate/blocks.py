@@ -1,0 +1,119 @@
+"""KV blocks: fixed runs of tokens, named by a content hash chained over their prefix.
+
+A block holds K and V for every layer over ``block_tokens`` consecutive tokens, as one
+tensor ``[layers, 2, kv_heads, tokens, head_dim]``. Its name is
+
+    hash_i = H(hash_{i-1} || kv_identity || namespace || token_ids_i)
+
+as vLLM names prefix blocks: equal token prefixes under the same model give equal hash
+chains, so forks and independent materializations of one prefix dedupe by themselves,
+while a different model, dtype, tokenizer or namespace (tenant) never collides.
+The last block of a state may be partial; its hash covers exactly its tokens.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+HASH_BYTES = 16
+
+
+def kv_identity(model_fingerprint: str, config_fingerprint: str) -> bytes:
+    """The part of every block hash that pins it to one model and one KV layout."""
+    return hashlib.blake2b(
+        f"{model_fingerprint}|{config_fingerprint}".encode(), digest_size=HASH_BYTES
+    ).digest()
+
+
+def block_hashes(
+    token_ids: Sequence[int] | np.ndarray,
+    *,
+    identity: bytes,
+    namespace: str,
+    block_tokens: int,
+) -> tuple[bytes, ...]:
+    """Hash chain of the blocks covering ``token_ids`` (the last block may be partial).
+
+    Examples
+    --------
+    >>> ident = kv_identity("m", "c")
+    >>> a = block_hashes(range(10), identity=ident, namespace="t", block_tokens=4)
+    >>> b = block_hashes(range(12), identity=ident, namespace="t", block_tokens=4)
+    >>> len(a), a[:2] == b[:2], a[2] == b[2]
+    (3, True, False)
+    >>> block_hashes(range(10), identity=ident, namespace="u", block_tokens=4)[0] == a[0]
+    False
+    """
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens!r}")
+    ids = np.asarray(token_ids, dtype=np.int64)
+    prefix = identity + namespace.encode() + b"\x00"
+    hashes = []
+    parent = b""
+    for start in range(0, len(ids), block_tokens):
+        h = hashlib.blake2b(prefix + parent, digest_size=HASH_BYTES)
+        h.update(ids[start : start + block_tokens].tobytes())
+        parent = h.digest()
+        hashes.append(parent)
+    return tuple(hashes)
+
+
+def num_blocks(num_tokens: int, block_tokens: int) -> int:
+    """Blocks needed for ``num_tokens`` tokens.
+
+    Examples
+    --------
+    >>> num_blocks(0, 64), num_blocks(64, 64), num_blocks(65, 64)
+    (0, 1, 2)
+    """
+    return -(-num_tokens // block_tokens)
+
+
+@dataclass(frozen=True)
+class KVBlock:
+    """One block: its hash, its position range and its K/V tensor.
+
+    ``tensor`` has shape ``[layers, 2, kv_heads, tokens, head_dim]``; ``start`` is the
+    position of its first token in the sequence.
+    """
+
+    hash: bytes
+    start: int
+    tensor: object  # torch.Tensor; typed loosely so this module never imports torch
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tensor.shape[3])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.tensor.nelement() * self.tensor.element_size())
+
+
+def split_blocks(kv, hashes: Sequence[bytes], block_tokens: int, first: int = 0) -> list[KVBlock]:
+    """Cut a sequence KV tensor ``[L, 2, H, T, D]`` into blocks ``first, first+1, ...``.
+
+    Each block is a contiguous copy, so it owns exactly its bytes and serializes
+    without gathering.
+    """
+    total = kv.shape[3]
+    assert total <= len(hashes) * block_tokens, "more tokens than hashed blocks"
+    blocks = []
+    for i in range(first, len(hashes)):
+        lo, hi = i * block_tokens, min((i + 1) * block_tokens, total)
+        blocks.append(KVBlock(hashes[i], lo, kv[:, :, :, lo:hi, :].contiguous()))
+    return blocks
+
+
+def join_blocks(tensors: Sequence[object]):
+    """Concatenate block tensors along the token axis (``None`` when there are none)."""
+    import torch
+
+    if not tensors:
+        return None
+    if len(tensors) == 1:
+        return tensors[0]
+    return torch.cat(list(tensors), dim=3)

@@ -1,0 +1,49 @@
+"""Client-side entry points: attach the plugins to a cluster, read their counters."""
+from __future__ import annotations
+
+from distributed import Client
+
+from dask_kvstate.plugins.worker import PLUGIN_NAME, KVStateWorkerPlugin
+
+
+def _plugin_settings(dask_worker) -> dict | None:
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    return None if plugin is None or plugin.runtime is None else plugin.settings()
+
+
+def install(client: Client, model: str | None = None, *, torch_threads: int | None = None,
+            device_bytes: int | str | None = None) -> dict:  # fmt: skip
+    """Load ``model`` and a KV block store on every worker of ``client``'s cluster.
+
+    Idempotent: when every worker already runs the plugin with the same settings,
+    nothing is reloaded. Workers that join later get it too. Raises ValueError for an
+    unknown model name (listing the known ones) before touching the cluster.
+
+    Returns ``{worker address: settings}``.
+    """
+    plugin = KVStateWorkerPlugin(model, torch_threads=torch_threads, device_bytes=device_bytes)
+    current = client.run(_plugin_settings)
+    if not current or any(s != plugin.settings() for s in current.values()):
+        client.register_plugin(plugin, name=PLUGIN_NAME)
+        current = client.run(_plugin_settings)
+    return current
+
+
+def _worker_stats(dask_worker) -> dict:
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    if plugin is None or plugin.runtime is None:
+        return {"installed": False}
+    return {"installed": True, **plugin.runtime.stats()}
+
+
+def stats(client: Client) -> dict[str, dict]:
+    """Per-worker counters and bytes: ``{worker: {blocks, bytes, hits, transfers, ...}}``.
+
+    Keys: ``model``, ``tier``, ``blocks``, ``bytes`` (resident KV), ``pinned_bytes``,
+    ``capacity``, block ``hits``/``misses``, ``evictions`` (budget), and the runtime's
+    counters (``prefill_tokens``, ``reused_tokens``, ``transfers`` (blocks pulled),
+    ``transfer_bytes``, ``transfer_seconds``, ``recomputes`` (blocks rebuilt),
+    ``recompute_tokens``, ``incompatible``, ``materializations``, ``resumes``, ``forks``,
+    ``evicted_bytes``, ...). Counters never seen are absent; read them with ``.get``.
+    """
+    return client.run(_worker_stats)

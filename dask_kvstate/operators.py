@@ -1,0 +1,125 @@
+"""The stateflow operators as ``dask.delayed`` builders (the public API).
+
+Each call adds one task to a graph and returns a ``Delayed``; arguments may be
+literals or other ``Delayed`` objects (a document retrieved by an upstream task, a
+state from ``materialize``). Keys are deterministic, ``kvs-<op>-<token>``, so the same
+call twice is one task, except sampling without a seed, which is never deduplicated.
+Everything runs where Dask places it; refs are small, the blocks stay on workers.
+"""
+from __future__ import annotations
+
+import uuid
+
+import dask
+from dask.base import tokenize
+from dask.delayed import Delayed
+
+from dask_kvstate import tasks
+
+
+def _task(func, *args, nout: int | None = None, unique: bool = False, **kwargs) -> Delayed:
+    op = func.__name__
+    token = tokenize(op, args, kwargs, uuid.uuid4().hex if unique else None)
+    return dask.delayed(func, pure=True, nout=nout)(*args, dask_key_name=f"kvs-{op}-{token}", **kwargs)
+
+
+def _sampling_without_seed(temperature, seed) -> bool:
+    return bool(temperature) and seed is None
+
+
+def materialize(*segments, namespace: str | None = None) -> Delayed:
+    """Prefill the prompt ``"".join(segments)`` once and return its state.
+
+    Returns ``Delayed[KVStateRef]``. Leading blocks already stored on the worker
+    (same tokens, same model, same namespace) are reused, not recomputed.
+
+    Examples
+    --------
+    >>> import dask_kvstate as kvs
+    >>> ctx = kvs.materialize("You are a careful planner. ", "Task: ship it.")
+    >>> ctx.key.startswith("kvs-materialize-")
+    True
+    """
+    return _task(tasks.materialize, *segments, namespace=namespace)
+
+
+def fork(state, k: int) -> list[Delayed]:
+    """``k`` copy-on-write children of ``state``: O(1), the blocks are shared.
+
+    Examples
+    --------
+    >>> import dask_kvstate as kvs
+    >>> len(kvs.fork(kvs.materialize("shared context"), 4))
+    4
+    """
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"fork needs a positive int k, got {k!r}")
+    return list(_task(tasks.fork, state, k, nout=k))
+
+
+def extend(state, *segments) -> Delayed:
+    """``state`` followed by more text: ``Delayed[KVStateRef]``.
+
+    The result is exactly the state of ``state.text + "".join(segments)``: the joined
+    text is re-tokenized and only the tokens after the common prefix are prefilled.
+    """
+    return _task(tasks.extend, state, *segments)
+
+
+def resume(state, *segments, max_new_tokens: int | None = None, temperature: float | None = None,
+           top_p: float | None = None, seed: int | None = None) -> Delayed:  # fmt: skip
+    """Generate from ``state`` followed by ``segments``: ``Delayed[Generation]`` (a str).
+
+    Token-identical to ``generate(state.text, *segments)`` (greedy, or sampling with
+    the same seed); the state's KV replaces the prefill of its tokens.
+    """
+    return _task(tasks.resume, state, *segments, max_new_tokens=max_new_tokens, temperature=temperature,
+                 top_p=top_p, seed=seed, unique=_sampling_without_seed(temperature, seed))  # fmt: skip
+
+
+def generate(*segments, max_new_tokens: int | None = None, temperature: float | None = None,
+             top_p: float | None = None, seed: int | None = None) -> Delayed:  # fmt: skip
+    """Generate from the prompt ``"".join(segments)`` by text replay: ``Delayed[Generation]``.
+
+    Examples
+    --------
+    >>> import dask_kvstate as kvs
+    >>> answer = kvs.generate("Question: what is 2 + 2? Answer:", max_new_tokens=8)
+    >>> answer.key.startswith("kvs-generate-")
+    True
+    """
+    return _task(tasks.generate, *segments, max_new_tokens=max_new_tokens, temperature=temperature,
+                 top_p=top_p, seed=seed, unique=_sampling_without_seed(temperature, seed))  # fmt: skip
+
+
+def merge(*states, policy: str = "concat") -> Delayed:
+    """Restricted composition: ``Delayed[KVStateRef]``.
+
+    Only ``policy="concat"``: sequential, non-overlapping, prefix-compatible states,
+    each continuing the previous one (as ``extend`` builds them); the result equals a
+    prefill of the concatenated tokens. Anything else (diverging branches,
+    independently prefilled segments, other models) raises ``MergeError`` (a
+    ``ValueError``) when computed, naming the two states and why.
+    """
+    if policy != "concat":
+        raise ValueError(f"unknown merge policy {policy!r}; supported: 'concat'")
+    if not states:
+        raise ValueError("merge needs at least one state")
+    return _task(tasks.merge, *states, policy=policy)
+
+
+def transfer(state, worker: str) -> Delayed:
+    """Make ``worker`` (an address) hold ``state``'s blocks: ``Delayed[KVStateRef]``."""
+    if not isinstance(worker, str) or not worker:
+        raise ValueError(f"transfer needs a worker address, got {worker!r}")
+    with dask.annotate(workers=[worker], allow_other_workers=False):
+        return _task(tasks.transfer, state, unique=True)
+
+
+def evict(state) -> Delayed:
+    """Release ``state``'s blocks on its holder (and here): ``Delayed[int]`` bytes freed.
+
+    Blocks shared with other live states stay. Using ``state`` afterwards still
+    works: its blocks are recomputed from its text.
+    """
+    return _task(tasks.evict, state, unique=True)

@@ -1,0 +1,271 @@
+"""The worker-side engine behind the operators: resolve refs, prefill, resume.
+
+One :class:`StateRuntime` lives in each worker's ``kvstate`` plugin and owns nothing
+but references to the backend, the block store and the worker. Every operator task
+ends up here.
+
+Resolving a ref (turning metadata into KV tensors on this worker) follows the paper's
+rule: local blocks are hits; missing blocks are pulled from the holder; whatever is
+still missing (holder gone, holder evicted them, pull failed) is recomputed from the
+state's text. An incompatible state (other model, config or tokenizer) is never used:
+its text is prefilled from scratch. No path raises because KV went missing, and
+every path yields the KV of tokenize(text), so output equals text replay.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import replace
+
+import torch
+
+from dask_kvstate import config
+from dask_kvstate.blocks import block_hashes, join_blocks, split_blocks
+from dask_kvstate.errors import MergeError
+from dask_kvstate.generation import Generation
+from dask_kvstate.state import KVStateRef, Lineage, Placement, incompatibility, new_state_id
+from dask_kvstate.transport import pull_blocks
+
+logger = logging.getLogger("dask_kvstate")
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences.
+
+    Examples
+    --------
+    >>> common_prefix([1, 2, 3], [1, 2, 4, 5]), common_prefix([], [1])
+    (2, 0)
+    """
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class StateRuntime:
+    """Operators on one worker: a backend, a block store and the worker's comm pool."""
+
+    def __init__(self, backend, store, worker=None):
+        self.backend = backend
+        self.store = store
+        self.worker = worker
+        self.address = worker.address if worker is not None else None
+        self.block_tokens = int(config.get("block-tokens"))
+        self.connect_timeout = config.get_seconds("transport.connect-timeout")
+        self.pull_timeout = config.get_seconds("transport.timeout")
+        self.counters: Counter[str] = Counter()
+
+    # -- helpers -------------------------------------------------------------------
+    def hashes(self, ids: Sequence[int], namespace: str) -> tuple[bytes, ...]:
+        return block_hashes(ids, identity=self.backend.kv_identity, namespace=namespace, block_tokens=self.block_tokens)
+
+    def _task_owner(self) -> Hashable:
+        """Pin owner for blocks in use by the running task (released by the plugin)."""
+        key = None
+        if self.worker is not None:
+            try:
+                key = self.worker.get_current_task()
+            except Exception:  # not inside a task (direct use in tests and tools)
+                key = None
+        return ("task", key)
+
+    def _new_ref(self, op: str, parents: tuple[str, ...], text: str, ids: Sequence[int],
+                 hashes: tuple[bytes, ...], namespace: str) -> KVStateRef:  # fmt: skip
+        return KVStateRef(
+            state_id=new_state_id(), model_name=self.backend.name, model=self.backend.model_fingerprint,
+            config=self.backend.config_fingerprint, namespace=namespace, block_tokens=self.block_tokens,
+            num_tokens=len(ids), blocks=hashes, text=text, nbytes=len(ids) * self.backend.kv_bytes_per_token,
+            lineage=Lineage(op, parents), placement=Placement(self.address, self.store.tier),
+        )  # fmt: skip
+
+    def _store_kv(self, kv: torch.Tensor, hashes: tuple[bytes, ...], first_block: int) -> None:
+        for block in split_blocks(kv, hashes, self.block_tokens, first_block):
+            self.store.put(block.hash, block.tensor)
+
+    def _prefill(self, ids: Sequence[int], past: torch.Tensor | None) -> torch.Tensor:
+        past_len = 0 if past is None else past.shape[3]
+        self.counters["prefill_tokens"] += len(ids) - past_len
+        self.counters["reused_tokens"] += past_len
+        cache, _ = self.backend.prefill(list(ids), past)
+        return self.backend.kv_from_cache(cache)
+
+    # -- resolve -------------------------------------------------------------------
+    def resolve(self, ref: KVStateRef) -> tuple[list[int], torch.Tensor | None]:
+        """Token ids of ``ref`` and their KV on this worker (None if ``ref`` is unusable here).
+
+        Never raises for missing blocks, dead holders or incompatible states.
+        """
+        if not isinstance(ref, KVStateRef):
+            raise TypeError(f"expected a KVStateRef (the result of kvs.materialize/extend/fork), got {type(ref).__name__}")
+        ids = self.backend.tokenize(ref.text)
+        why = incompatibility(ref, model=self.backend.model_fingerprint, config=self.backend.config_fingerprint)
+        if why is None and (len(ids) != ref.num_tokens or self.hashes(ids, ref.namespace) != ref.blocks):
+            why = "its block table does not match the tokens of its text"
+        if why is not None:
+            self.counters["incompatible"] += 1
+            logger.info("kvstate: not reusing state %s (%s); recomputing from text", ref.state_id[:8], why)
+            return ids, None
+        if not ids:
+            return ids, None
+        self.store.pin(self._task_owner(), ref.blocks)
+        tensors = [self.store.get(h) for h in ref.blocks]
+        missing = [h for h, t in zip(ref.blocks, tensors) if t is None]
+        self.counters["block_hits"] += len(tensors) - len(missing)
+        if missing and ref.placement.worker not in (None, self.address):
+            pulled = self._pull(ref.placement.worker, missing)
+            tensors = [pulled.get(h, t) if t is None else t for h, t in zip(ref.blocks, tensors)]
+        first_missing = next((i for i, t in enumerate(tensors) if t is None), None)
+        if first_missing is not None:
+            tensors = self._recompute(ids, ref.blocks, tensors, first_missing)
+        return ids, join_blocks(tensors)
+
+    def _pull(self, holder: str, hashes: list[bytes]) -> dict[bytes, torch.Tensor]:
+        from distributed.utils import sync
+
+        try:
+            res = sync(self.worker.loop, pull_blocks, self.worker.rpc, holder, hashes,
+                       connect_timeout=self.connect_timeout, timeout=self.pull_timeout)  # fmt: skip
+        except (OSError, TimeoutError, RuntimeError) as e:
+            self.counters["transfer_failures"] += 1
+            logger.warning("kvstate: pulling %d blocks from %s failed (%s: %s); recomputing", len(hashes), holder,
+                           type(e).__name__, e)  # fmt: skip
+            return {}
+        for h, t in res.blocks.items():
+            self.store.put(h, t)
+        self.counters["transfers"] += len(res.blocks)
+        self.counters["transfer_bytes"] += res.nbytes
+        self.counters["transfer_seconds"] += res.seconds
+        return res.blocks
+
+    def _recompute(self, ids, hashes, tensors, first: int) -> list[torch.Tensor]:
+        past = join_blocks(tensors[:first])
+        kv = self._prefill(ids, past)
+        self._store_kv(kv, hashes, first)
+        self.counters["recomputes"] += len(hashes) - first
+        self.counters["recompute_tokens"] += len(ids) - first * self.block_tokens
+        return tensors[:first] + [self.store.peek(h) for h in hashes[first:]]
+
+    # -- operators -----------------------------------------------------------------
+    def materialize(self, text: str, namespace: str) -> KVStateRef:
+        """Prefill ``text`` into blocks, reusing any leading blocks already stored here."""
+        ids = self.backend.tokenize(text)
+        if not ids:
+            raise ValueError("cannot materialize an empty prompt: the segments joined to no tokens")
+        hashes = self.hashes(ids, namespace)
+        self.store.pin(self._task_owner(), hashes)
+        present = []
+        for h in hashes:
+            t = self.store.get(h)
+            if t is None:
+                break
+            present.append(t)
+        self.counters["block_hits"] += len(present)
+        if len(present) < len(hashes):
+            kv = self._prefill(ids, join_blocks(present))
+            self._store_kv(kv, hashes, len(present))
+        else:
+            self.counters["reused_tokens"] += len(ids)
+        self.counters["materializations"] += 1
+        return self._new_ref("materialize", (), text, ids, hashes, namespace)
+
+    def extend(self, ref: KVStateRef, text: str) -> KVStateRef:
+        """``ref`` followed by ``text``: the KV of tokenize(ref.text + text)."""
+        full = ref.text + text
+        old_ids, old_kv = self.resolve(ref)
+        ids = self.backend.tokenize(full)
+        if not ids:
+            raise ValueError("cannot extend to an empty prompt")
+        hashes = self.hashes(ids, ref.namespace)
+        self.store.pin(self._task_owner(), ref.blocks + hashes)
+        keep = common_prefix(old_ids, ids) if old_kv is not None else 0
+        if keep == len(ids):
+            kv = old_kv[:, :, :, :keep]
+            self.counters["reused_tokens"] += keep
+        else:
+            kv = self._prefill(ids, old_kv[:, :, :, :keep] if keep else None)
+        self._store_kv(kv, hashes, keep // self.block_tokens)
+        self.counters["extensions"] += 1
+        return self._new_ref("extend", (ref.state_id,), full, ids, hashes, ref.namespace)
+
+    def generate(self, text: str, *, max_new_tokens: int, temperature: float, top_p: float,
+                 seed: int | None) -> Generation:  # fmt: skip
+        """Text replay: the whole prompt through the model, no state involved."""
+        t0 = time.perf_counter()
+        ids = self.backend.tokenize(text)
+        self.counters["prefill_tokens"] += len(ids)
+        res = self.backend.generate(ids, None, max_new_tokens=max_new_tokens, temperature=temperature,
+                                    top_p=top_p, seed=seed, started=t0)  # fmt: skip
+        self.counters["generations"] += 1
+        return Generation.from_result(self.backend, res, ids)
+
+    def resume(self, ref: KVStateRef, text: str, *, max_new_tokens: int, temperature: float, top_p: float,
+               seed: int | None) -> Generation:  # fmt: skip
+        """Generate from ``ref`` followed by ``text``; equals ``generate(ref.text + text)``."""
+        t0 = time.perf_counter()
+        old_ids, old_kv = self.resolve(ref)
+        ids = self.backend.tokenize(ref.text + text)
+        keep = 0
+        if old_kv is not None:
+            # At least the last prompt token is re-run: its logits start decoding.
+            keep = min(common_prefix(old_ids, ids), len(ids) - 1)
+        self.counters["prefill_tokens"] += len(ids) - keep
+        self.counters["reused_tokens"] += keep
+        res = self.backend.generate(ids, old_kv[:, :, :, :keep] if keep else None, max_new_tokens=max_new_tokens,
+                                    temperature=temperature, top_p=top_p, seed=seed, started=t0)  # fmt: skip
+        self.counters["generations"] += 1
+        self.counters["resumes"] += 1
+        return Generation.from_result(self.backend, res, ids)
+
+    def fork(self, ref: KVStateRef, k: int) -> list[KVStateRef]:
+        """``k`` new states sharing ``ref``'s blocks: O(1), nothing is copied."""
+        self.counters["forks"] += k
+        return [ref.derive("fork") for _ in range(k)]
+
+    def transfer(self, ref: KVStateRef) -> KVStateRef:
+        """Make this worker hold ``ref``'s blocks (pull or recompute) and say so."""
+        ids, kv = self.resolve(ref)
+        if kv is None:  # incompatible here: the state is rebuilt for this worker's model
+            return self.materialize(ref.text, ref.namespace)
+        return ref.derive("transfer", placement=Placement(self.address, self.store.tier))
+
+    def merge(self, refs: Sequence[KVStateRef], policy: str) -> KVStateRef:
+        """Restricted composition: sequential, prefix-compatible states only (see ``kvs.merge``)."""
+        if policy != "concat":
+            raise ValueError(f"unknown merge policy {policy!r}; supported: 'concat'")
+        if not refs:
+            raise ValueError("merge needs at least one state")
+        for i, r in enumerate(refs):
+            if not isinstance(r, KVStateRef):
+                raise TypeError(f"merge argument {i} is a {type(r).__name__}, not a KVStateRef")
+        ordered = sorted(refs, key=lambda r: r.num_tokens)
+        ids = {r.state_id: self.backend.tokenize(r.text) for r in ordered}
+        for a, b in zip(ordered, ordered[1:]):
+            why = incompatibility(a, model=b.model, config=b.config, namespace=b.namespace)
+            if why:
+                raise MergeError(f"cannot merge state {a.state_id[:8]} with {b.state_id[:8]}: {why}")
+            shared = common_prefix(ids[a.state_id], ids[b.state_id])
+            if shared < len(ids[a.state_id]):
+                raise MergeError(
+                    f"cannot merge state {a.state_id[:8]} ({a.num_tokens} tokens) with {b.state_id[:8]} "
+                    f"({b.num_tokens} tokens): they diverge at token {shared}. Only sequential, non-overlapping "
+                    "concatenation is allowed (each state must continue the previous one, as extend() builds); "
+                    "KV of independently prefilled segments attends to different contexts and cannot be joined"
+                )
+        last = ordered[-1]
+        self.counters["merges"] += 1
+        return replace(last, state_id=new_state_id(), lineage=Lineage("merge", tuple(r.state_id for r in refs)))
+
+    def evict(self, ref: KVStateRef, owners: Sequence[Hashable]) -> int:
+        """Release ``owners``' pins and drop ``ref``'s now-unpinned blocks; returns bytes freed."""
+        for owner in owners:
+            self.store.unpin(owner)
+        freed = self.store.discard(ref.blocks)
+        self.counters["evicted_bytes"] += freed
+        return freed
+
+    def stats(self) -> dict:
+        return {"model": self.backend.name, **self.store.stats(), **dict(self.counters)}

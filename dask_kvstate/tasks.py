@@ -1,0 +1,128 @@
+"""The operators as plain functions that run inside a Dask task on a worker.
+
+These are what ``kvs.materialize`` and friends put in the graph, and what to pass to
+``client.submit`` when working with futures::
+
+    ref = client.submit(kvs.tasks.materialize, "You are a planner. ", document)
+    out = client.submit(kvs.tasks.resume, ref, "Plan the next step.", max_new_tokens=32)
+
+Each finds its worker's ``kvstate`` plugin and hands the work to its runtime.
+"""
+from __future__ import annotations
+
+from distributed import get_worker
+from distributed.utils import sync
+
+from dask_kvstate import config
+from dask_kvstate.generation import Generation
+from dask_kvstate.state import KVStateRef
+
+
+def runtime():
+    """The ``StateRuntime`` of the worker running the current task."""
+    from dask_kvstate.plugins.worker import PLUGIN_NAME
+
+    try:
+        worker = get_worker()
+    except ValueError:
+        raise RuntimeError("kvstate operators run inside Dask tasks on a worker; compute them with a Client") from None
+    plugin = worker.plugins.get(PLUGIN_NAME)
+    if plugin is None or plugin.runtime is None:
+        raise RuntimeError(f"worker {worker.address} has no kvstate plugin: call kvs.install(client) first")
+    return plugin.runtime
+
+
+def join_segments(segments) -> str:
+    """Join prompt segments, naming the first one that is not text."""
+    for i, s in enumerate(segments):
+        if not isinstance(s, str):
+            raise TypeError(f"prompt segment {i} is a {type(s).__name__}, not a str: {s!r:.80}")
+    return "".join(segments)
+
+
+def _check_state(state, what: str = "state") -> KVStateRef:
+    if not isinstance(state, KVStateRef):
+        raise TypeError(
+            f"{what} must be a KVStateRef (the result of kvs.materialize, extend, fork, transfer or merge), "
+            f"got {type(state).__name__}"
+        )
+    return state
+
+
+def _gen_params(max_new_tokens, temperature, top_p, seed) -> dict:
+    p = {
+        "max_new_tokens": config.get("generate.max-new-tokens") if max_new_tokens is None else max_new_tokens,
+        "temperature": config.get("generate.temperature") if temperature is None else temperature,
+        "top_p": config.get("generate.top-p") if top_p is None else top_p,
+        "seed": seed,
+    }
+    if not isinstance(p["max_new_tokens"], int) or p["max_new_tokens"] < 0:
+        raise ValueError(f"max_new_tokens must be a non-negative int, got {p['max_new_tokens']!r}")
+    if p["temperature"] < 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {p['temperature']!r}")
+    if not 0 < p["top_p"] <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {p['top_p']!r}")
+    return p
+
+
+def materialize(*segments: str, namespace: str | None = None) -> KVStateRef:
+    """Prefill the joined segments once; returns the state's ref."""
+    return runtime().materialize(join_segments(segments), namespace or config.get("namespace"))
+
+
+def extend(state: KVStateRef, *segments: str) -> KVStateRef:
+    """The state followed by more text."""
+    return runtime().extend(_check_state(state), join_segments(segments))
+
+
+def generate(*segments: str, max_new_tokens: int | None = None, temperature: float | None = None,
+             top_p: float | None = None, seed: int | None = None) -> Generation:  # fmt: skip
+    """Text replay: generate from the whole joined prompt."""
+    return runtime().generate(join_segments(segments), **_gen_params(max_new_tokens, temperature, top_p, seed))
+
+
+def resume(state: KVStateRef, *segments: str, max_new_tokens: int | None = None, temperature: float | None = None,
+           top_p: float | None = None, seed: int | None = None) -> Generation:  # fmt: skip
+    """Generate from the state followed by the segments (same tokens as text replay)."""
+    return runtime().resume(
+        _check_state(state), join_segments(segments), **_gen_params(max_new_tokens, temperature, top_p, seed)
+    )
+
+
+def fork(state: KVStateRef, k: int) -> list[KVStateRef]:
+    """``k`` copy-on-write children of the state."""
+    return runtime().fork(_check_state(state), k)
+
+
+def merge(*states: KVStateRef, policy: str = "concat") -> KVStateRef:
+    """Restricted composition of states (see ``kvs.merge``)."""
+    return runtime().merge(states, policy)
+
+
+def transfer(state: KVStateRef) -> KVStateRef:
+    """Make the worker running this task the state's holder."""
+    return runtime().transfer(_check_state(state))
+
+
+def evict(state: KVStateRef) -> int:
+    """Free the state's blocks here and on its holder; returns the bytes freed.
+
+    Blocks still used by another live state (a fork, an extension) stay. A holder
+    that is gone is skipped: its blocks went with it.
+    """
+    from distributed.protocol import to_serialize
+
+    from dask_kvstate.plugins.worker import PLUGIN_NAME
+    from dask_kvstate.transport import call
+
+    rt = runtime()
+    _check_state(state)
+    freed = rt.worker.plugins[PLUGIN_NAME].evict(state)
+    holder = state.placement.worker
+    if holder and holder != rt.address:
+        try:
+            freed += sync(rt.worker.loop, call, rt.worker.rpc, holder, "kvstate_evict", state=to_serialize(state),
+                          connect_timeout=rt.connect_timeout, timeout=rt.pull_timeout)  # fmt: skip
+        except (OSError, TimeoutError):
+            pass
+    return freed

@@ -1,0 +1,71 @@
+"""Moving KV blocks between workers over the cluster's own comm (TCP, TLS or UCX).
+
+The holder serves blocks from a worker RPC handler (``kvstate_get_blocks``); each tensor
+goes out wrapped in ``to_serialize``, so Dask's torch serializer sends the tensor's
+buffer as its own frame: no pickling, no copy on the way out, and on the way in the
+tensor is a view of the received frame.
+
+The puller gives a holder ``transport.connect-timeout`` to answer: a dead holder must
+cost seconds, not the 30 s default of ``distributed.comm.timeouts.connect``, because
+the caller falls back to recomputing the blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from distributed.core import send_recv
+from distributed.protocol import to_serialize
+
+HANDLER = "kvstate_get_blocks"
+
+
+def serve_blocks(store, hashes: Sequence[bytes]) -> dict:
+    """The handler's reply: the present blocks as zero-copy frames, and the missing hashes."""
+    found, tensors, missing = [], [], []
+    for h in hashes:
+        t = store.peek(h)
+        if t is None:
+            missing.append(h)
+        else:
+            found.append(h)
+            tensors.append(to_serialize(t))
+    return {"status": "OK", "hashes": found, "tensors": tensors, "missing": missing}
+
+
+@dataclass
+class PullResult:
+    blocks: dict[bytes, object]  # hash -> tensor
+    nbytes: int
+    seconds: float
+
+
+async def call(pool, address: str, op: str, *, connect_timeout: float, timeout: float, **msg):
+    """One RPC to a peer worker with our own connect and reply timeouts.
+
+    ``pool.connect`` retries a refused connection until its timeout, so a dead peer
+    costs ``connect_timeout`` rather than Dask's default 30 s.
+    """
+    comm = await pool.connect(address, timeout=connect_timeout)
+    try:
+        return await asyncio.wait_for(send_recv(comm, op=op, **msg), timeout)
+    except BaseException:
+        comm.abort()
+        raise
+    finally:
+        pool.reuse(address, comm)
+
+
+async def pull_blocks(pool, address: str, hashes: Sequence[bytes], *, connect_timeout: float,
+                      timeout: float) -> PullResult:  # fmt: skip
+    """Fetch ``hashes`` from the worker at ``address``; raises OSError/TimeoutError on failure.
+
+    Blocks the holder no longer has are simply absent from the result.
+    """
+    t0 = time.perf_counter()
+    resp = await call(pool, address, HANDLER, connect_timeout=connect_timeout, timeout=timeout, hashes=list(hashes))
+    blocks = dict(zip(resp["hashes"], resp["tensors"]))
+    nbytes = sum(t.nelement() * t.element_size() for t in blocks.values())
+    return PullResult(blocks, nbytes, time.perf_counter() - t0)

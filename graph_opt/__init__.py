@@ -1,0 +1,1 @@
+"""The stateful graph compiler (installed as ``dask_kvstate.graph_opt``)."""

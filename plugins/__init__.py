@@ -1,0 +1,1 @@
+"""Worker and scheduler plugins (installed as ``dask_kvstate.plugins``)."""

@@ -1,0 +1,142 @@
+"""The ``kvstate`` worker plugin: one backend and one block store per worker.
+
+Thin by design (dask_cuda/plugins.py): ``__init__`` validates and stores picklable
+settings, ``setup`` does the work. It also
+
+* refcounts blocks by the refs this worker holds: when a key whose value is a
+  :class:`KVStateRef` (or a list of them) enters memory its blocks are pinned, when the
+  key leaves memory (Dask forgot it) the pins go, through the ``transition`` hook;
+* pins a running task's blocks until it finishes, so they never vanish mid-use;
+* serves blocks to peers (``kvstate_get_blocks``) and evictions (``kvstate_evict``).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import dask.config
+from distributed import WorkerPlugin
+
+from dask_kvstate import config
+from dask_kvstate.backends import check_model_name
+from dask_kvstate.state import KVStateRef
+from dask_kvstate.transport import HANDLER, serve_blocks
+
+logger = logging.getLogger("dask_kvstate")
+
+PLUGIN_NAME = "kvstate"
+
+
+def refs_in(value) -> list[KVStateRef]:
+    """The refs a task result holds: a ref, or a list/tuple of refs (fork)."""
+    if isinstance(value, KVStateRef):
+        return [value]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, KVStateRef) for v in value):
+        return list(value)
+    return []
+
+
+class KVStateWorkerPlugin(WorkerPlugin):
+    """Load a model and hold KV blocks on every worker.
+
+    Parameters
+    ----------
+    model : str, optional
+        ``smollm2-135m``, ``tiny-llama`` or a local model folder; default
+        ``kvstate.model``. Unknown names raise ValueError listing the known ones.
+    torch_threads : int, optional
+        ``torch.set_num_threads`` on the worker (default ``kvstate.worker.torch-threads``).
+    device_bytes : int or str, optional
+        Byte budget of the block store (default ``kvstate.worker.device-bytes``).
+
+    The client's ``kvstate.*`` config travels with the plugin, so every worker hashes
+    blocks with the same block size and namespace rules.
+    """
+
+    name = PLUGIN_NAME
+
+    def __init__(self, model: str | None = None, *, torch_threads: int | None = None,
+                 device_bytes: int | str | None = None):  # fmt: skip
+        self.model = check_model_name(model or config.get("model"))
+        torch_threads = torch_threads if torch_threads is not None else config.get("worker.torch-threads")
+        if torch_threads is not None and (not isinstance(torch_threads, int) or torch_threads < 1):
+            raise ValueError(f"torch_threads must be a positive int or None, got {torch_threads!r}")
+        self.torch_threads = torch_threads
+        raw = device_bytes if device_bytes is not None else config.get("worker.device-bytes")
+        try:
+            self.device_bytes = int(dask.utils.parse_bytes(raw))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"device_bytes must be a byte size like '4GiB', got {raw!r}") from e
+        self.config = {"kvstate": dask.config.get("kvstate")}
+        self.runtime = None
+        self.held: dict = {}  # key -> state ids pinned for it
+
+    def settings(self) -> dict:
+        return {"model": self.model, "torch_threads": self.torch_threads, "device_bytes": self.device_bytes,
+                "config": self.config}  # fmt: skip
+
+    async def setup(self, worker) -> None:
+        # Loading a model takes seconds; keep the event loop (heartbeats, comms) free.
+        loop = asyncio.get_running_loop()
+        self.worker = worker
+        self.runtime = await loop.run_in_executor(None, self._build, worker)
+        worker.handlers[HANDLER] = self._serve_blocks
+        worker.handlers["kvstate_evict"] = self._evict_handler
+        logger.info("kvstate: %s ready on %s", self.model, worker.address)
+
+    def _build(self, worker):
+        import torch
+
+        from dask_kvstate.backends import load_backend
+        from dask_kvstate.plugins.block_store import MemoryBlockStore
+        from dask_kvstate.runtime import StateRuntime
+
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        with dask.config.set(self.config):
+            backend = load_backend(self.model)
+            return StateRuntime(backend, MemoryBlockStore(self.device_bytes), worker)
+
+    def teardown(self, worker) -> None:
+        for name in (HANDLER, "kvstate_evict"):
+            worker.handlers.pop(name, None)
+        self.runtime = None
+        self.held.clear()
+
+    # -- refcounts -----------------------------------------------------------------
+    def transition(self, key, start, finish, **kwargs) -> None:
+        rt = self.runtime
+        if rt is None:
+            return
+        if start == "executing":
+            rt.store.unpin(("task", key))
+        if finish == "memory":
+            refs = refs_in(self.worker.data.get(key)) if key in self.worker.data else []
+            for ref in refs:
+                rt.store.pin(("ref", key, ref.state_id), ref.blocks)
+            if refs:
+                self.held[key] = [r.state_id for r in refs]
+        elif start == "memory":
+            for sid in self.held.pop(key, ()):
+                rt.store.unpin(("ref", key, sid))
+
+    def owners_of(self, state_id: str) -> list:
+        return [("ref", key, state_id) for key, sids in self.held.items() if state_id in sids]
+
+    def evict(self, ref: KVStateRef) -> int:
+        """Drop ``ref``'s blocks here unless another live state still uses them."""
+        owners = self.owners_of(ref.state_id)
+        for key in {o[1] for o in owners}:
+            self.held[key] = [s for s in self.held[key] if s != ref.state_id]
+        return self.runtime.evict(ref, owners)
+
+    # -- handlers ------------------------------------------------------------------
+    async def _serve_blocks(self, comm=None, hashes=()) -> dict:
+        if self.runtime is None:
+            return {"status": "OK", "hashes": [], "tensors": [], "missing": list(hashes)}
+        return serve_blocks(self.runtime.store, hashes)
+
+    async def _evict_handler(self, comm=None, state=None) -> int:
+        if self.runtime is None or not isinstance(state, KVStateRef):
+            return 0
+        return self.evict(state)
