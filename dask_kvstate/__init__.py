@@ -1,8 +1,13 @@
 """dask-kvstate: the KV cache of LLMs as a first-class object in Dask workflows.
 
+Build workflows from the operators with ``dask.delayed`` semantics, attach the worker
+plugin with :func:`install`, and compute with a ``distributed.Client``:
+
 >>> import dask_kvstate as kvs
->>> sorted(n for n in kvs.__all__ if not n[0].isupper())[:4]
-['evict', 'extend', 'fork', 'generate']
+>>> context = kvs.materialize("You are a careful reviewer. ", "Shared document ...")
+>>> answers = [kvs.resume(s, f"Question {i}?") for i, s in enumerate(kvs.fork(context, 2))]
+>>> len(answers)
+2
 """
 from __future__ import annotations
 

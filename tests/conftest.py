@@ -1,0 +1,55 @@
+"""Shared fixtures: a real two-process cluster running tiny-llama."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import dask
+import pytest
+from distributed import Client, LocalCluster
+
+import dask_kvstate as kvs
+
+# A block size that makes short test prompts span several blocks.
+TEST_CONFIG = {"kvstate.block-tokens": 16}
+
+CONTEXT = (
+    "The planner reads the task and writes a plan. The developer follows the plan and writes the code. "
+    "The tester runs the tests and reports what failed, and the developer tries again. "
+) * 3
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    with dask.config.set(TEST_CONFIG):
+        with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as c:
+            yield c
+
+
+@pytest.fixture(scope="session")
+def client(cluster):
+    with dask.config.set(TEST_CONFIG), Client(cluster) as c:
+        kvs.install(c, "tiny-llama", torch_threads=1)
+        yield c
+
+
+@pytest.fixture(scope="session")
+def workers(client):
+    return sorted(client.scheduler_info()["workers"])
+
+
+@pytest.fixture(scope="session")
+def backend():
+    from dask_kvstate.backends import load_backend
+
+    return load_backend("tiny-llama")
+
+
+def on(worker):
+    """Pin the tasks built inside to one worker."""
+    return dask.annotate(workers=[worker], allow_other_workers=False)
+
+
+def stats_of(client, worker) -> dict:
+    return kvs.stats(client)[worker]

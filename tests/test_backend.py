@@ -1,0 +1,67 @@
+"""The transformers backend on tiny-llama: names, fingerprints, KV round trips, decoding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dask_kvstate.backends import check_model_name, load_backend
+from dask_kvstate.blocks import block_hashes, join_blocks, split_blocks
+
+from .conftest import CONTEXT
+
+
+def test_unknown_model_lists_known_names():
+    with pytest.raises(ValueError, match="unknown model 'llama-9000'.*smollm2-135m, tiny-llama"):
+        load_backend("llama-9000")
+    with pytest.raises(ValueError, match="non-empty str"):
+        check_model_name("")
+
+
+def test_fingerprints_are_stable_and_describe_the_kv_layout(backend):
+    again = load_backend("tiny-llama")
+    assert again.model_fingerprint == backend.model_fingerprint
+    assert again.config_fingerprint == backend.config_fingerprint
+    assert backend.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # layers * (K,V) * kv_heads * head_dim * fp32
+
+
+def test_resume_from_any_split_is_token_identical_to_text_replay(backend):
+    ids = backend.tokenize(CONTEXT + "Question: who tries again?")
+    replay = backend.generate(ids, max_new_tokens=24)
+    assert len(replay.token_ids) > 0
+    for split in range(1, len(ids), 7):
+        cache, _ = backend.prefill(ids[:split])
+        kv = backend.kv_from_cache(cache)
+        out = backend.generate(ids, kv, max_new_tokens=24)
+        assert out.token_ids == replay.token_ids, f"split at {split}"
+        assert out.reused_tokens == split and out.prefill_tokens == len(ids) - split
+
+
+def test_blocks_round_trip_and_are_never_mutated_by_a_forward_pass(backend):
+    ids = backend.tokenize(CONTEXT)
+    kv = backend.kv_from_cache(backend.prefill(ids)[0])
+    hashes = block_hashes(ids, identity=backend.kv_identity, namespace="t", block_tokens=16)
+    blocks = split_blocks(kv, hashes, 16)
+    assert [b.start for b in blocks[:3]] == [0, 16, 32] and blocks[-1].num_tokens == len(ids) - 16 * (len(blocks) - 1)
+    joined = join_blocks([b.tensor for b in blocks])
+    assert torch.equal(joined, kv)
+    snapshot = [b.tensor.clone() for b in blocks]
+    backend.generate(ids + backend.tokenize(" more"), joined, max_new_tokens=4)
+    assert all(torch.equal(a, b.tensor) for a, b in zip(snapshot, blocks))
+
+
+def test_seeded_sampling_is_reproducible(backend):
+    ids = backend.tokenize(CONTEXT)
+    a = backend.generate(ids, max_new_tokens=12, temperature=0.9, top_p=0.9, seed=7)
+    b = backend.generate(ids, max_new_tokens=12, temperature=0.9, top_p=0.9, seed=7)
+    c = backend.generate(ids, max_new_tokens=12, temperature=0.9, top_p=0.9, seed=8)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_local_model_folder_loads_like_a_named_model(tmp_path, backend):
+    backend.model.save_pretrained(tmp_path)
+    backend.tokenizer.save_pretrained(tmp_path)
+    folder = load_backend(str(tmp_path))
+    assert folder.config_fingerprint == backend.config_fingerprint
+    ids = backend.tokenize(CONTEXT)
+    assert folder.generate(ids, max_new_tokens=8).token_ids == backend.generate(ids, max_new_tokens=8).token_ids

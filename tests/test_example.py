@@ -1,0 +1,17 @@
+"""The tree-of-thought example runs end to end (tiny-llama here; `make demo` runs SmolLM2)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+
+import tree_of_thought  # noqa: E402
+
+
+def test_tree_of_thought_table(client):
+    m = tree_of_thought.run(client, branches=4, lines=10, new_tokens=8)
+    assert [r.token_ids for r in m["replay"]] == [k.token_ids for k in m["kvstate"]]
+    assert m["kvstate_prefill_bytes"] < m["replay_prefill_bytes"]
+    text = tree_of_thought.table(m)
+    assert "token-identical outputs: all" in text and text.count(" yes") == 4

@@ -1,0 +1,207 @@
+"""The operators on a real two-process cluster with tiny-llama, each checked against text replay."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import dask
+import pytest
+from distributed import Client, LocalCluster
+
+import dask_kvstate as kvs
+
+from .conftest import CONTEXT, TEST_CONFIG, on, stats_of
+
+QUESTIONS = ["Question: who writes the code?", " Who runs the tests?", "\nWhat fails?", " and then the planner"]
+
+
+def replay(client, *segments, n=16):
+    return client.compute(kvs.generate(*segments, max_new_tokens=n)).result()
+
+
+def test_generate_returns_text_with_token_ids(client):
+    out = replay(client, CONTEXT, QUESTIONS[0])
+    assert isinstance(out, str) and isinstance(out, kvs.Generation)
+    assert 0 < len(out.token_ids) <= 16 and out.reused_tokens == 0 and out.ttft > 0
+
+
+def test_resume_is_token_identical_to_text_replay(client):
+    state = kvs.materialize(CONTEXT)
+    outs = dask.compute(*[kvs.resume(state, q, max_new_tokens=16) for q in QUESTIONS])
+    for q, out in zip(QUESTIONS, outs):
+        assert out.token_ids == replay(client, CONTEXT, q).token_ids
+        assert out.reused_tokens > 0
+
+
+def test_materialize_on_a_resume_on_b_pulls_the_blocks(client, workers):
+    a, b = workers
+    text = "Transfer test. " + CONTEXT
+    before = stats_of(client, b)
+    with on(a):
+        state = kvs.materialize(text)
+    with on(b):
+        out = kvs.resume(state, QUESTIONS[1], max_new_tokens=16)
+    ref, got = dask.compute(state, out)
+    after = stats_of(client, b)
+    assert ref.placement.worker == a
+    assert got.token_ids == replay(client, text, QUESTIONS[1]).token_ids
+    assert after["transfers"] - before.get("transfers", 0) == len(ref.blocks)
+    assert after["transfer_bytes"] - before.get("transfer_bytes", 0) == ref.nbytes
+    assert after.get("recomputes", 0) == before.get("recomputes", 0)
+
+
+def test_fork_shares_blocks_and_each_branch_matches_replay(client, workers):
+    a, _ = workers
+    text = "Fork test. " + CONTEXT
+    before = stats_of(client, a)
+    with on(a):
+        state = kvs.materialize(text)
+        children = kvs.fork(state, 4)
+        extended = [kvs.extend(c, q) for c, q in zip(children, QUESTIONS)]
+        outs = [kvs.resume(e, " Answer:", max_new_tokens=12) for e in extended]
+    futures = client.compute([state, *children, *extended, *outs])
+    results = client.gather(futures)
+    ref, kids, exts, gens = results[0], results[1:5], results[5:9], results[9:]
+    after = stats_of(client, a)
+
+    assert {k.blocks for k in kids} == {ref.blocks} and len({k.state_id for k in kids}) == 4
+    assert all(k.lineage.op == "fork" and k.lineage.parents == (ref.state_id,) for k in kids)
+    unique = set(ref.blocks).union(*(e.blocks for e in exts))
+    # Prefix blocks stored once: the store grew by exactly the distinct blocks.
+    assert after["blocks"] - before["blocks"] == len(unique)
+    assert after["bytes"] - before["bytes"] < sum(e.nbytes for e in exts)
+    full_prefix = ref.blocks[: ref.num_tokens // ref.block_tokens]
+    assert all(e.blocks[: len(full_prefix)] == full_prefix for e in exts)
+    for q, g in zip(QUESTIONS, gens):
+        assert g.token_ids == replay(client, text, q, " Answer:", n=12).token_ids
+    del futures
+
+
+def test_extend_chain_equals_prefill_of_the_whole_text(client):
+    parts = [CONTEXT, "Round 1: the planner", " speaks", "; round 2: the tester answers."]
+    state = kvs.materialize(parts[0])
+    for p in parts[1:]:
+        state = kvs.extend(state, p)
+    direct = kvs.materialize("".join(parts))
+    chained, fresh = dask.compute(state, direct)
+    assert chained.blocks == fresh.blocks and chained.num_tokens == fresh.num_tokens
+    assert chained.lineage.op == "extend"
+    out = client.compute(kvs.resume(state, " Verdict:", max_new_tokens=12)).result()
+    assert out.token_ids == replay(client, *parts, " Verdict:", n=12).token_ids
+
+
+def test_extend_mid_word_boundary_recrops_to_the_common_token_prefix(client):
+    # "plan" + "ner" tokenizes differently from "planner": the state's last token is
+    # not a prefix token of the joined text, and the runtime must notice.
+    state = kvs.extend(kvs.materialize(CONTEXT + "The plan"), "ner speaks")
+    whole = kvs.materialize(CONTEXT + "The planner speaks")
+    a, b = dask.compute(state, whole)
+    assert a.blocks == b.blocks
+    out = client.compute(kvs.resume(kvs.materialize(CONTEXT + "The plan"), "ner", max_new_tokens=12)).result()
+    assert out.token_ids == replay(client, CONTEXT, "The planner", n=12).token_ids
+
+
+def test_valid_merge_equals_prefill_of_the_concatenation(client):
+    first = kvs.materialize(CONTEXT)
+    second = kvs.extend(first, "Then the tester reports.")
+    merged = kvs.merge(first, second)
+    m, s, direct = dask.compute(merged, second, kvs.materialize(CONTEXT + "Then the tester reports."))
+    assert m.blocks == s.blocks == direct.blocks
+    assert m.lineage.op == "merge" and set(m.lineage.parents) == {s.lineage.parents[0], s.state_id}
+    out = client.compute(kvs.resume(merged, " Next:", max_new_tokens=12)).result()
+    assert out.token_ids == replay(client, CONTEXT, "Then the tester reports.", " Next:", n=12).token_ids
+
+
+def test_invalid_merges_raise_clear_errors(client):
+    root = kvs.materialize(CONTEXT)
+    left, right = kvs.extend(root, " Left branch."), kvs.extend(root, " Right branch.")
+    with pytest.raises(kvs.MergeError, match="diverge at character"):
+        dask.compute(kvs.merge(left, right))
+    with pytest.raises(kvs.MergeError, match="independently prefilled segments"):
+        dask.compute(kvs.merge(kvs.materialize("Segment one."), kvs.materialize("Segment two.")))
+    with pytest.raises(ValueError, match="unknown merge policy 'blend'"):
+        kvs.merge(left, right, policy="blend")
+
+
+def test_state_of_another_config_is_never_reused(client):
+    ref = client.compute(kvs.materialize(CONTEXT)).result()
+    alien = replace(ref, config="c-from-another-model")
+    before = sum(s.get("incompatible", 0) for s in kvs.stats(client).values())
+    out = client.compute(kvs.resume(alien, QUESTIONS[2], max_new_tokens=16)).result()
+    after = sum(s.get("incompatible", 0) for s in kvs.stats(client).values())
+    assert after == before + 1 and out.reused_tokens == 0
+    assert out.token_ids == replay(client, CONTEXT, QUESTIONS[2]).token_ids
+
+
+def test_state_of_another_model_is_recomputed_with_the_same_output(client, backend, tmp_path):
+    # Another real model: tiny-llama's architecture with different (seeded) weights.
+    import torch
+    from transformers import LlamaForCausalLM
+
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        other = LlamaForCausalLM(backend.model.config)
+    other.save_pretrained(tmp_path)
+    backend.tokenizer.save_pretrained(tmp_path)
+    with dask.config.set(TEST_CONFIG):
+        with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as c2, Client(c2) as other_client:
+            kvs.install(other_client, str(tmp_path), torch_threads=1)
+            foreign = other_client.compute(kvs.materialize(CONTEXT)).result()
+    assert foreign.model != client.compute(kvs.materialize(CONTEXT)).result().model
+    out = client.compute(kvs.resume(foreign, QUESTIONS[0], max_new_tokens=16)).result()
+    assert out.reused_tokens == 0
+    assert out.token_ids == replay(client, CONTEXT, QUESTIONS[0]).token_ids
+
+
+def test_evict_frees_the_bytes(client, workers):
+    a, _ = workers
+    with on(a):
+        state = kvs.materialize("Evict me. " + CONTEXT).persist()
+    ref = state.compute()
+    held = stats_of(client, a)
+    assert held["pinned_bytes"] >= ref.nbytes
+    freed = kvs.evict(state).compute()
+    after = stats_of(client, a)
+    assert freed == ref.nbytes
+    assert held["bytes"] - after["bytes"] == ref.nbytes
+    # The ref still works after eviction: its blocks are recomputed from its text.
+    out = client.compute(kvs.resume(state, QUESTIONS[0], max_new_tokens=8)).result()
+    assert out.token_ids == replay(client, "Evict me. " + CONTEXT, QUESTIONS[0], n=8).token_ids
+
+
+def test_transfer_moves_the_state_to_the_named_worker(client, workers):
+    a, b = workers
+    with on(a):
+        state = kvs.materialize("Move me. " + CONTEXT)
+    moved = kvs.transfer(state, b)
+    ref, m = dask.compute(state, moved)
+    assert (ref.placement.worker, m.placement.worker) == (a, b)
+    assert m.blocks == ref.blocks and m.lineage.op == "transfer"
+
+
+def test_futures_api_with_client_submit(client):
+    ref = client.submit(kvs.tasks.materialize, CONTEXT, pure=False)
+    out = client.submit(kvs.tasks.resume, ref, QUESTIONS[3], max_new_tokens=16)
+    assert out.result().token_ids == replay(client, CONTEXT, QUESTIONS[3]).token_ids
+
+
+def test_bad_inputs_name_what_is_wrong(client):
+    with pytest.raises(TypeError, match="prompt segment 1 is a int"):
+        client.compute(kvs.materialize("a", 3)).result()
+    with pytest.raises(TypeError, match="must be a KVStateRef"):
+        client.compute(kvs.resume("not a state", "x")).result()
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        client.compute(kvs.generate("x", max_new_tokens=-1)).result()
+    with pytest.raises(ValueError, match="empty prompt"):
+        client.compute(kvs.materialize("")).result()
+    with pytest.raises(ValueError, match="positive int k"):
+        kvs.fork(kvs.materialize("x"), 0)
+    with pytest.raises(RuntimeError, match="inside Dask tasks"):
+        kvs.tasks.materialize("no worker here")
+
+
+def test_install_is_idempotent_and_rejects_unknown_models(client):
+    first = kvs.install(client, "tiny-llama", torch_threads=1)
+    assert kvs.install(client, "tiny-llama", torch_threads=1) == first
+    with pytest.raises(ValueError, match="unknown model 'nope'"):
+        kvs.install(client, "nope")
+    assert all(s["installed"] and s["model"] == "tiny-llama" for s in kvs.stats(client).values())
