@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 import dask.config
 from distributed import WorkerPlugin
@@ -70,6 +71,14 @@ class KVStateWorkerPlugin(WorkerPlugin):
         self.config = {"kvstate": dask.config.get("kvstate")}
         self.runtime = None
         self.held: dict = {}  # key -> state ids pinned for it
+        self._lock = threading.Lock()  # transitions run on the event loop, evict in a task thread
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def settings(self) -> dict:
         return {"model": self.model, "torch_threads": self.torch_threads, "device_bytes": self.device_bytes,
@@ -112,23 +121,26 @@ class KVStateWorkerPlugin(WorkerPlugin):
             rt.store.unpin(("task", key))
         if finish == "memory":
             refs = refs_in(self.worker.data.get(key)) if key in self.worker.data else []
-            for ref in refs:
-                rt.store.pin(("ref", key, ref.state_id), ref.blocks)
-            if refs:
-                self.held[key] = [r.state_id for r in refs]
+            with self._lock:
+                for ref in refs:
+                    rt.store.pin(("ref", key, ref.state_id), ref.blocks)
+                if refs:
+                    self.held[key] = [r.state_id for r in refs]
         elif start == "memory":
-            for sid in self.held.pop(key, ()):
-                rt.store.unpin(("ref", key, sid))
+            with self._lock:
+                for sid in self.held.pop(key, ()):
+                    rt.store.unpin(("ref", key, sid))
 
     def owners_of(self, state_id: str) -> list:
         return [("ref", key, state_id) for key, sids in self.held.items() if state_id in sids]
 
     def evict(self, ref: KVStateRef) -> int:
         """Drop ``ref``'s blocks here unless another live state still uses them."""
-        owners = self.owners_of(ref.state_id)
-        for key in {o[1] for o in owners}:
-            self.held[key] = [s for s in self.held[key] if s != ref.state_id]
-        return self.runtime.evict(ref, owners)
+        with self._lock:
+            owners = self.owners_of(ref.state_id)
+            for key in {o[1] for o in owners}:
+                self.held[key] = [s for s in self.held[key] if s != ref.state_id]
+            return self.runtime.evict(ref, owners)
 
     # -- handlers ------------------------------------------------------------------
     async def _serve_blocks(self, comm=None, hashes=()) -> dict:
