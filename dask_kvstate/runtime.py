@@ -69,7 +69,7 @@ class StateRuntime:
         if self.worker is not None:
             try:
                 key = self.worker.get_current_task()
-            except Exception:  # not inside a task (direct use in tests and tools)
+            except KeyError:  # not inside a task (direct use from tools)
                 key = None
         return ("task", key)
 
@@ -134,7 +134,9 @@ class StateRuntime:
             logger.warning("kvstate: pulling %d blocks from %s failed (%s: %s); recomputing", len(hashes), holder,
                            type(e).__name__, e)  # fmt: skip
             return {}
+        device = self.backend.device
         for h, t in res.blocks.items():
+            res.blocks[h] = t = t.to(device, non_blocking=True)  # a CPU peer feeding a GPU worker
             self.store.put(h, t)
         self.counters["transfers"] += len(res.blocks)
         self.counters["transfer_bytes"] += res.nbytes
