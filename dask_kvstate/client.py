@@ -12,7 +12,8 @@ def _plugin_settings(dask_worker) -> dict | None:
 
 
 def install(client: Client, model: str | None = None, *, torch_threads: int | None = None,
-            device_bytes: int | str | None = None) -> dict:  # fmt: skip
+            device_bytes: int | str | None = None, host_bytes: int | str | None = None,
+            disk_bytes: int | str | None = None) -> dict:  # fmt: skip
     """Load ``model`` and a KV block store on every worker of ``client``'s cluster.
 
     Idempotent: when every worker already runs the plugin with the same settings,
@@ -21,7 +22,8 @@ def install(client: Client, model: str | None = None, *, torch_threads: int | No
 
     Returns ``{worker address: settings}``.
     """
-    plugin = KVStateWorkerPlugin(model, torch_threads=torch_threads, device_bytes=device_bytes)
+    plugin = KVStateWorkerPlugin(model, torch_threads=torch_threads, device_bytes=device_bytes,
+                                 host_bytes=host_bytes, disk_bytes=disk_bytes)  # fmt: skip
     current = client.run(_plugin_settings)
     if not current or any(s != plugin.settings() for s in current.values()):
         client.register_plugin(plugin, name=PLUGIN_NAME)

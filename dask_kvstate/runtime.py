@@ -265,9 +265,9 @@ class StateRuntime:
         return replace(last, state_id=new_state_id(), lineage=Lineage("merge", tuple(r.state_id for r in refs)))
 
     def evict(self, ref: KVStateRef, owners: Sequence[Hashable]) -> int:
-        """Release ``owners``' pins and drop ``ref``'s now-unpinned blocks; returns bytes freed."""
+        """Release ``owners``' holds and drop ``ref``'s now-unreferenced blocks; returns bytes freed."""
         for owner in owners:
-            self.store.unpin(owner)
+            self.store.release(owner)
         freed = self.store.discard(ref.blocks)
         self.counters["evicted_bytes"] += freed
         return freed

@@ -1,168 +1,410 @@
-"""A worker's KV block store: content-addressed blocks, pinned by the refs that use them.
+"""A worker's KV block store: device -> host -> disk tiers composed from zict parts.
 
-This is the single in-memory tier. The interface (``put``/``get``/``pin``/``unpin``/
-``discard``/``stats``) is what the worker plugin and the runtime use, so the tiered
-device -> host -> disk store can replace :class:`MemoryBlockStore` without touching them.
+The composition follows dask_cuda's DeviceHostFile::
 
-Pins are counted per *owner* (a Dask key whose value holds a ref, or a running task)
-and per hash, independent of whether the block is present: a block pulled in later for
-a ref this worker already holds is protected at once. Unpinned blocks stay as a
-prefix cache (what vLLM keeps as free-but-cached blocks) until the byte budget needs
-their room; then the least recently used go first. Hand-written rather than
-``zict.LRU`` because zict has no notion of pinned entries that must never be evicted.
+    device = ScoredBuffer(fast={}, slow=host-side, n=device-bytes)   # CUDA tensors, or CPU ones
+    host   = ScoredBuffer(fast={}, slow=disk,      n=host-bytes)     # pinned memory on CUDA
+    disk   = DiskTier(<worker local dir>/kvstate-blocks, disk-bytes) # raw bytes + checksum
+
+A block lives in exactly one tier (content-addressed: forks share it, whatever tier).
+New and read blocks enter the device tier; when a tier passes its budget the block
+with the lowest eviction score (reuse, idleness, size) moves one tier down.
+
+Two kinds of protection, both counted per owner and per hash, independent of where
+(or whether) the block is:
+
+* ``pin(owner, hashes)`` - *in use* by a running task: the block does not move.
+* ``hold(owner, hashes)`` - *referenced* by a ref this worker holds: the block may
+  spill down, but is never dropped. Unreferenced blocks are a prefix cache and are
+  dropped when the disk tier needs room (or by ``discard``).
+
+A damaged or vanished spill file is a miss (counted as a checksum failure), never an
+exception: the caller pulls the block from a peer or recomputes it. A full disk keeps
+blocks in the tier above; if that tier is over budget too, unreferenced blocks are
+dropped to be recomputed later.
 """
 from __future__ import annotations
 
+import logging
+import os
+import tempfile
 import threading
-from collections import Counter, OrderedDict
+import time
+from collections import Counter
 from collections.abc import Hashable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+import zict
+
+from dask_kvstate.cost import eviction_score
+from dask_kvstate.plugins.disk_format import CorruptBlockError
+from dask_kvstate.plugins.tiers import DiskFullError, DiskTier, ScoredBuffer, nbytes
+
+logger = logging.getLogger("dask_kvstate")
+
+TIERS = ("device", "host", "disk")
 
 
-class MemoryBlockStore:
-    """Blocks in worker memory under a byte budget.
+class _Owners:
+    """Per-owner sets of hashes, with a per-hash count (pins or holds)."""
+
+    def __init__(self):
+        self.by_owner: dict[Hashable, tuple[bytes, ...]] = {}
+        self.count: Counter[bytes] = Counter()
+
+    def set(self, owner: Hashable, hashes: Iterable[bytes]) -> None:
+        self.clear(owner)
+        hs = tuple(dict.fromkeys(hashes))
+        self.by_owner[owner] = hs
+        self.count.update(hs)
+
+    def clear(self, owner: Hashable) -> tuple[bytes, ...]:
+        hs = self.by_owner.pop(owner, ())
+        self.count.subtract(hs)
+        for h in hs:
+            if self.count[h] <= 0:
+                del self.count[h]
+        return hs
+
+    def __contains__(self, h: object) -> bool:
+        return self.count.get(h, 0) > 0
+
+
+class TieredBlockStore:
+    """KV blocks of one worker, in three tiers with byte budgets.
 
     Parameters
     ----------
-    capacity : int
-        Bytes of unpinned blocks kept before least-recently-used ones are dropped.
-        Pinned blocks are never dropped, even over the budget.
+    directory : str
+        Folder for the disk tier (made 0700; its old contents are removed).
+    device_bytes, host_bytes, disk_bytes : int
+        Budgets of the tiers. The device tier may pass its budget only by blocks that
+        are pinned in use.
+    half_life_s : float
+        Idle half-life in the eviction score.
+    device : str or torch.device, optional
+        Where device-tier tensors live; CUDA when available, else CPU.
 
     Examples
     --------
-    >>> import torch
-    >>> store = MemoryBlockStore(capacity=100)
-    >>> store.put(b"a", torch.zeros(10))          # 40 bytes each
-    >>> store.pin("ref-1", [b"a"])
-    >>> store.put(b"b", torch.zeros(10))
-    >>> store.put(b"c", torch.zeros(10))          # 120 bytes: the oldest unpinned goes
-    >>> sorted(store)
-    [b'a', b'c']
-    >>> store.unpin("ref-1")                       # now b"a" may go too
-    >>> store.put(b"d", torch.zeros(10))
-    >>> sorted(store), store.stats()["evictions"]
-    ([b'c', b'd'], 2)
+    >>> import tempfile, torch
+    >>> store = TieredBlockStore(tempfile.mkdtemp(), device_bytes=100, host_bytes=100, disk_bytes=10**6)
+    >>> for h in (b"a", b"b", b"c"):
+    ...     store.put(h, torch.zeros(10))           # 40 bytes each
+    >>> store.where(b"a"), store.where(b"c")       # the device tier holds 100 bytes
+    ('host', 'device')
+    >>> store.get(b"a") is not None, store.where(b"a")
+    (True, 'device')
     """
 
     tier = "device"
 
-    def __init__(self, capacity: int):
-        if capacity < 0:
-            raise ValueError(f"capacity must be >= 0 bytes, got {capacity!r}")
-        self.capacity = int(capacity)
-        self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # LRU order
-        self._pins: Counter[bytes] = Counter()
-        self._owners: dict[Hashable, tuple[bytes, ...]] = {}
+    def __init__(self, directory: str | None = None, *, device_bytes: int, host_bytes: int, disk_bytes: int,
+                 half_life_s: float = 60.0, device: str | torch.device | None = None):  # fmt: skip
+        for name, v in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("disk_bytes", disk_bytes)):
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative number of bytes, got {v!r}")
+        if half_life_s <= 0:
+            raise ValueError(f"half_life_s must be > 0, got {half_life_s!r}")
+        self.device_type = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.half_life_s = float(half_life_s)
+        self.directory = directory or tempfile.mkdtemp(prefix="kvstate-blocks-")
+        self.pins = _Owners()  # in use: do not move
+        self.holds = _Owners()  # referenced: do not drop
+        self.meta: dict[bytes, list] = {}  # hash -> [hits, last used (monotonic s), nbytes]
+        self.counters: dict[str, Counter[str]] = {t: Counter() for t in TIERS}
+        self.counters["store"] = Counter()
+        self.device_peak = 0
         self._lock = threading.RLock()
-        self.nbytes = 0
-        self.counters: Counter[str] = Counter()
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvstate-prefetch")
+
+        self.disk = DiskTier(os.path.join(self.directory), disk_bytes, victims=self._disk_victims)
+        self._host = ScoredBuffer(
+            {}, self.disk, host_bytes, score=self._score, movable=self._movable,
+            fast_to_slow_callbacks=[self._count("host", "spills")],
+            slow_to_fast_callbacks=[self._count("host", "unspills")],
+        )  # fmt: skip
+        host_side = self._host
+        if self.device_type.type == "cuda":
+            # Host copies are pinned, so moving them back up is an async DMA.
+            host_side = zict.Func(lambda t: t.to("cpu").pin_memory(), lambda t: t.to(self.device_type, non_blocking=True),
+                                  self._host)  # fmt: skip
+        self._device = ScoredBuffer(
+            {}, host_side, device_bytes, score=self._score, movable=self._movable,
+            fast_to_slow_callbacks=[self._count("device", "spills")],
+            slow_to_fast_callbacks=[self._count("device", "unspills")],
+        )  # fmt: skip
+        #: The tiers as mappings, so ``h in store.host`` says where a block lives.
+        self.device = self._device.fast
+        self.host = self._host.fast
+
+    # -- scoring -------------------------------------------------------------------
+    def _score(self, h: bytes) -> float:
+        hits, last, size = self.meta.get(h, (0, 0.0, 1))
+        return eviction_score(hits, time.monotonic() - last, size, self.half_life_s)
+
+    def _movable(self, h: bytes) -> bool:
+        return h not in self.pins
+
+    def _disk_victims(self):
+        """Unreferenced blocks on disk, lowest score first (asked when the disk is full)."""
+        victims = [h for h in self.disk if h not in self.holds and h not in self.pins]
+        yield from sorted(victims, key=self._score)
+
+    def _count(self, tier: str, what: str):
+        def cb(key, value):
+            self.counters[tier][what] += 1
+
+        return cb
+
+    def _touch(self, h: bytes, hit: bool, size: int | None = None) -> None:
+        m = self.meta.setdefault(h, [0, 0.0, size or 1])
+        m[0] += hit
+        m[1] = time.monotonic()
+
+    def size_of(self, h: bytes) -> int:
+        return self.meta[h][2] if h in self.meta else 0
+
+    def _note_peak(self) -> None:
+        self.device_peak = max(self.device_peak, self.device.total_weight)
 
     # -- mapping-like ----------------------------------------------------------------
+    def where(self, h: bytes) -> str | None:
+        """The tier holding ``h``, or None."""
+        if h in self.device:
+            return "device"
+        if h in self.host:
+            return "host"
+        if h in self.disk:
+            return "disk"
+        return None
+
     def __contains__(self, h: object) -> bool:
-        return h in self._blocks
+        return self.where(h) is not None
 
     def __iter__(self):
-        return iter(list(self._blocks))
+        return iter([*self.device, *self.host, *self.disk])
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self.device) + len(self.host) + len(self.disk)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.device.total_weight + self.host.total_weight + self.disk.total)
 
     def put(self, h: bytes, tensor: torch.Tensor) -> None:
-        """Store a block (a no-op when the same hash is already stored: content-addressed)."""
+        """Store a block in the device tier (a no-op if already stored anywhere)."""
         with self._lock:
-            if h in self._blocks:
-                self._blocks.move_to_end(h)
+            if h in self:
                 return
-            self._blocks[h] = tensor
-            self.nbytes += _nbytes(tensor)
-            self.counters["puts"] += 1
-            self._shrink()
+            tensor = tensor.to(self.device_type, non_blocking=True)
+            self._touch(h, hit=False, size=nbytes(tensor))
+            self.counters["store"]["puts"] += 1
+            try:
+                self._device[h] = tensor
+            except OSError as e:  # DiskFullError or a real disk error while spilling
+                self._disk_full(e)
+            self._note_peak()
 
     def get(self, h: bytes) -> torch.Tensor | None:
-        """The block's tensor, or None; counts a hit or a miss."""
+        """The block, brought up to the device tier; None on a miss (counted).
+
+        Never raises for a damaged spill file or a full disk.
+        """
         with self._lock:
-            t = self._blocks.get(h)
-            if t is None:
-                self.counters["misses"] += 1
+            tier = self.where(h)
+            for t in TIERS[: TIERS.index(tier) if tier else 3]:
+                self.counters[t]["misses"] += 1
+            if tier is None:
                 return None
-            self._blocks.move_to_end(h)
-            self.counters["hits"] += 1
-            return t
+            self._touch(h, hit=True)  # before promotion, so the score sees this use
+            try:
+                value = self._device[h]
+            except CorruptBlockError as e:
+                self._corrupt(h, e)
+                return None
+            except OSError as e:
+                self._disk_full(e)
+                value = self.peek(h)
+                if value is None:
+                    return None
+            self.counters[tier]["hits"] += 1
+            self._note_peak()
+            return value
 
     def peek(self, h: bytes) -> torch.Tensor | None:
-        """Like :meth:`get` without counting or touching recency (serving peers, stats)."""
-        return self._blocks.get(h)
+        """The block without counting or moving it between tiers (serving peers, scoring)."""
+        for tier in (self.device, self.host):
+            v = tier.d.get(h)
+            if v is not None:
+                return v
+        if h in self.disk:
+            try:
+                return self.disk[h]
+            except CorruptBlockError as e:
+                with self._lock:
+                    self._corrupt(h, e)
+        return None
 
-    # -- pins ----------------------------------------------------------------------
+    def _corrupt(self, h: bytes, err: Exception) -> None:
+        self.counters["disk"]["checksum_failures"] += 1
+        logger.warning("kvstate: spilled block %s is damaged (%s); treating it as a miss", h.hex()[:12], err)
+        self.disk.discard(h)
+        self.meta.pop(h, None)
+
+    def _disk_full(self, err: Exception) -> None:
+        """The disk took no more: keep blocks above, dropping unreferenced ones if over budget."""
+        self.counters["disk"]["full"] += 1
+        logger.info("kvstate: %s", err)
+        # A failed spill inside a nested zict.Buffer can leave a key in both tiers
+        # (the lower one inserted it before its own eviction failed): keep the upper.
+        for k in [k for k in self.host.d if k in self.device.d]:
+            del self.host[k]
+        for lru in (self.host, self.device):
+            while lru.total_weight > lru.n:
+                victims = [k for k in lru.order if k not in self.holds and k not in self.pins]
+                if not victims:
+                    break
+                k = min(victims, key=self._score)
+                del lru[k]
+                self.meta.pop(k, None)
+                self.counters["store"]["dropped"] += 1
+
+    # -- protection ----------------------------------------------------------------
     def pin(self, owner: Hashable, hashes: Iterable[bytes]) -> None:
-        """Protect ``hashes`` for as long as ``owner`` holds them (re-pinning replaces)."""
+        """Keep ``hashes`` where they are while ``owner`` (a running task) uses them."""
         with self._lock:
-            self.unpin(owner)
-            hs = tuple(dict.fromkeys(hashes))
-            self._owners[owner] = hs
-            self._pins.update(hs)
+            self.pins.set(owner, hashes)
 
     def unpin(self, owner: Hashable) -> None:
-        """Release ``owner``'s pins (a no-op for an unknown owner); may evict."""
         with self._lock:
-            hs = self._owners.pop(owner, None)
-            if not hs:
-                return
-            self._pins.subtract(hs)
-            for h in hs:
-                if self._pins[h] <= 0:
-                    del self._pins[h]
-            self._shrink()
+            if self.pins.clear(owner):
+                self._rebalance()
 
-    def owners(self) -> list[Hashable]:
-        return list(self._owners)
+    def hold(self, owner: Hashable, hashes: Iterable[bytes]) -> None:
+        """Never drop ``hashes`` while ``owner`` (a key holding a ref) exists."""
+        with self._lock:
+            self.holds.set(owner, hashes)
+
+    def release(self, owner: Hashable) -> None:
+        with self._lock:
+            self.holds.clear(owner)
 
     def is_pinned(self, h: bytes) -> bool:
-        return self._pins.get(h, 0) > 0
+        return h in self.pins
 
     def discard(self, hashes: Iterable[bytes]) -> int:
-        """Drop the unpinned ones of ``hashes`` now; returns the bytes freed."""
+        """Drop the unreferenced, unpinned ones of ``hashes`` from every tier; returns bytes freed."""
         freed = 0
         with self._lock:
             for h in hashes:
-                if h in self._blocks and not self.is_pinned(h):
-                    freed += self._drop(h)
+                if h in self.holds or h in self.pins or h not in self:
+                    continue
+                size = self.size_of(h)
+                try:
+                    del self._device[h]
+                except KeyError:
+                    continue
+                self.meta.pop(h, None)
+                freed += size
         return freed
 
-    # -- accounting ----------------------------------------------------------------
-    def pinned_bytes(self) -> int:
+    def _rebalance(self) -> None:
+        """Unpinned blocks may now move: bring every tier back under its budget."""
+        try:
+            self._device.evict_until_below_target()
+            self._host.evict_until_below_target()
+        except OSError as e:
+            self._disk_full(e)
+
+    # -- moving on request ---------------------------------------------------------
+    def prefetch(self, hashes: Iterable[bytes]) -> Future:
+        """Bring ``hashes`` up to the device tier in the background; the future gives how many moved."""
+        hashes = list(hashes)
+        return self._prefetcher.submit(self._promote, hashes)
+
+    def _promote(self, hashes: list[bytes]) -> int:
+        moved = 0
+        for h in hashes:
+            with self._lock:
+                tier = self.where(h)
+                if tier in (None, "device"):
+                    continue
+                self._touch(h, hit=False)
+                try:
+                    self._device[h]
+                    moved += 1
+                except CorruptBlockError as e:
+                    self._corrupt(h, e)
+                except OSError as e:
+                    self._disk_full(e)
+                self._note_peak()
+        return moved
+
+    def offload(self, hashes: Iterable[bytes], tier: str = "host") -> int:
+        """Move ``hashes`` down to ``tier`` ("host" or "disk") now, unless pinned; returns how many moved."""
+        if tier not in ("host", "disk"):
+            raise ValueError(f"offload tier must be 'host' or 'disk', got {tier!r}")
+        moved = 0
         with self._lock:
-            return sum(_nbytes(t) for h, t in self._blocks.items() if self.is_pinned(h))
+            for h in hashes:
+                if h in self.pins:
+                    continue
+                before = self.where(h)
+                if before is None or TIERS.index(before) >= TIERS.index(tier):
+                    continue
+                try:
+                    if h in self.device:
+                        self.device.evict(h)
+                    if tier == "disk" and h in self.host:
+                        self.host.evict(h)
+                except OSError as e:
+                    self._disk_full(e)
+                after = self.where(h)
+                moved += after is not None and TIERS.index(after) >= TIERS.index(tier)
+        return moved
+
+    def evict_to_disk(self) -> int:
+        """Free memory for Dask's memory monitor: move the lowest-scored movable block
+        from memory (host tier first) to disk. Returns its bytes, or -1 if none could
+        move. Never raises (``ManualEvictProto.evict``)."""
+        with self._lock:
+            try:
+                if not any(self._movable(k) for k in self.host) and self.device:
+                    k, _, _ = self.device.evict()  # down to host first
+                key, value, w = self.host.evict()
+                return int(w) if key is not None else -1
+            except (KeyError, OSError):
+                return -1
+
+    # -- accounting ----------------------------------------------------------------
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(self.size_of(h) for h in self.holds.count if h in self)
 
     def stats(self) -> dict:
         with self._lock:
+            tiers = {
+                "device": {"blocks": len(self.device), "bytes": int(self.device.total_weight),
+                           "capacity": int(self.device.n), "peak_bytes": int(self.device_peak)},
+                "host": {"blocks": len(self.host), "bytes": int(self.host.total_weight), "capacity": int(self.host.n)},
+                "disk": {"blocks": len(self.disk), "bytes": int(self.disk.total), "capacity": self.disk.capacity},
+            }  # fmt: skip
+            for t in TIERS:
+                tiers[t].update({w: self.counters[t][w] for w in ("hits", "misses", "spills", "unspills")})
+            tiers["disk"].update({w: self.counters["disk"][w] for w in ("checksum_failures", "full")})
             return {
                 "tier": self.tier,
-                "blocks": len(self._blocks),
+                "blocks": len(self),
                 "bytes": self.nbytes,
-                "pinned_bytes": self.pinned_bytes(),
-                "capacity": self.capacity,
-                "hits": self.counters["hits"],
-                "misses": self.counters["misses"],
-                "evictions": self.counters["evictions"],
+                "pinned_bytes": self.held_bytes(),
+                "hits": sum(self.counters[t]["hits"] for t in TIERS),
+                "misses": self.counters["disk"]["misses"],
+                "evictions": self.counters["device"]["spills"] + self.counters["store"]["dropped"],
+                "dropped": self.counters["store"]["dropped"],
+                "tiers": tiers,
             }
 
-    def _shrink(self) -> None:
-        if self.nbytes <= self.capacity:
-            return
-        for h in list(self._blocks):  # oldest first
-            if self.nbytes <= self.capacity:
-                break
-            if not self.is_pinned(h):
-                self._drop(h)
-                self.counters["evictions"] += 1
-
-    def _drop(self, h: bytes) -> int:
-        n = _nbytes(self._blocks.pop(h))
-        self.nbytes -= n
-        return n
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.nelement() * t.element_size()
+    def close(self) -> None:
+        self._prefetcher.shutdown(wait=False)

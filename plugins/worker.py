@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 
 import dask.config
@@ -20,6 +21,7 @@ from distributed import WorkerPlugin
 
 from dask_kvstate import config
 from dask_kvstate.backends import check_model_name
+from dask_kvstate.plugins.memory import KVStateSpillData
 from dask_kvstate.state import KVStateRef
 from dask_kvstate.transport import HANDLER, serve_blocks
 
@@ -37,6 +39,17 @@ def refs_in(value) -> list[KVStateRef]:
     return []
 
 
+def _parse_budget(name: str, value, default) -> int:
+    raw = value if value is not None else default
+    try:
+        n = int(dask.utils.parse_bytes(raw))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{name} must be a byte size like '4GiB', got {raw!r}") from e
+    if n < 0:
+        raise ValueError(f"{name} must be >= 0, got {raw!r}")
+    return n
+
+
 class KVStateWorkerPlugin(WorkerPlugin):
     """Load a model and hold KV blocks on every worker.
 
@@ -47,8 +60,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
         ``kvstate.model``. Unknown names raise ValueError listing the known ones.
     torch_threads : int, optional
         ``torch.set_num_threads`` on the worker (default ``kvstate.worker.torch-threads``).
-    device_bytes : int or str, optional
-        Byte budget of the block store (default ``kvstate.worker.device-bytes``).
+    device_bytes, host_bytes, disk_bytes : int or str, optional
+        Byte budgets of the block store's tiers (default ``kvstate.worker.*-bytes``).
 
     The client's ``kvstate.*`` config travels with the plugin, so every worker hashes
     blocks with the same block size and namespace rules.
@@ -57,17 +70,17 @@ class KVStateWorkerPlugin(WorkerPlugin):
     name = PLUGIN_NAME
 
     def __init__(self, model: str | None = None, *, torch_threads: int | None = None,
-                 device_bytes: int | str | None = None):  # fmt: skip
+                 device_bytes: int | str | None = None, host_bytes: int | str | None = None,
+                 disk_bytes: int | str | None = None):  # fmt: skip
         self.model = check_model_name(model or config.get("model"))
         torch_threads = torch_threads if torch_threads is not None else config.get("worker.torch-threads")
         if torch_threads is not None and (not isinstance(torch_threads, int) or torch_threads < 1):
             raise ValueError(f"torch_threads must be a positive int or None, got {torch_threads!r}")
         self.torch_threads = torch_threads
-        raw = device_bytes if device_bytes is not None else config.get("worker.device-bytes")
-        try:
-            self.device_bytes = int(dask.utils.parse_bytes(raw))
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"device_bytes must be a byte size like '4GiB', got {raw!r}") from e
+        self.budgets = {
+            name: _parse_budget(name, value, config.get(f"worker.{name.replace('_', '-')}"))
+            for name, value in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("disk_bytes", disk_bytes))
+        }  # fmt: skip
         self.config = {"kvstate": dask.config.get("kvstate")}
         self.runtime = None
         self.held: dict = {}  # key -> state ids pinned for it
@@ -81,8 +94,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
         self._lock = threading.Lock()
 
     def settings(self) -> dict:
-        return {"model": self.model, "torch_threads": self.torch_threads, "device_bytes": self.device_bytes,
-                "config": self.config}  # fmt: skip
+        return {"model": self.model, "torch_threads": self.torch_threads, **self.budgets, "config": self.config}
 
     async def setup(self, worker) -> None:
         # Loading a model takes seconds; keep the event loop (heartbeats, comms) free.
@@ -91,24 +103,34 @@ class KVStateWorkerPlugin(WorkerPlugin):
         self.runtime = await loop.run_in_executor(None, self._build, worker)
         worker.handlers[HANDLER] = self._serve_blocks
         worker.handlers["kvstate_evict"] = self._evict_handler
+        if self.config["kvstate"]["worker"].get("memory-monitor", True):
+            worker.memory_manager.data = KVStateSpillData(worker.memory_manager.data, self.runtime.store)
         logger.info("kvstate: %s ready on %s", self.model, worker.address)
 
     def _build(self, worker):
         import torch
 
         from dask_kvstate.backends import load_backend
-        from dask_kvstate.plugins.block_store import MemoryBlockStore
+        from dask_kvstate.plugins.block_store import TieredBlockStore
         from dask_kvstate.runtime import StateRuntime
 
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         with dask.config.set(self.config):
             backend = load_backend(self.model)
-            return StateRuntime(backend, MemoryBlockStore(self.device_bytes), worker)
+            store = TieredBlockStore(
+                os.path.join(worker.local_directory, "kvstate-blocks"), **self.budgets,
+                half_life_s=config.get_seconds("worker.recency-half-life"), device=backend.device,
+            )  # fmt: skip
+            return StateRuntime(backend, store, worker)
 
     def teardown(self, worker) -> None:
         for name in (HANDLER, "kvstate_evict"):
             worker.handlers.pop(name, None)
+        if isinstance(worker.memory_manager.data, KVStateSpillData):
+            worker.memory_manager.data = worker.memory_manager.data.data
+        if self.runtime is not None:
+            self.runtime.store.close()
         self.runtime = None
         self.held.clear()
 
@@ -123,13 +145,13 @@ class KVStateWorkerPlugin(WorkerPlugin):
             refs = refs_in(self.worker.data.get(key)) if key in self.worker.data else []
             with self._lock:
                 for ref in refs:
-                    rt.store.pin(("ref", key, ref.state_id), ref.blocks)
+                    rt.store.hold(("ref", key, ref.state_id), ref.blocks)
                 if refs:
                     self.held[key] = [r.state_id for r in refs]
         elif start == "memory":
             with self._lock:
                 for sid in self.held.pop(key, ()):
-                    rt.store.unpin(("ref", key, sid))
+                    rt.store.release(("ref", key, sid))
 
     def owners_of(self, state_id: str) -> list:
         return [("ref", key, state_id) for key, sids in self.held.items() if state_id in sids]

@@ -1,64 +1,186 @@
-"""The in-memory block store, step by step: where each block is after each call."""
+"""The tiered block store, step by step: which block sits in which tier after each call."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
-from dask_kvstate.plugins.block_store import MemoryBlockStore
+from dask_kvstate.plugins.block_store import TieredBlockStore
+from dask_kvstate.plugins.tiers import DiskTier, ScoredBuffer
+
+from .mapping_kit import check_mapping
+
+B = 40  # bytes in one test block: 10 float32
 
 
-def block(n_floats: int = 10) -> torch.Tensor:
-    return torch.zeros(n_floats)  # 4 bytes per float
+def block(fill: float = 0.0) -> torch.Tensor:
+    return torch.full((10,), fill)
 
 
-def test_put_is_content_addressed():
-    store = MemoryBlockStore(capacity=1000)
-    store.put(b"a", block())
-    store.put(b"a", block())
-    assert len(store) == 1 and store.nbytes == 40
+@pytest.fixture
+def store(tmp_path):
+    s = TieredBlockStore(str(tmp_path / "blocks"), device_bytes=2 * B, host_bytes=2 * B, disk_bytes=100 * B)
+    yield s
+    s.close()
 
 
-def test_hits_misses_and_peek():
-    store = MemoryBlockStore(capacity=1000)
-    store.put(b"a", block())
-    assert store.get(b"a") is not None and store.get(b"b") is None
-    assert store.peek(b"a") is not None
-    s = store.stats()
-    assert (s["hits"], s["misses"], s["blocks"], s["bytes"]) == (1, 1, 1, 40)
+def layout(store) -> dict:
+    return {t: sorted(getattr(store, t)) for t in ("device", "host", "disk")}
 
 
-def test_budget_evicts_least_recently_used_unpinned():
-    store = MemoryBlockStore(capacity=100)
-    store.put(b"a", block())
-    store.put(b"b", block())
-    store.get(b"a")  # b is now the least recent
-    store.put(b"c", block())
-    assert sorted(store) == [b"a", b"c"]
-    assert store.stats()["evictions"] == 1
+# -- conformance of every tier mapping ----------------------------------------------
 
 
-def test_pins_hold_blocks_over_budget_until_released():
-    store = MemoryBlockStore(capacity=50)
-    store.pin("ref-1", [b"a", b"b"])  # pins may precede the blocks (pulled later)
-    store.put(b"a", block())
-    store.put(b"b", block())
-    assert sorted(store) == [b"a", b"b"] and store.pinned_bytes() == 80
-    store.pin("ref-2", [b"b"])
-    store.unpin("ref-1")
-    assert sorted(store) == [b"b"]  # a dropped as soon as nothing pins it
-    store.unpin("ref-2")
-    assert sorted(store) == [b"b"]  # within budget: kept as prefix cache
+def test_disk_tier_is_a_mapping(tmp_path):
+    check_mapping(DiskTier(str(tmp_path), capacity=10**6))
 
 
-def test_discard_frees_only_unpinned_blocks():
-    store = MemoryBlockStore(capacity=1000)
+def test_scored_buffer_over_disk_is_a_mapping(tmp_path):
+    check_mapping(ScoredBuffer({}, DiskTier(str(tmp_path), 10**6), n=3 * 32, score=lambda k: 0.0, movable=lambda k: True))
+
+
+def test_device_host_disk_chain_is_a_mapping(tmp_path):
+    host = ScoredBuffer({}, DiskTier(str(tmp_path), 10**6), n=2 * 32, score=lambda k: 0.0, movable=lambda k: True)
+    check_mapping(ScoredBuffer({}, host, n=2 * 32, score=lambda k: 0.0, movable=lambda k: True))
+
+
+# -- placement, step by step ---------------------------------------------------------
+
+
+def test_blocks_flow_down_the_tiers_and_back_up(store):
     for h in (b"a", b"b"):
         store.put(h, block())
-    store.pin("fork", [b"a"])
-    assert store.discard([b"a", b"b", b"zz"]) == 40
-    assert sorted(store) == [b"a"]
+    assert layout(store) == {"device": [b"a", b"b"], "host": [], "disk": []}
+    store.put(b"c", block())
+    assert layout(store) == {"device": [b"b", b"c"], "host": [b"a"], "disk": []}
+    store.put(b"d", block())
+    store.put(b"e", block())
+    assert layout(store) == {"device": [b"d", b"e"], "host": [b"b", b"c"], "disk": [b"a"]}
+    assert torch.equal(store.get(b"a"), block())  # from disk, back to the device tier
+    assert store.where(b"a") == "device" and len(store) == 5
+    s = store.stats()["tiers"]
+    assert (s["disk"]["hits"], s["device"]["misses"], s["host"]["misses"]) == (1, 1, 1)
+    assert s["device"]["spills"] >= 3 and s["host"]["spills"] >= 1 and s["device"]["unspills"] == 1
 
 
-def test_negative_capacity_rejected():
-    with pytest.raises(ValueError, match="capacity"):
-        MemoryBlockStore(capacity=-1)
+def test_eviction_follows_reuse_not_just_recency(store):
+    store.put(b"hot", block())
+    for _ in range(5):
+        store.get(b"hot")  # read by five branches
+    store.put(b"cold", block())
+    store.put(b"new", block())  # device over budget: who goes down?
+    assert store.where(b"hot") == "device" and store.where(b"cold") == "host"
+
+
+def test_pinned_blocks_never_move(store):
+    store.put(b"a", block())
+    store.pin("task-1", [b"a"])
+    for h in (b"b", b"c", b"d"):
+        store.put(h, block())
+    assert store.where(b"a") == "device"
+    assert store.offload([b"a"], "disk") == 0 and store.where(b"a") == "device"
+    store.unpin("task-1")
+    assert store.offload([b"a"], "disk") == 1 and store.where(b"a") == "disk"
+
+
+def test_forked_blocks_exist_once_whatever_the_tier(store):
+    for h in (b"a", b"b", b"c", b"d", b"e"):
+        store.put(h, block())
+    store.put(b"a", block(9.0))  # a fork re-putting a shared block: no second copy
+    assert sum(b"a" in getattr(store, t) for t in ("device", "host", "disk")) == 1
+    assert len(store) == 5
+
+
+def test_holds_keep_blocks_when_the_disk_is_full(tmp_path):
+    store = TieredBlockStore(str(tmp_path), device_bytes=B, host_bytes=B, disk_bytes=B)
+    store.hold("ref", [b"a", b"b", b"c"])
+    for h in (b"a", b"b", b"c", b"d"):
+        store.put(h, block())
+    # Three referenced blocks fill the three tiers; "d" has nowhere to go but is
+    # unreferenced, so it is dropped (to be recomputed) rather than a held one.
+    assert all(h in store for h in (b"a", b"b", b"c"))
+    assert store.stats()["dropped"] >= 1 and store.stats()["tiers"]["disk"]["full"] >= 1
+    store.close()
+
+
+def test_unreferenced_blocks_make_room_on_disk(tmp_path):
+    store = TieredBlockStore(str(tmp_path), device_bytes=B, host_bytes=B, disk_bytes=2 * B)
+    for h in (b"a", b"b", b"c", b"d", b"e"):
+        store.put(h, block())
+    assert len(store) == 4 and store.disk.total <= 2 * B  # the oldest unreferenced went
+    store.close()
+
+
+def test_discard_frees_only_unreferenced_blocks(store):
+    for h in (b"a", b"b", b"c"):
+        store.put(h, block())
+    store.hold("fork", [b"a"])
+    assert store.discard([b"a", b"b", b"c", b"zz"]) == 2 * B
+    assert list(store) == [b"a"]
+
+
+def test_prefetch_brings_blocks_up_and_offload_sends_them_down(store):
+    for h in (b"a", b"b", b"c", b"d"):
+        store.put(h, block())
+    assert layout(store) == {"device": [b"c", b"d"], "host": [b"a", b"b"], "disk": []}
+    assert store.offload([b"c", b"d"], "disk") == 2
+    assert layout(store) == {"device": [], "host": [b"b"], "disk": [b"a", b"c", b"d"]}  # c passing by pushed a down
+    assert store.prefetch([b"c"]).result(timeout=10) == 1
+    assert store.where(b"c") == "device"
+    with pytest.raises(ValueError, match="offload tier"):
+        store.offload([b"a"], "tape")
+
+
+# -- the disk format ---------------------------------------------------------------
+
+
+def spill_all(store, *hashes):
+    for h in hashes:
+        store.put(h, block(float(h[0])))
+    store.offload(list(hashes), "disk")
+    return [store.disk.path(h) for h in hashes]
+
+
+def test_spill_files_are_private_raw_bytes(store):
+    (path,) = spill_all(store, b"a")
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.stat(store.directory).st_mode & 0o777 == 0o700
+    data = open(path, "rb").read()
+    assert data.startswith(b"KVB1") and b"pickle" not in data and len(data) < B + 200
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "garbage"])
+def test_damaged_spill_file_is_a_counted_miss(store, damage):
+    (path,) = spill_all(store, b"a")
+    if damage == "flip":
+        data = bytearray(open(path, "rb").read())
+        data[-3] ^= 0x55
+        open(path, "wb").write(data)
+    elif damage == "truncate":
+        os.truncate(path, os.path.getsize(path) - 7)
+    elif damage == "delete":
+        os.remove(path)
+    else:
+        open(path, "wb").write(b"#!/bin/sh\necho not a block\n")
+    assert store.get(b"a") is None
+    assert b"a" not in store
+    assert store.stats()["tiers"]["disk"]["checksum_failures"] == 1
+
+
+def test_memory_monitor_eviction_moves_kv_to_disk(store):
+    from dask_kvstate.plugins.memory import KVStateSpillData
+
+    data = KVStateSpillData({"task-result": 1}, store)
+    for h in (b"a", b"b", b"c"):
+        store.put(h, block())
+    assert data.fast and data["task-result"] == 1 and len(data) == 1
+    assert data.evict() == B
+    assert layout(store)["disk"] == [b"a"]
+    assert data.evict() == B and data.evict() == B
+    assert len(store.disk) == 3 and data.evict() == -1  # nothing left in memory, and a dict cannot spill
+
+
+def test_bad_budgets_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="device_bytes"):
+        TieredBlockStore(str(tmp_path), device_bytes=-1, host_bytes=0, disk_bytes=0)

@@ -34,10 +34,10 @@ def test_served_blocks_are_zero_copy_frames_not_pickles():
     import torch
     from distributed.protocol import serialize
 
-    from dask_kvstate.plugins.block_store import MemoryBlockStore
+    from dask_kvstate.plugins.block_store import TieredBlockStore
     from dask_kvstate.transport import serve_blocks
 
-    store = MemoryBlockStore(capacity=2**20)
+    store = TieredBlockStore(device_bytes=2**20, host_bytes=2**20, disk_bytes=2**20)
     block = torch.arange(2 * 2 * 2 * 16 * 16, dtype=torch.float32).reshape(2, 2, 2, 16, 16)
     store.put(b"h" * 16, block)
     reply = serve_blocks(store, [b"h" * 16, b"x" * 16])

@@ -1,0 +1,87 @@
+"""The on-disk format of a KV block: raw tensor bytes behind a small checked header.
+
+Never pickle: a spill file is read back by a worker process, and unpickling a file
+that anything else could have written is code execution. The layout::
+
+    b"KVB1" | u32 header length | JSON header | raw tensor bytes
+
+with the header holding dtype, shape, payload length and a BLAKE2b checksum of the
+payload. Any mismatch (truncation, bit flip, foreign file) raises
+:class:`CorruptBlockError`; the store treats that as a miss.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+import numpy as np
+import torch
+
+MAGIC = b"KVB1"
+_LEN = struct.Struct("<I")
+
+
+class CorruptBlockError(ValueError):
+    """A spilled block failed its format or checksum check."""
+
+
+def _checksum(buf) -> str:
+    return hashlib.blake2b(buf, digest_size=16).hexdigest()
+
+
+def encode(tensor: torch.Tensor) -> list:
+    """Frames to write for ``tensor`` (the payload is a view, not a copy).
+
+    Examples
+    --------
+    >>> t = torch.arange(6, dtype=torch.float16).reshape(2, 3)
+    >>> torch.equal(decode(b"".join(bytes(f) for f in encode(t))), t)
+    True
+    """
+    t = tensor.detach().to("cpu").contiguous()
+    payload = t.view(torch.uint8).numpy().reshape(-1).data if t.nelement() else memoryview(b"")
+    header = json.dumps(
+        {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "nbytes": payload.nbytes,
+         "blake2b": _checksum(payload)}  # fmt: skip
+    ).encode()
+    header += b" " * (-(8 + len(header)) % 64)  # payload starts 64-byte aligned
+    return [MAGIC, _LEN.pack(len(header)), header, payload]
+
+
+def decode(buf) -> torch.Tensor:
+    """The tensor in ``buf``, or :class:`CorruptBlockError` if anything does not add up.
+
+    Examples
+    --------
+    >>> data = bytearray(b"".join(bytes(f) for f in encode(torch.ones(4))))
+    >>> data[-1] ^= 0xFF
+    >>> try:
+    ...     decode(data)
+    ... except CorruptBlockError as e:
+    ...     print(e)
+    KV block checksum mismatch
+    """
+    mv = memoryview(buf)
+    if len(mv) < 8 or bytes(mv[:4]) != MAGIC:
+        raise CorruptBlockError("not a KV block file (bad magic)")
+    (hlen,) = _LEN.unpack(mv[4:8])
+    try:
+        header = json.loads(bytes(mv[8 : 8 + hlen]))
+        dtype = getattr(torch, header["dtype"])
+        shape, nbytes, digest = tuple(header["shape"]), int(header["nbytes"]), header["blake2b"]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CorruptBlockError(f"unreadable KV block header: {e}") from None
+    payload = mv[8 + hlen :]
+    if len(payload) != nbytes:
+        raise CorruptBlockError(f"KV block truncated: {len(payload)} of {nbytes} payload bytes")
+    if _checksum(payload) != digest:
+        raise CorruptBlockError("KV block checksum mismatch")
+    if not isinstance(dtype, torch.dtype) or int(np.prod(shape)) * dtype.itemsize != nbytes:
+        raise CorruptBlockError(f"KV block header inconsistent: {header}")
+    if not nbytes:
+        return torch.empty(shape, dtype=dtype)
+    # zict.File hands back a fresh bytearray: wrap it in place rather than copy it.
+    owner = buf if isinstance(buf, bytearray) else bytearray(payload)
+    offset = 8 + hlen if owner is buf else 0
+    return torch.frombuffer(owner, dtype=dtype, offset=offset, count=nbytes // dtype.itemsize).reshape(shape)
