@@ -41,8 +41,10 @@ def _worker_stats(dask_worker) -> dict:
 def stats(client: Client) -> dict[str, dict]:
     """Per-worker counters and bytes: ``{worker: {blocks, bytes, hits, transfers, ...}}``.
 
-    Keys: ``model``, ``tier``, ``blocks``, ``bytes`` (resident KV), ``pinned_bytes``,
-    ``capacity``, block ``hits``/``misses``, ``evictions`` (budget), and the runtime's
+    Keys: ``model``, ``blocks`` and ``bytes`` (all tiers), ``pinned_bytes`` (held by
+    refs), ``hits``/``misses``, ``evictions``, ``dropped``, ``tiers`` (per tier: blocks,
+    bytes, capacity, hits, misses, spills, unspills; device ``peak_bytes``; disk
+    ``checksum_failures`` and ``full``), and the runtime's
     counters (``prefill_tokens``, ``reused_tokens``, ``transfers`` (blocks pulled),
     ``transfer_bytes``, ``transfer_seconds``, ``recomputes`` (blocks rebuilt),
     ``recompute_tokens``, ``incompatible``, ``materializations``, ``resumes``, ``forks``,

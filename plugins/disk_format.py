@@ -5,15 +5,16 @@ that anything else could have written is code execution. The layout::
 
     b"KVB1" | u32 header length | JSON header | raw tensor bytes
 
-with the header holding dtype, shape, payload length and a BLAKE2b checksum of the
-payload. Any mismatch (truncation, bit flip, foreign file) raises
+with the header holding dtype, shape, payload length and a CRC-32 of the payload (a
+corruption check, not a signature: the files are 0600 in a 0700 folder; CRC-32 runs at
+~2.6 GB/s here against BLAKE2b's 0.7, and spilling is on the critical path). Any mismatch (truncation, bit flip, foreign file) raises
 :class:`CorruptBlockError`; the store treats that as a miss.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
+import zlib
 
 import numpy as np
 import torch
@@ -26,8 +27,8 @@ class CorruptBlockError(ValueError):
     """A spilled block failed its format or checksum check."""
 
 
-def _checksum(buf) -> str:
-    return hashlib.blake2b(buf, digest_size=16).hexdigest()
+def _checksum(buf) -> int:
+    return zlib.crc32(buf)
 
 
 def encode(tensor: torch.Tensor) -> list:
@@ -43,7 +44,7 @@ def encode(tensor: torch.Tensor) -> list:
     payload = t.view(torch.uint8).numpy().reshape(-1).data if t.nelement() else memoryview(b"")
     header = json.dumps(
         {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "nbytes": payload.nbytes,
-         "blake2b": _checksum(payload)}  # fmt: skip
+         "crc32": _checksum(payload)}  # fmt: skip
     ).encode()
     header += b" " * (-(8 + len(header)) % 64)  # payload starts 64-byte aligned
     return [MAGIC, _LEN.pack(len(header)), header, payload]
@@ -69,7 +70,7 @@ def decode(buf) -> torch.Tensor:
     try:
         header = json.loads(bytes(mv[8 : 8 + hlen]))
         dtype = getattr(torch, header["dtype"])
-        shape, nbytes, digest = tuple(header["shape"]), int(header["nbytes"]), header["blake2b"]
+        shape, nbytes, digest = tuple(header["shape"]), int(header["nbytes"]), header["crc32"]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptBlockError(f"unreadable KV block header: {e}") from None
     payload = mv[8 + hlen :]

@@ -1,0 +1,126 @@
+"""The tiered block store against raw zict on the same bytes.
+
+The raw baseline is what Dask itself spills with: ``zict.Buffer`` over
+``zict.Func(pickle.dumps, pickle.loads, zict.File)``. Ours adds scored eviction, pins,
+holds, the checked raw disk format and stats. Both run in the same benchmark process on
+the same seeded blocks; ``track_*_ratio`` is ours / raw (below 1 is faster than zict).
+"""
+from __future__ import annotations
+
+import pickle
+import shutil
+import tempfile
+import time
+
+import torch
+import zict
+
+N_BLOCKS = 32
+
+
+def blocks(block_bytes: int) -> dict[bytes, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {i.to_bytes(16, "big"): torch.randn(block_bytes // 4, generator=g) for i in range(N_BLOCKS)}
+
+
+class _Pair:
+    """One of ours and one raw zict chain, both with room for everything."""
+
+    def __init__(self, block_bytes: int):
+        from dask_kvstate.plugins.block_store import TieredBlockStore
+
+        self.dirs = [tempfile.mkdtemp(), tempfile.mkdtemp()]
+        self.data = blocks(block_bytes)
+        big = 10 * N_BLOCKS * block_bytes
+        self.ours = TieredBlockStore(self.dirs[0], device_bytes=big, host_bytes=big, disk_bytes=big)
+        weight = lambda k, v: v.nelement() * v.element_size()  # noqa: E731
+        disk = zict.Func(pickle.dumps, pickle.loads, zict.File(self.dirs[1]))
+        self.raw_host = zict.Buffer({}, disk, big, weight=weight)
+        self.raw = zict.Buffer({}, self.raw_host, big, weight=weight)
+
+    def close(self):
+        self.ours.close()
+        for d in self.dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+    # -- the operations, on either side -------------------------------------------
+    def put(self, ours: bool):
+        for h, t in self.data.items():
+            if ours:
+                self.ours.put(h, t)
+            else:
+                self.raw[h] = t
+
+    def get(self, ours: bool):
+        for h in self.data:
+            self.ours.get(h) if ours else self.raw[h]
+
+    def spill(self, ours: bool, tier: str):
+        hs = list(self.data)
+        if ours:
+            self.ours.offload(hs, tier)
+            return
+        for h in hs:
+            self.raw.fast.evict(h)
+            if tier == "disk":
+                self.raw_host.fast.evict(h)
+
+
+def _best_of(fn, setup, repeat: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        setup()
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+class TierOps:
+    """put / get / spill / unspill per tier, ours vs raw zict, as time ratios."""
+
+    params = (["host", "disk"], [8 * 1024, 2_949_120])  # a tiny-llama block, a SmolLM2 64-token block
+    param_names = ["tier", "block_bytes"]
+    timeout = 600
+
+    def setup(self, tier, block_bytes):
+        self.block_bytes = block_bytes
+
+    def _ratio(self, op: str, tier: str) -> float:
+        times = {}
+        for ours in (True, False):
+            pair = None
+
+            def fresh():
+                nonlocal pair
+                if pair is not None:
+                    pair.close()
+                pair = _Pair(self.block_bytes)
+                if op in ("get", "unspill", "spill"):
+                    pair.put(ours)
+                if op == "unspill":
+                    pair.spill(ours, tier)
+
+            if op == "put":
+                run = lambda: pair.put(ours)  # noqa: E731
+            elif op == "spill":
+                run = lambda: pair.spill(ours, tier)  # noqa: E731
+            else:
+                run = lambda: pair.get(ours)  # noqa: E731
+            times[ours] = _best_of(run, fresh)
+            pair.close()
+        return times[True] / times[False]
+
+    def track_put_ratio(self, tier, block_bytes):
+        return self._ratio("put", tier)
+
+    def track_get_ratio(self, tier, block_bytes):
+        return self._ratio("get", tier)
+
+    def track_spill_ratio(self, tier, block_bytes):
+        return self._ratio("spill", tier)
+
+    def track_unspill_ratio(self, tier, block_bytes):
+        return self._ratio("unspill", tier)
+
+    track_put_ratio.unit = track_get_ratio.unit = track_spill_ratio.unit = track_unspill_ratio.unit = "ours/zict"
