@@ -184,3 +184,26 @@ def test_memory_monitor_eviction_moves_kv_to_disk(store):
 def test_bad_budgets_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="device_bytes"):
         TieredBlockStore(str(tmp_path), device_bytes=-1, host_bytes=0, disk_bytes=0)
+
+
+def test_a_real_write_error_keeps_the_block_above_and_leaves_no_partial_file(tmp_path):
+    import resource
+    import signal
+
+    store = TieredBlockStore(str(tmp_path), device_bytes=0, host_bytes=0, disk_bytes=10**9)
+    big = torch.zeros(4096)  # 16 KiB: larger than the file size limit below
+    store.hold("ref", [b"held"])
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8192, old_limit[1]))
+    try:  # the kernel now refuses writes past 8 KiB with EFBIG: a real OSError
+        store.put(b"held", big)
+        store.put(b"loose", big)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert store.where(b"held") in ("device", "host")  # referenced: kept above, over budget
+    assert b"loose" not in store  # unreferenced: dropped, to be recomputed
+    assert len(store.disk) == 0 and os.listdir(tmp_path) == []  # no half-written file
+    assert store.stats()["tiers"]["disk"]["full"] >= 1
+    store.close()

@@ -80,3 +80,24 @@ def test_damaged_spill_files_are_detected_and_recomputed(tight_client, damage):
     assert out.token_ids == want.token_ids
     s = kvs.stats(client)[w]
     assert s["tiers"]["disk"]["checksum_failures"] >= 1 and s["recomputes"] >= 1
+
+
+def _monitor_spills_kv(dask_worker) -> dict:
+    data = dask_worker.memory_manager.data
+    store = dask_worker.plugins["kvstate"].runtime.store
+    before = len(store.disk)
+    freed = data.evict()  # what distributed's memory monitor calls past the spill threshold
+    return {"wrapper": type(data).__name__, "freed": freed, "to_disk": len(store.disk) - before,
+            "data_is_shared": dict(data) == dict(dask_worker.state.data)}  # fmt: skip
+
+
+def test_dask_memory_monitor_spills_kv_blocks_first(tight_client):
+    client = tight_client
+    kvs.install(client, "tiny-llama", torch_threads=1)
+    state = client.persist(kvs.materialize(CONTEXT))
+    ref = state.compute()
+    (res,) = client.run(_monitor_spills_kv).values()
+    assert res == {"wrapper": "KVStateSpillData", "freed": BLOCK, "to_disk": 1, "data_is_shared": True}
+    out = client.compute(kvs.resume(state, " Who tests?", max_new_tokens=8)).result()
+    assert out.token_ids == client.compute(kvs.generate(CONTEXT, " Who tests?", max_new_tokens=8)).result().token_ids
+    assert out.reused_tokens >= ref.num_tokens - 1  # the spilled block came back from disk
