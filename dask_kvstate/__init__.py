@@ -18,13 +18,14 @@ from dask_kvstate.generation import Generation
 from dask_kvstate import tasks
 from dask_kvstate.operators import evict, extend, fork, generate, materialize, merge, resume, transfer
 from dask_kvstate.errors import MergeError
-from dask_kvstate.state import KVStateRef, compatible
+from dask_kvstate.state import KVState, KVStateRef, compatible
 
 __version__ = "0.1.0"
 
 __all__ = [
     "KNOWN_MODELS",
     "Generation",
+    "KVState",
     "KVStateRef",
     "MergeError",
     "compatible",

@@ -25,7 +25,7 @@ from dask_kvstate import config
 from dask_kvstate.blocks import block_hashes, join_blocks, split_blocks
 from dask_kvstate.errors import MergeError
 from dask_kvstate.generation import Generation
-from dask_kvstate.state import KVStateRef, Lineage, Placement, incompatibility, new_state_id
+from dask_kvstate.state import KVState, KVStateRef, Lineage, Placement, incompatibility, new_state_id
 from dask_kvstate.transport import pull_blocks
 
 logger = logging.getLogger("dask_kvstate")
@@ -82,9 +82,12 @@ class StateRuntime:
             lineage=Lineage(op, parents), placement=Placement(self.address, self.store.tier),
         )  # fmt: skip
 
-    def _store_kv(self, kv: torch.Tensor, hashes: tuple[bytes, ...], first_block: int) -> None:
-        for block in split_blocks(kv, hashes, self.block_tokens, first_block):
+    def _store_kv(self, kv: torch.Tensor, hashes: tuple[bytes, ...], first_block: int) -> list[torch.Tensor]:
+        """Cut ``kv`` into blocks ``first_block...``, store them, return their tensors."""
+        blocks = split_blocks(kv, hashes, self.block_tokens, first_block)
+        for block in blocks:
             self.store.put(block.hash, block.tensor)
+        return [block.tensor for block in blocks]
 
     def _prefill(self, ids: Sequence[int], past: torch.Tensor | None) -> torch.Tensor:
         past_len = 0 if past is None else past.shape[3]
@@ -94,8 +97,8 @@ class StateRuntime:
         return self.backend.kv_from_cache(cache)
 
     # -- resolve -------------------------------------------------------------------
-    def resolve(self, ref: KVStateRef) -> tuple[list[int], torch.Tensor | None]:
-        """Token ids of ``ref`` and their KV on this worker (None if ``ref`` is unusable here).
+    def resolve(self, ref: KVStateRef) -> KVState:
+        """``ref`` with its token ids and KV on this worker (``kv`` None if unusable here).
 
         Never raises for missing blocks, dead holders or incompatible states.
         """
@@ -108,9 +111,9 @@ class StateRuntime:
         if why is not None:
             self.counters["incompatible"] += 1
             logger.info("kvstate: not reusing state %s (%s); recomputing from text", ref.state_id[:8], why)
-            return ids, None
+            return KVState(ref, ids, None)
         if not ids:
-            return ids, None
+            return KVState(ref, ids, None)
         self.store.pin(self._task_owner(), ref.blocks)
         tensors = [self.store.get(h) for h in ref.blocks]
         missing = [h for h, t in zip(ref.blocks, tensors) if t is None]
@@ -121,7 +124,7 @@ class StateRuntime:
         first_missing = next((i for i, t in enumerate(tensors) if t is None), None)
         if first_missing is not None:
             tensors = self._recompute(ids, ref.blocks, tensors, first_missing)
-        return ids, join_blocks(tensors)
+        return KVState(ref, ids, join_blocks(tensors))
 
     def _pull(self, holder: str, hashes: list[bytes]) -> dict[bytes, torch.Tensor]:
         from distributed.utils import sync
@@ -145,11 +148,10 @@ class StateRuntime:
 
     def _recompute(self, ids, hashes, tensors, first: int) -> list[torch.Tensor]:
         past = join_blocks(tensors[:first])
-        kv = self._prefill(ids, past)
-        self._store_kv(kv, hashes, first)
+        rebuilt = self._store_kv(self._prefill(ids, past), hashes, first)
         self.counters["recomputes"] += len(hashes) - first
         self.counters["recompute_tokens"] += len(ids) - first * self.block_tokens
-        return tensors[:first] + [self.store.peek(h) for h in hashes[first:]]
+        return tensors[:first] + rebuilt
 
     # -- operators -----------------------------------------------------------------
     def materialize(self, text: str, namespace: str) -> KVStateRef:
@@ -177,18 +179,18 @@ class StateRuntime:
     def extend(self, ref: KVStateRef, text: str) -> KVStateRef:
         """``ref`` followed by ``text``: the KV of tokenize(ref.text + text)."""
         full = ref.text + text
-        old_ids, old_kv = self.resolve(ref)
+        old = self.resolve(ref)
         ids = self.backend.tokenize(full)
         if not ids:
             raise ValueError("cannot extend to an empty prompt")
         hashes = self.hashes(ids, ref.namespace)
         self.store.pin(self._task_owner(), ref.blocks + hashes)
-        keep = common_prefix(old_ids, ids) if old_kv is not None else 0
+        keep = common_prefix(old.token_ids, ids) if old.usable else 0
         if keep == len(ids):
-            kv = old_kv[:, :, :, :keep]
+            kv = old.kv[:, :, :, :keep]
             self.counters["reused_tokens"] += keep
         else:
-            kv = self._prefill(ids, old_kv[:, :, :, :keep] if keep else None)
+            kv = self._prefill(ids, old.kv[:, :, :, :keep] if keep else None)
         self._store_kv(kv, hashes, keep // self.block_tokens)
         self.counters["extensions"] += 1
         return self._new_ref("extend", (ref.state_id,), full, ids, hashes, ref.namespace)
@@ -208,15 +210,15 @@ class StateRuntime:
                seed: int | None) -> Generation:  # fmt: skip
         """Generate from ``ref`` followed by ``text``; equals ``generate(ref.text + text)``."""
         t0 = time.perf_counter()
-        old_ids, old_kv = self.resolve(ref)
+        old = self.resolve(ref)
         ids = self.backend.tokenize(ref.text + text)
         keep = 0
-        if old_kv is not None:
+        if old.usable:
             # At least the last prompt token is re-run: its logits start decoding.
-            keep = min(common_prefix(old_ids, ids), len(ids) - 1)
+            keep = min(common_prefix(old.token_ids, ids), len(ids) - 1)
         self.counters["prefill_tokens"] += len(ids) - keep
         self.counters["reused_tokens"] += keep
-        res = self.backend.generate(ids, old_kv[:, :, :, :keep] if keep else None, max_new_tokens=max_new_tokens,
+        res = self.backend.generate(ids, old.kv[:, :, :, :keep] if keep else None, max_new_tokens=max_new_tokens,
                                     temperature=temperature, top_p=top_p, seed=seed, started=t0)  # fmt: skip
         self.counters["generations"] += 1
         self.counters["resumes"] += 1
@@ -229,8 +231,7 @@ class StateRuntime:
 
     def transfer(self, ref: KVStateRef) -> KVStateRef:
         """Make this worker hold ``ref``'s blocks (pull or recompute) and say so."""
-        ids, kv = self.resolve(ref)
-        if kv is None:  # incompatible here: the state is rebuilt for this worker's model
+        if not self.resolve(ref).usable:  # incompatible here: rebuilt for this worker's model
             return self.materialize(ref.text, ref.namespace)
         return ref.derive("transfer", placement=Placement(self.address, self.store.tier))
 

@@ -144,6 +144,26 @@ class KVStateRef:
         return _unpack(tuple(row))
 
 
+@dataclass(frozen=True)
+class KVState:
+    """A state resolved on a worker: its descriptor with its token ids and KV tensor.
+
+    What ``StateRuntime.resolve`` hands to an operator. ``kv`` is one tensor
+    ``[layers, 2, kv_heads, tokens, head_dim]`` assembled from the blocks (local hits,
+    pulled, or recomputed), or None when the ref cannot be used on this worker
+    (another model, config or tokenizer): then the operator prefills ``token_ids``.
+    Never leaves the worker; tasks return :class:`KVStateRef`.
+    """
+
+    ref: KVStateRef
+    token_ids: list[int]
+    kv: object | None  # torch.Tensor; typed loosely so this module never imports torch
+
+    @property
+    def usable(self) -> bool:
+        return self.kv is not None
+
+
 ARROW_SCHEMA = pa.schema(
     [
         ("state_id", pa.string()),
