@@ -11,10 +11,10 @@ def _plugin_settings(dask_worker) -> dict | None:
     return None if plugin is None or plugin.runtime is None else plugin.settings()
 
 
-def install(client: Client, model: str | None = None, *, torch_threads: int | None = None,
+def install(client: Client, model: str | list[str] | None = None, *, torch_threads: int | None = None,
             device_bytes: int | str | None = None, host_bytes: int | str | None = None,
             disk_bytes: int | str | None = None) -> dict:  # fmt: skip
-    """Load ``model`` and a KV block store on every worker of ``client``'s cluster.
+    """Load ``model`` (or several: a list) and a KV block store on every worker.
 
     Idempotent: when every worker already runs the plugin with the same settings,
     nothing is reloaded. Workers that join later get it too. Raises ValueError for an
@@ -35,7 +35,7 @@ def _worker_stats(dask_worker) -> dict:
     plugin = dask_worker.plugins.get(PLUGIN_NAME)
     if plugin is None or plugin.runtime is None:
         return {"installed": False}
-    return {"installed": True, **plugin.runtime.stats()}
+    return {"installed": True, **plugin.runtime.stats(), "models": list(plugin.models)}
 
 
 def stats(client: Client) -> dict[str, dict]:

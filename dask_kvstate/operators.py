@@ -27,11 +27,13 @@ def _sampling_without_seed(temperature, seed) -> bool:
     return bool(temperature) and seed is None
 
 
-def materialize(*segments, namespace: str | None = None) -> Delayed:
+def materialize(*segments, namespace: str | None = None, model: str | None = None) -> Delayed:
     """Prefill the prompt ``"".join(segments)`` once and return its state.
 
     Returns ``Delayed[KVStateRef]``. Leading blocks already stored on the worker
-    (same tokens, same model, same namespace) are reused, not recomputed.
+    (same tokens, same model, same namespace) are reused, not recomputed. ``model``
+    picks one of the models given to ``kvs.install`` (default: the first); calls on a
+    state use the state's model unless told otherwise.
 
     Examples
     --------
@@ -40,7 +42,7 @@ def materialize(*segments, namespace: str | None = None) -> Delayed:
     >>> ctx.key.startswith("kvs-materialize-")
     True
     """
-    return _task(tasks.materialize, *segments, namespace=namespace)
+    return _task(tasks.materialize, *segments, namespace=namespace, model=model)
 
 
 def fork(state, k: int) -> list[Delayed]:
@@ -57,28 +59,28 @@ def fork(state, k: int) -> list[Delayed]:
     return list(_task(tasks.fork, state, k, nout=k))
 
 
-def extend(state, *segments) -> Delayed:
+def extend(state, *segments, model: str | None = None) -> Delayed:
     """``state`` followed by more text: ``Delayed[KVStateRef]``.
 
     The result is exactly the state of ``state.text + "".join(segments)``: the joined
     text is re-tokenized and only the tokens after the common prefix are prefilled.
     """
-    return _task(tasks.extend, state, *segments)
+    return _task(tasks.extend, state, *segments, model=model)
 
 
 def resume(state, *segments, max_new_tokens: int | None = None, temperature: float | None = None,
-           top_p: float | None = None, seed: int | None = None) -> Delayed:  # fmt: skip
+           top_p: float | None = None, seed: int | None = None, model: str | None = None) -> Delayed:  # fmt: skip
     """Generate from ``state`` followed by ``segments``: ``Delayed[Generation]`` (a str).
 
     Token-identical to ``generate(state.text, *segments)`` (greedy, or sampling with
     the same seed); the state's KV replaces the prefill of its tokens.
     """
     return _task(tasks.resume, state, *segments, max_new_tokens=max_new_tokens, temperature=temperature,
-                 top_p=top_p, seed=seed, unique=_sampling_without_seed(temperature, seed))  # fmt: skip
+                 top_p=top_p, seed=seed, model=model, unique=_sampling_without_seed(temperature, seed))  # fmt: skip
 
 
 def generate(*segments, max_new_tokens: int | None = None, temperature: float | None = None,
-             top_p: float | None = None, seed: int | None = None) -> Delayed:  # fmt: skip
+             top_p: float | None = None, seed: int | None = None, model: str | None = None) -> Delayed:  # fmt: skip
     """Generate from the prompt ``"".join(segments)`` by text replay: ``Delayed[Generation]``.
 
     Examples
@@ -89,7 +91,7 @@ def generate(*segments, max_new_tokens: int | None = None, temperature: float | 
     True
     """
     return _task(tasks.generate, *segments, max_new_tokens=max_new_tokens, temperature=temperature,
-                 top_p=top_p, seed=seed, unique=_sampling_without_seed(temperature, seed))  # fmt: skip
+                 top_p=top_p, seed=seed, model=model, unique=_sampling_without_seed(temperature, seed))  # fmt: skip
 
 
 def merge(*states, policy: str = "concat") -> Delayed:

@@ -49,7 +49,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class StateRuntime:
     """Operators on one worker: a backend, a block store and the worker's comm pool."""
 
-    def __init__(self, backend, store, worker=None):
+    def __init__(self, backend, store, worker=None, counters: Counter | None = None):
         self.backend = backend
         self.store = store
         self.worker = worker
@@ -57,7 +57,7 @@ class StateRuntime:
         self.block_tokens = int(config.get("block-tokens"))
         self.connect_timeout = config.get_seconds("transport.connect-timeout")
         self.pull_timeout = config.get_seconds("transport.timeout")
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter() if counters is None else counters
 
     # -- helpers -------------------------------------------------------------------
     def hashes(self, ids: Sequence[int], namespace: str) -> tuple[bytes, ...]:

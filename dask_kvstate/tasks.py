@@ -18,8 +18,7 @@ from dask_kvstate.generation import Generation
 from dask_kvstate.state import KVStateRef
 
 
-def runtime():
-    """The ``StateRuntime`` of the worker running the current task."""
+def _plugin():
     from dask_kvstate.plugins.worker import PLUGIN_NAME
 
     try:
@@ -29,7 +28,23 @@ def runtime():
     plugin = worker.plugins.get(PLUGIN_NAME)
     if plugin is None or plugin.runtime is None:
         raise RuntimeError(f"worker {worker.address} has no kvstate plugin: call kvs.install(client) first")
-    return plugin.runtime
+    return plugin
+
+
+def runtime(model: str | None = None):
+    """The ``StateRuntime`` of ``model`` (default: the first installed) on this task's worker."""
+    return _plugin().runtime_for(model)
+
+
+def _runtime_for_state(state: KVStateRef, model: str | None):
+    """The named model's runtime, else the state's own model's if loaded here, else the default.
+
+    A state of a model this worker does not run is then recomputed from its text.
+    """
+    plugin = _plugin()
+    if model is not None:
+        return plugin.runtime_for(model)
+    return plugin.runtimes.get(_check_state(state).model_name, plugin.runtime)
 
 
 def join_segments(segments) -> str:
@@ -65,43 +80,44 @@ def _gen_params(max_new_tokens, temperature, top_p, seed) -> dict:
     return p
 
 
-def materialize(*segments: str, namespace: str | None = None) -> KVStateRef:
+def materialize(*segments: str, namespace: str | None = None, model: str | None = None) -> KVStateRef:
     """Prefill the joined segments once; returns the state's ref."""
-    return runtime().materialize(join_segments(segments), namespace or config.get("namespace"))
+    return runtime(model).materialize(join_segments(segments), namespace or config.get("namespace"))
 
 
-def extend(state: KVStateRef, *segments: str) -> KVStateRef:
+def extend(state: KVStateRef, *segments: str, model: str | None = None) -> KVStateRef:
     """The state followed by more text."""
-    return runtime().extend(_check_state(state), join_segments(segments))
+    return _runtime_for_state(state, model).extend(state, join_segments(segments))
 
 
 def generate(*segments: str, max_new_tokens: int | None = None, temperature: float | None = None,
-             top_p: float | None = None, seed: int | None = None) -> Generation:  # fmt: skip
+             top_p: float | None = None, seed: int | None = None, model: str | None = None) -> Generation:  # fmt: skip
     """Text replay: generate from the whole joined prompt."""
-    return runtime().generate(join_segments(segments), **_gen_params(max_new_tokens, temperature, top_p, seed))
+    return runtime(model).generate(join_segments(segments), **_gen_params(max_new_tokens, temperature, top_p, seed))
 
 
 def resume(state: KVStateRef, *segments: str, max_new_tokens: int | None = None, temperature: float | None = None,
-           top_p: float | None = None, seed: int | None = None) -> Generation:  # fmt: skip
+           top_p: float | None = None, seed: int | None = None, model: str | None = None) -> Generation:  # fmt: skip
     """Generate from the state followed by the segments (same tokens as text replay)."""
-    return runtime().resume(
-        _check_state(state), join_segments(segments), **_gen_params(max_new_tokens, temperature, top_p, seed)
+    return _runtime_for_state(state, model).resume(
+        state, join_segments(segments), **_gen_params(max_new_tokens, temperature, top_p, seed)
     )
 
 
 def fork(state: KVStateRef, k: int) -> list[KVStateRef]:
     """``k`` copy-on-write children of the state."""
-    return runtime().fork(_check_state(state), k)
+    return _runtime_for_state(state, None).fork(state, k)
 
 
 def merge(*states: KVStateRef, policy: str = "concat") -> KVStateRef:
     """Restricted composition of states (see ``kvs.merge``)."""
-    return runtime().merge(states, policy)
+    rt = _runtime_for_state(states[0], None) if states and isinstance(states[0], KVStateRef) else runtime()
+    return rt.merge(states, policy)
 
 
 def transfer(state: KVStateRef) -> KVStateRef:
     """Make the worker running this task the state's holder."""
-    return runtime().transfer(_check_state(state))
+    return _runtime_for_state(state, None).transfer(state)
 
 
 def evict(state: KVStateRef) -> int:
@@ -115,8 +131,7 @@ def evict(state: KVStateRef) -> int:
     from dask_kvstate.plugins.worker import PLUGIN_NAME
     from dask_kvstate.transport import call
 
-    rt = runtime()
-    _check_state(state)
+    rt = _runtime_for_state(state, None)
     freed = rt.worker.plugins[PLUGIN_NAME].evict(state)
     holder = state.placement.worker
     if holder and holder != rt.address:

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import threading
+from collections import Counter
 
 import dask.config
 from distributed import WorkerPlugin
@@ -55,9 +56,10 @@ class KVStateWorkerPlugin(WorkerPlugin):
 
     Parameters
     ----------
-    model : str, optional
-        ``smollm2-135m``, ``tiny-llama`` or a local model folder; default
-        ``kvstate.model``. Unknown names raise ValueError listing the known ones.
+    model : str or list of str, optional
+        ``smollm2-135m``, ``tiny-llama`` or a local model folder (default
+        ``kvstate.model``); a list loads several, the first being the default for
+        calls that name none. Unknown names raise ValueError listing the known ones.
     torch_threads : int, optional
         ``torch.set_num_threads`` on the worker (default ``kvstate.worker.torch-threads``).
     device_bytes, host_bytes, disk_bytes : int or str, optional
@@ -69,10 +71,11 @@ class KVStateWorkerPlugin(WorkerPlugin):
 
     name = PLUGIN_NAME
 
-    def __init__(self, model: str | None = None, *, torch_threads: int | None = None,
+    def __init__(self, model: str | list[str] | None = None, *, torch_threads: int | None = None,
                  device_bytes: int | str | None = None, host_bytes: int | str | None = None,
                  disk_bytes: int | str | None = None):  # fmt: skip
-        self.model = check_model_name(model or config.get("model"))
+        names = [model] if isinstance(model, str) or model is None else list(model)
+        self.models = tuple(dict.fromkeys(check_model_name(m or config.get("model")) for m in names or [None]))
         torch_threads = torch_threads if torch_threads is not None else config.get("worker.torch-threads")
         if torch_threads is not None and (not isinstance(torch_threads, int) or torch_threads < 1):
             raise ValueError(f"torch_threads must be a positive int or None, got {torch_threads!r}")
@@ -82,7 +85,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
             for name, value in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("disk_bytes", disk_bytes))
         }  # fmt: skip
         self.config = {"kvstate": dask.config.get("kvstate")}
-        self.runtime = None
+        self.runtime = None  # of the default (first) model
+        self.runtimes: dict = {}  # model name -> StateRuntime, all sharing one block store
         self.held: dict = {}  # key -> state ids pinned for it
         self._lock = threading.Lock()  # transitions run on the event loop, evict in a task thread
 
@@ -94,18 +98,31 @@ class KVStateWorkerPlugin(WorkerPlugin):
         self._lock = threading.Lock()
 
     def settings(self) -> dict:
-        return {"model": self.model, "torch_threads": self.torch_threads, **self.budgets, "config": self.config}
+        return {"models": list(self.models), "torch_threads": self.torch_threads, **self.budgets, "config": self.config}
 
     async def setup(self, worker) -> None:
         # Loading a model takes seconds; keep the event loop (heartbeats, comms) free.
         loop = asyncio.get_running_loop()
         self.worker = worker
-        self.runtime = await loop.run_in_executor(None, self._build, worker)
+        self.runtimes = await loop.run_in_executor(None, self._build, worker)
+        self.runtime = self.runtimes[self.models[0]]
         worker.handlers[HANDLER] = self._serve_blocks
         worker.handlers["kvstate_evict"] = self._evict_handler
         if self.config["kvstate"]["worker"].get("memory-monitor", True):
             worker.memory_manager.data = KVStateSpillData(worker.memory_manager.data, self.runtime.store)
-        logger.info("kvstate: %s ready on %s", self.model, worker.address)
+        logger.info("kvstate: %s ready on %s", ", ".join(self.models), worker.address)
+
+    def runtime_for(self, model: str | None = None):
+        """The runtime of ``model`` (the default one for None); ValueError if not loaded here."""
+        if model is None:
+            return self.runtime
+        rt = self.runtimes.get(model)
+        if rt is None:
+            raise ValueError(
+                f"model {model!r} is not installed on worker {self.worker.address}; installed: "
+                f"{', '.join(self.models)}. Pass every model a graph uses to kvs.install(client, model=[...])"
+            )
+        return rt
 
     def _build(self, worker):
         import torch
@@ -117,12 +134,14 @@ class KVStateWorkerPlugin(WorkerPlugin):
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         with dask.config.set(self.config):
-            backend = load_backend(self.model)
+            backends = [load_backend(m) for m in self.models]
+            # One store for every model: block hashes carry the model identity.
             store = TieredBlockStore(
                 os.path.join(worker.local_directory, "kvstate-blocks"), **self.budgets,
-                half_life_s=config.get_seconds("worker.recency-half-life"), device=backend.device,
+                half_life_s=config.get_seconds("worker.recency-half-life"), device=backends[0].device,
             )  # fmt: skip
-            return StateRuntime(backend, store, worker)
+            counters = Counter()
+            return {b.name: StateRuntime(b, store, worker, counters=counters) for b in backends}
 
     def teardown(self, worker) -> None:
         for name in (HANDLER, "kvstate_evict"):
@@ -132,6 +151,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
         if self.runtime is not None:
             self.runtime.store.close()
         self.runtime = None
+        self.runtimes = {}
         self.held.clear()
 
     # -- refcounts -----------------------------------------------------------------

@@ -132,24 +132,49 @@ def test_state_of_another_config_is_never_reused(client):
     assert out.token_ids == replay(client, CONTEXT, QUESTIONS[2]).token_ids
 
 
-def test_state_of_another_model_is_recomputed_with_the_same_output(client, backend, tmp_path):
-    # Another real model: tiny-llama's architecture with different (seeded) weights.
+@pytest.fixture(scope="module")
+def other_model(backend, tmp_path_factory):
+    """Another real model: tiny-llama's architecture with different (seeded) weights, in a folder."""
     import torch
     from transformers import LlamaForCausalLM
 
+    folder = tmp_path_factory.mktemp("other-model")
     with torch.random.fork_rng():
         torch.manual_seed(1)
-        other = LlamaForCausalLM(backend.model.config)
-    other.save_pretrained(tmp_path)
-    backend.tokenizer.save_pretrained(tmp_path)
+        LlamaForCausalLM(backend.model.config).save_pretrained(folder)
+    backend.tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_state_of_another_model_is_recomputed_with_the_same_output(client, other_model):
     with dask.config.set(TEST_CONFIG):
         with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as c2, Client(c2) as other_client:
-            kvs.install(other_client, str(tmp_path), torch_threads=1)
+            kvs.install(other_client, other_model, torch_threads=1)
             foreign = other_client.compute(kvs.materialize(CONTEXT)).result()
     assert foreign.model != client.compute(kvs.materialize(CONTEXT)).result().model
     out = client.compute(kvs.resume(foreign, QUESTIONS[0], max_new_tokens=16)).result()
     assert out.reused_tokens == 0
     assert out.token_ids == replay(client, CONTEXT, QUESTIONS[0]).token_ids
+
+
+def test_two_models_on_one_cluster_never_share_state(other_model):
+    with dask.config.set(TEST_CONFIG):
+        with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as c2, Client(c2) as c:
+            kvs.install(c, ["tiny-llama", other_model], torch_threads=1)
+            a = kvs.materialize(CONTEXT)  # the default model: tiny-llama
+            b = kvs.materialize(CONTEXT, model=other_model)
+            ra, rb = dask.compute(a, b)
+            assert ra.model != rb.model and set(ra.blocks).isdisjoint(rb.blocks)
+            own = dask.compute(kvs.resume(a, QUESTIONS[1], max_new_tokens=12),
+                               kvs.resume(b, QUESTIONS[1], max_new_tokens=12))  # fmt: skip
+            crossed = c.compute(kvs.resume(a, QUESTIONS[1], max_new_tokens=12, model=other_model)).result()
+            want = dask.compute(kvs.generate(CONTEXT, QUESTIONS[1], max_new_tokens=12),
+                                kvs.generate(CONTEXT, QUESTIONS[1], max_new_tokens=12, model=other_model))  # fmt: skip
+            with pytest.raises(ValueError, match="model 'gpt-x' is not installed"):
+                c.compute(kvs.generate("x", model="gpt-x")).result()
+    assert [o.token_ids for o in own] == [w.token_ids for w in want]
+    assert own[0].reused_tokens > 0 and own[1].reused_tokens > 0
+    assert crossed.reused_tokens == 0 and crossed.token_ids == want[1].token_ids  # recomputed, never reused
 
 
 def test_evict_frees_the_bytes(client, workers):
