@@ -18,6 +18,7 @@ from dask_kvstate.generation import Generation
 from dask_kvstate import tasks
 from dask_kvstate.operators import evict, extend, fork, generate, materialize, merge, resume, transfer
 from dask_kvstate.errors import MergeError
+from dask_kvstate.graph_opt import StateflowError, explain, optimize, stateflow
 from dask_kvstate.state import KVState, KVStateRef, compatible
 
 __version__ = "0.1.0"
@@ -28,15 +29,19 @@ __all__ = [
     "KVState",
     "KVStateRef",
     "MergeError",
+    "StateflowError",
     "compatible",
     "evict",
+    "explain",
     "extend",
     "fork",
     "generate",
     "install",
     "materialize",
     "merge",
+    "optimize",
     "resume",
+    "stateflow",
     "stats",
     "transfer",
 ]

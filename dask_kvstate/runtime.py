@@ -274,4 +274,6 @@ class StateRuntime:
         return freed
 
     def stats(self) -> dict:
-        return {"model": self.backend.name, **self.store.stats(), **dict(self.counters)}
+        # Tokens whose KV came from a state (or the prefix cache) instead of a prefill.
+        avoided = {"prefill_tokens_avoided": self.counters["reused_tokens"]}
+        return {"model": self.backend.name, **self.store.stats(), **dict(self.counters), **avoided}

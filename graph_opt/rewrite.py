@@ -1,0 +1,67 @@
+"""Apply a :class:`Plan` to a graph: insert the state tasks, rewrite the calls.
+
+The result is one HighLevelGraph layer. Inserted state tasks can depend on upstream
+tasks that sit in the same layer as their consumers (persisted or merged graphs), so
+splitting them into a layer of their own could make the layer graph cyclic; a single
+layer cannot. Every annotation of the input survives as a per-key annotation, and the
+inserted tasks carry a ``kvstate`` annotation the scheduler plugins can read:
+``{"op", "state_input", "consumers"}`` (state edges; everything else is a data edge).
+Output keys never change: a rewritten call keeps its key.
+"""
+from __future__ import annotations
+
+from dask._task_spec import Task, TaskRef
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+
+from dask_kvstate import tasks
+from dask_kvstate.graph_opt.plan import Plan
+
+
+class KeyAnnotation:
+    """A picklable ``key -> value`` annotation (HLG calls callables once per key)."""
+
+    def __init__(self, values: dict, default=None):
+        self.values = values
+        self.default = default
+
+    def __call__(self, key):
+        return self.values.get(key, self.default)
+
+
+def state_task(st) -> Task:
+    args = [s.arg() for s in st.segments]
+    if st.op == "materialize":
+        return Task(st.key, tasks.materialize, *args, model=st.model)
+    return Task(st.key, tasks.extend, TaskRef(st.parent), *args, model=st.model)
+
+
+def resume_task(call, state_key, remaining) -> Task:
+    return Task(call.key, tasks.resume, TaskRef(state_key), *[s.arg() for s in remaining], **call.gen_kwargs)
+
+
+def per_key_annotations(hlg: HighLevelGraph) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for layer in hlg.layers.values():
+        for name, value in (layer.annotations or {}).items():
+            out.setdefault(name, {}).update({k: (value(k) if callable(value) else value) for k in layer})
+    return out
+
+
+def apply_plan(hlg: HighLevelGraph, plan: Plan) -> HighLevelGraph:
+    dsk = dict(hlg)
+    by_key = {c.key: c for c in plan.calls}
+    for call_key, (state_key, remaining) in plan.resumes.items():
+        dsk[call_key] = resume_task(by_key[call_key], state_key, remaining)
+    for st in plan.states.values():
+        assert st.key not in dsk or st.key in plan.states, f"state key {st.key} collides with a task"
+        dsk[st.key] = state_task(st)
+
+    annotations = {name: KeyAnnotation(values) for name, values in per_key_annotations(hlg).items()}
+    annotations["kvstate"] = KeyAnnotation(
+        {
+            st.key: {"op": st.op, "state_input": st.parent, "consumers": sorted(map(str, st.consumers + st.children))}
+            for st in plan.states.values()
+        }
+    )
+    name = f"kvstate-stateflow-{abs(hash(tuple(sorted(plan.states)))):x}"
+    return HighLevelGraph({name: MaterializedLayer(dsk, annotations=annotations)}, {name: set()})
