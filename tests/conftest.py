@@ -46,6 +46,20 @@ def backend():
     return load_backend("tiny-llama")
 
 
+@pytest.fixture(scope="session")
+def other_model(backend, tmp_path_factory):
+    """Another real model: tiny-llama's architecture with different (seeded) weights, in a folder."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("other-model")
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        LlamaForCausalLM(backend.model.config).save_pretrained(folder)
+    backend.tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 def on(worker):
     """Pin the tasks built inside to one worker."""
     return dask.annotate(workers=[worker], allow_other_workers=False)

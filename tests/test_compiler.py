@@ -128,19 +128,6 @@ def test_two_models_in_one_graph_never_share(other_model):
     assert off[0].token_ids != off[2].token_ids  # really two different models
 
 
-@pytest.fixture(scope="module")
-def other_model(backend, tmp_path_factory):
-    import torch
-    from transformers import LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("other-model")
-    with torch.random.fork_rng():
-        torch.manual_seed(1)
-        LlamaForCausalLM(backend.model.config).save_pretrained(folder)
-    backend.tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
 def test_the_pass_runs_in_a_separate_dask_scheduler_process(tmp_path):
     dask_cli = shutil.which("dask", path=str(Path(sys.executable).parent))
     env = {**os.environ, "DASK_KVSTATE__BLOCK_TOKENS": "16"}

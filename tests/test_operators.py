@@ -132,20 +132,6 @@ def test_state_of_another_config_is_never_reused(client):
     assert out.token_ids == replay(client, CONTEXT, QUESTIONS[2]).token_ids
 
 
-@pytest.fixture(scope="module")
-def other_model(backend, tmp_path_factory):
-    """Another real model: tiny-llama's architecture with different (seeded) weights, in a folder."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("other-model")
-    with torch.random.fork_rng():
-        torch.manual_seed(1)
-        LlamaForCausalLM(backend.model.config).save_pretrained(folder)
-    backend.tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
 def test_state_of_another_model_is_recomputed_with_the_same_output(client, other_model):
     with dask.config.set(TEST_CONFIG):
         with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as c2, Client(c2) as other_client:
