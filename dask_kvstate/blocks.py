@@ -50,7 +50,9 @@ def block_hashes(
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens!r}")
     ids = np.asarray(token_ids, dtype=np.int64)
-    prefix = identity + namespace.encode() + b"\x00"
+    # A fixed-size digest of the namespace: no namespace can end where another's token
+    # bytes begin, so tenants never collide.
+    prefix = identity + hashlib.blake2b(namespace.encode(), digest_size=HASH_BYTES).digest()
     hashes = []
     parent = b""
     for start in range(0, len(ids), block_tokens):

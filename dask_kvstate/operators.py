@@ -14,7 +14,7 @@ import dask
 from dask.base import tokenize
 from dask.delayed import Delayed
 
-from dask_kvstate import tasks
+from dask_kvstate import config, tasks
 
 
 def _task(func, *args, nout: int | None = None, unique: bool = False, **kwargs) -> Delayed:
@@ -42,6 +42,8 @@ def materialize(*segments, namespace: str | None = None, model: str | None = Non
     >>> ctx.key.startswith("kvs-materialize-")
     True
     """
+    # The namespace is fixed here, from the client's config, not on whichever worker runs it.
+    namespace = namespace or config.get("namespace")
     return _task(tasks.materialize, *segments, namespace=namespace, model=model)
 
 

@@ -118,13 +118,14 @@ class StateRuntime:
         tensors = [self.store.get(h) for h in ref.blocks]
         missing = [h for h, t in zip(ref.blocks, tensors) if t is None]
         self.counters["block_hits"] += len(tensors) - len(missing)
-        if missing and ref.placement.worker not in (None, self.address):
+        if missing and self.worker is not None and ref.placement.worker not in (None, self.address):
             pulled = self._pull(ref.placement.worker, missing)
             tensors = [pulled.get(h, t) if t is None else t for h, t in zip(ref.blocks, tensors)]
         first_missing = next((i for i, t in enumerate(tensors) if t is None), None)
         if first_missing is not None:
             tensors = self._recompute(ids, ref.blocks, tensors, first_missing)
-        return KVState(ref, ids, join_blocks(tensors))
+        device = self.backend.device  # a block read back from a lower tier may sit in host memory
+        return KVState(ref, ids, join_blocks([t.to(device, non_blocking=True) for t in tensors]))
 
     def _pull(self, holder: str, hashes: list[bytes]) -> dict[bytes, torch.Tensor]:
         from distributed.utils import sync
@@ -132,7 +133,7 @@ class StateRuntime:
         try:
             res = sync(self.worker.loop, pull_blocks, self.worker.rpc, holder, hashes,
                        connect_timeout=self.connect_timeout, timeout=self.pull_timeout)  # fmt: skip
-        except (OSError, TimeoutError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 - whatever the peer or the comm raised, recompute instead
             self.counters["transfer_failures"] += 1
             logger.warning("kvstate: pulling %d blocks from %s failed (%s: %s); recomputing", len(hashes), holder,
                            type(e).__name__, e)  # fmt: skip

@@ -1,9 +1,9 @@
 """Moving KV blocks between workers over the cluster's own comm (TCP, TLS or UCX).
 
 The holder serves blocks from a worker RPC handler (``kvstate_get_blocks``); each tensor
-goes out wrapped in ``to_serialize``, so Dask's torch serializer sends the tensor's
-buffer as its own frame: no pickling, no copy on the way out, and on the way in the
-tensor is a view of the received frame.
+goes out as a uint8 view of its memory wrapped in ``to_serialize``, so Dask sends the
+buffer as its own frame: no pickling, no copy on the way out (CUDA blocks are staged
+through host memory), and on the way in the tensor is a view of the received frame.
 
 The puller gives a holder ``transport.connect-timeout`` to answer: a dead holder must
 cost seconds, not the 30 s default of ``distributed.comm.timeouts.connect``, because
@@ -22,17 +22,47 @@ from distributed.protocol import to_serialize
 HANDLER = "kvstate_get_blocks"
 
 
+def _frame(t) -> tuple:
+    """A tensor as (zero-copy uint8 frame, dtype name, shape).
+
+    Raw bytes rather than Dask's torch serializer, which goes through ``.numpy()`` and
+    so refuses bfloat16 and CUDA tensors; CUDA blocks are staged through host memory.
+    """
+    import torch
+
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.contiguous()
+    raw = t.reshape(-1).view(torch.uint8).numpy() if t.nelement() else memoryview(b"")
+    return to_serialize(raw), str(t.dtype).removeprefix("torch."), list(t.shape)
+
+
+def _tensor(raw, dtype: str, shape: list):
+    import numpy as np
+    import torch
+
+    arr = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw
+    if not arr.flags.writeable:  # torch wants writable memory; frames read off TCP usually are
+        arr = arr.copy()
+    return torch.from_numpy(arr).view(getattr(torch, dtype)).reshape(shape)
+
+
 def serve_blocks(store, hashes: Sequence[bytes]) -> dict:
     """The handler's reply: the present blocks as zero-copy frames, and the missing hashes."""
-    found, tensors, missing = [], [], []
+    found, frames, dtypes, shapes, missing = [], [], [], [], []
     for h in hashes:
-        t = store.peek(h)
+        t = store.peek(h) if store is not None else None
         if t is None:
             missing.append(h)
-        else:
-            found.append(h)
-            tensors.append(to_serialize(t))
-    return {"status": "OK", "hashes": found, "tensors": tensors, "missing": missing}
+            continue
+        frame, dtype, shape = _frame(t)
+        found.append(h)
+        frames.append(frame)
+        dtypes.append(dtype)
+        shapes.append(shape)
+    return {"status": "OK", "hashes": found, "tensors": frames, "dtypes": dtypes, "shapes": shapes,
+            "missing": missing}  # fmt: skip
 
 
 @dataclass
@@ -66,6 +96,7 @@ async def pull_blocks(pool, address: str, hashes: Sequence[bytes], *, connect_ti
     """
     t0 = time.perf_counter()
     resp = await call(pool, address, HANDLER, connect_timeout=connect_timeout, timeout=timeout, hashes=list(hashes))
-    blocks = dict(zip(resp["hashes"], resp["tensors"]))
+    blocks = {h: _tensor(raw, d, shape) for h, raw, d, shape in
+              zip(resp["hashes"], resp["tensors"], resp["dtypes"], resp["shapes"])}  # fmt: skip
     nbytes = sum(t.nelement() * t.element_size() for t in blocks.values())
     return PullResult(blocks, nbytes, time.perf_counter() - t0)

@@ -47,16 +47,29 @@ def per_key_annotations(hlg: HighLevelGraph) -> dict[str, dict]:
     return out
 
 
+def _inherit(plan: Plan, per_key: dict[str, dict]) -> None:
+    """Give each state task the annotations all its users agree on (workers, resources,
+    retries, ...): the prefill then runs where the calls it serves may run."""
+    for st in reversed(list(plan.states.values())):  # children before parents
+        users = [*st.consumers, *st.children]
+        for values in per_key.values():
+            got = [values.get(u) for u in users]
+            if got and got[0] is not None and all(g == got[0] for g in got):
+                values[st.key] = got[0]
+
+
 def apply_plan(hlg: HighLevelGraph, plan: Plan) -> HighLevelGraph:
     dsk = dict(hlg)
     by_key = {c.key: c for c in plan.calls}
     for call_key, (state_key, remaining) in plan.resumes.items():
         dsk[call_key] = resume_task(by_key[call_key], state_key, remaining)
     for st in plan.states.values():
-        assert st.key not in dsk or st.key in plan.states, f"state key {st.key} collides with a task"
+        assert st.key not in hlg, f"inserted state key {st.key} collides with a task of the graph"
         dsk[st.key] = state_task(st)
 
-    annotations = {name: KeyAnnotation(values) for name, values in per_key_annotations(hlg).items()}
+    per_key = per_key_annotations(hlg)
+    _inherit(plan, per_key)
+    annotations = {name: KeyAnnotation(values) for name, values in per_key.items()}
     annotations["kvstate"] = KeyAnnotation(
         {
             st.key: {"op": st.op, "state_input": st.parent, "consumers": sorted(map(str, st.consumers + st.children))}

@@ -119,7 +119,7 @@ class TieredBlockStore:
         self._lock = threading.RLock()
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvstate-prefetch")
 
-        self.disk = DiskTier(os.path.join(self.directory), disk_bytes, victims=self._disk_victims)
+        self.disk = DiskTier(self.directory, disk_bytes, victims=self._disk_victims, on_drop=self._dropped)
         self._host = ScoredBuffer(
             {}, self.disk, host_bytes, score=self._score, movable=self._movable,
             fast_to_slow_callbacks=[self._count("host", "spills")],
@@ -151,6 +151,10 @@ class TieredBlockStore:
         """Unreferenced blocks on disk, lowest score first (asked when the disk is full)."""
         victims = [h for h in self.disk if h not in self.holds and h not in self.pins]
         yield from sorted(victims, key=self._score)
+
+    def _dropped(self, h: bytes) -> None:
+        self.meta.pop(h, None)
+        self.counters["store"]["dropped"] += 1
 
     def _count(self, tier: str, what: str):
         def cb(key, value):
@@ -234,18 +238,18 @@ class TieredBlockStore:
             return value
 
     def peek(self, h: bytes) -> torch.Tensor | None:
-        """The block without counting or moving it between tiers (serving peers, scoring)."""
-        for tier in (self.device, self.host):
-            v = tier.d.get(h)
-            if v is not None:
-                return v
-        if h in self.disk:
-            try:
-                return self.disk[h]
-            except CorruptBlockError as e:
-                with self._lock:
+        """The block without counting or moving it between tiers (serving peers). Never raises."""
+        with self._lock:
+            for tier in (self.device, self.host):
+                v = tier.d.get(h)
+                if v is not None:
+                    return v
+            if h in self.disk:
+                try:
+                    return self.disk[h]
+                except CorruptBlockError as e:
                     self._corrupt(h, e)
-        return None
+            return None
 
     def _corrupt(self, h: bytes, err: Exception) -> None:
         self.counters["disk"]["checksum_failures"] += 1
@@ -375,7 +379,10 @@ class TieredBlockStore:
                     k, _, _ = self.device.evict()  # down to host first
                 key, value, w = self.host.evict()
                 return int(w) if key is not None else -1
-            except (KeyError, OSError):
+            except KeyError:
+                return -1
+            except OSError as e:
+                self._disk_full(e)
                 return -1
 
     # -- accounting ----------------------------------------------------------------

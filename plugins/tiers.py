@@ -56,7 +56,10 @@ class ScoredLRU(zict.LRU):
     def evict(self, key=nodefault):
         if key is nodefault:
             with self.lock:
-                candidates = [k for k in (self.heavy or self.order) if self.movable(k)]
+                # Heavy keys (larger than the budget) go first, unless they are all pinned.
+                candidates = [k for k in self.heavy if self.movable(k)] or [
+                    k for k in self.order if self.movable(k)
+                ]
                 if not candidates:
                     raise KeyError("evict(): nothing movable")
                 key = min(candidates, key=self.score)
@@ -84,7 +87,8 @@ class DiskTier(MutableMapping):
     ``ENOSPC``, after removing the partial file.
     """
 
-    def __init__(self, directory: str, capacity: int, *, victims: Callable[[], Iterator[bytes]] = lambda: iter(())):
+    def __init__(self, directory: str, capacity: int, *, victims: Callable[[], Iterator[bytes]] = lambda: iter(()),
+                 on_drop: Callable[[bytes], None] = lambda key: None):  # fmt: skip
         os.makedirs(directory, mode=0o700, exist_ok=True)
         os.chmod(directory, 0o700)
         for name in os.listdir(directory):  # stale files of a previous worker: not ours to trust
@@ -92,6 +96,7 @@ class DiskTier(MutableMapping):
         self.directory = directory
         self.capacity = int(capacity)
         self.victims = victims
+        self.on_drop = on_drop
         self.file = zict.File(directory)
         self.sizes: dict[bytes, int] = {}  # tensor bytes per key (what budgets count)
         self.total = 0
@@ -121,6 +126,7 @@ class DiskTier(MutableMapping):
                 break
             if victim in self.sizes:
                 del self[victim]
+                self.on_drop(victim)
         if self.total + size > self.capacity:
             raise DiskFullError(
                 f"disk tier full: {self.total + size} > {self.capacity} bytes (kvstate.worker.disk-bytes) "

@@ -29,6 +29,7 @@ from dask_kvstate.transport import HANDLER, serve_blocks
 logger = logging.getLogger("dask_kvstate")
 
 PLUGIN_NAME = "kvstate"
+_RUNNING = ("executing", "long-running", "cancelled", "resumed")
 
 
 def refs_in(value) -> list[KVStateRef]:
@@ -159,10 +160,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
         rt = self.runtime
         if rt is None:
             return
-        if start == "executing":
-            rt.store.unpin(("task", key))
-        if finish == "memory":
-            refs = refs_in(self.worker.data.get(key)) if key in self.worker.data else []
+        if finish == "memory" and self._may_hold_refs(key):
+            refs = refs_in(self.worker.data.get(key))
             with self._lock:
                 for ref in refs:
                     rt.store.hold(("ref", key, ref.state_id), ref.blocks)
@@ -172,6 +171,17 @@ class KVStateWorkerPlugin(WorkerPlugin):
             with self._lock:
                 for sid in self.held.pop(key, ()):
                     rt.store.release(("ref", key, sid))
+        # After the hold above, so a finished task's new blocks are never unprotected.
+        # A cancelled task's thread runs on until cancelled -> released; a seceded one
+        # (long-running) still runs: keep their pins until then.
+        if start in _RUNNING and finish not in _RUNNING:
+            rt.store.unpin(("task", key))
+
+    def _may_hold_refs(self, key) -> bool:
+        # Only look at values whose type can hold refs: reading any other key's value
+        # could unspill a large result on the event loop.
+        ts = self.worker.state.tasks.get(key)
+        return ts is not None and ts.type in (KVStateRef, list, tuple) and key in self.worker.data
 
     def owners_of(self, state_id: str) -> list:
         return [("ref", key, state_id) for key, sids in self.held.items() if state_id in sids]
@@ -187,8 +197,9 @@ class KVStateWorkerPlugin(WorkerPlugin):
     # -- handlers ------------------------------------------------------------------
     async def _serve_blocks(self, comm=None, hashes=()) -> dict:
         if self.runtime is None:
-            return {"status": "OK", "hashes": [], "tensors": [], "missing": list(hashes)}
-        return serve_blocks(self.runtime.store, hashes)
+            return serve_blocks(None, hashes)
+        # Blocks on disk are read and checked off the event loop.
+        return await asyncio.to_thread(serve_blocks, self.runtime.store, hashes)
 
     async def _evict_handler(self, comm=None, state=None) -> int:
         if self.runtime is None or not isinstance(state, KVStateRef):

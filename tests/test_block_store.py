@@ -207,3 +207,12 @@ def test_a_real_write_error_keeps_the_block_above_and_leaves_no_partial_file(tmp
     assert len(store.disk) == 0 and os.listdir(tmp_path) == []  # no half-written file
     assert store.stats()["tiers"]["disk"]["full"] >= 1
     store.close()
+
+
+def test_a_pinned_block_over_the_budget_does_not_stop_eviction(store):
+    store.pin("task", [b"big"])
+    store.put(b"big", torch.zeros(100))  # 400 bytes: heavier than the whole device tier
+    for h in (b"a", b"b", b"c"):
+        store.put(h, block())
+    assert store.where(b"big") == "device"
+    assert all(store.where(h) != "device" for h in (b"a", b"b"))  # the rest still moved down

@@ -153,3 +153,18 @@ def test_the_pass_runs_in_a_separate_dask_scheduler_process(tmp_path):
         for p in reversed(procs):
             p.terminate()
             p.wait(timeout=30)
+
+
+def test_inserted_states_inherit_the_annotations_their_calls_agree_on():
+    from dask.highlevelgraph import HighLevelGraph
+
+    with dask.annotate(resources={"GPU": 1}, retries=3):
+        outs = shapes.tree_of_thought(k=3, n=4)
+    hlg = HighLevelGraph.merge(*[o.dask for o in outs])
+    compiled = kvs.optimize(hlg, [o.key for o in outs])
+    (layer,) = compiled.layers.values()
+    (state_key,) = kvs.explain(*outs).plan.states
+    assert layer.annotations["resources"](state_key) == {"GPU": 1}
+    assert layer.annotations["retries"](state_key) == 3
+    assert layer.annotations["kvstate"](state_key)["op"] == "materialize"
+    assert layer.annotations["kvstate"](outs[0].key) is None  # calls are data-edge consumers

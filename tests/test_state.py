@@ -97,3 +97,11 @@ def test_hash_chain_separates_models_namespaces_and_prefixes():
     assert block_hashes(range(40), identity=kv_identity("m1", "c2"), namespace="ns", block_tokens=16)[0] != base[0]
     changed_first = block_hashes([99, *range(1, 40)], identity=ident, namespace="ns", block_tokens=16)
     assert all(x != y for x, y in zip(changed_first, base))  # a change propagates down the chain
+
+
+def test_namespaces_cannot_collide_through_token_bytes():
+    # Without a fixed-size namespace digest, "ns" + token bytes could spell another namespace.
+    ident = kv_identity("m", "c")
+    a = block_hashes([1, 500, 600], identity=ident, namespace="tenantA", block_tokens=16)
+    b = block_hashes([500, 600], identity=ident, namespace="tenantA\x00\x01\x00\x00\x00\x00\x00\x00", block_tokens=16)
+    assert a != b
