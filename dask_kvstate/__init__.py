@@ -11,11 +11,11 @@ plugin with :func:`install`, and compute with a ``distributed.Client``:
 """
 from __future__ import annotations
 
-from dask_kvstate import config  # registers the kvstate.* defaults
+from dask_kvstate import config  # noqa: F401  (registers the kvstate.* defaults)
 from dask_kvstate.backends import KNOWN_MODELS
 from dask_kvstate.client import install, stats
 from dask_kvstate.generation import Generation
-from dask_kvstate import tasks
+from dask_kvstate import tasks  # noqa: F401  (kvs.tasks.*: the operators for client.submit)
 from dask_kvstate.operators import evict, extend, fork, generate, materialize, merge, resume, transfer
 from dask_kvstate.errors import MergeError
 from dask_kvstate.graph_opt import StateflowError, explain, optimize, stateflow

@@ -26,7 +26,6 @@ dropped to be recomputed later.
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 import threading
 import time
@@ -39,7 +38,7 @@ import zict
 
 from dask_kvstate.cost import eviction_score
 from dask_kvstate.plugins.disk_format import CorruptBlockError
-from dask_kvstate.plugins.tiers import DiskFullError, DiskTier, ScoredBuffer, nbytes
+from dask_kvstate.plugins.tiers import DiskTier, ScoredBuffer, nbytes
 
 logger = logging.getLogger("dask_kvstate")
 

@@ -66,16 +66,6 @@ class _Pair:
                 self.raw_host.fast.evict(h)
 
 
-def _best_of(fn, setup, repeat: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        setup()
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 class TierOps:
     """put / get / spill / unspill per tier, ours vs raw zict, as time ratios."""
 
@@ -86,30 +76,28 @@ class TierOps:
     def setup(self, tier, block_bytes):
         self.block_bytes = block_bytes
 
-    def _ratio(self, op: str, tier: str) -> float:
-        times = {}
-        for ours in (True, False):
-            pair = None
-
-            def fresh():
-                nonlocal pair
-                if pair is not None:
-                    pair.close()
-                pair = _Pair(self.block_bytes)
-                if op in ("get", "unspill", "spill"):
-                    pair.put(ours)
-                if op == "unspill":
-                    pair.spill(ours, tier)
-
+    def _time(self, op: str, tier: str, ours: bool) -> float:
+        """Best of three, each on a fresh pair prepared up to the operation."""
+        best = float("inf")
+        for _ in range(3):
+            pair = _Pair(self.block_bytes)
+            if op in ("get", "unspill", "spill"):
+                pair.put(ours)
+            if op == "unspill":
+                pair.spill(ours, tier)
+            t0 = time.perf_counter()
             if op == "put":
-                run = lambda: pair.put(ours)  # noqa: E731
+                pair.put(ours)
             elif op == "spill":
-                run = lambda: pair.spill(ours, tier)  # noqa: E731
+                pair.spill(ours, tier)
             else:
-                run = lambda: pair.get(ours)  # noqa: E731
-            times[ours] = _best_of(run, fresh)
+                pair.get(ours)
+            best = min(best, time.perf_counter() - t0)
             pair.close()
-        return times[True] / times[False]
+        return best
+
+    def _ratio(self, op: str, tier: str) -> float:
+        return self._time(op, tier, ours=True) / self._time(op, tier, ours=False)
 
     def track_put_ratio(self, tier, block_bytes):
         return self._ratio("put", tier)
