@@ -11,7 +11,9 @@ import tree_of_thought  # noqa: E402
 
 def test_tree_of_thought_table(client):
     m = tree_of_thought.run(client, branches=4, lines=10, new_tokens=8)
-    assert [r.token_ids for r in m["replay"]] == [k.token_ids for k in m["kvstate"]]
-    assert m["kvstate_prefill_bytes"] < m["replay_prefill_bytes"]
+    assert tree_of_thought.identical(m)
+    assert m["kvstate"]["prefill_tokens"] < m["replay"]["prefill_tokens"]
+    assert m["compiler"]["prefill_tokens"] < m["replay"]["prefill_tokens"]
+    assert all(g.reused_tokens > 0 for g in m["compiler"]["results"])
     text = tree_of_thought.table(m)
-    assert "token-identical outputs: all" in text and text.count(" yes") == 4
+    assert "token-identical outputs: all" in text and text.count("| yes") == 4
