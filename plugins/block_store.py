@@ -139,9 +139,9 @@ class TieredBlockStore:
         self.host = self._host.fast
 
     # -- scoring -------------------------------------------------------------------
-    def _score(self, h: bytes) -> float:
+    def _score(self, h: bytes, now: float) -> float:
         hits, last, size = self.meta.get(h, (0, 0.0, 1))
-        return eviction_score(hits, time.monotonic() - last, size, self.half_life_s)
+        return eviction_score(hits, now - last, size, self.half_life_s)
 
     def _movable(self, h: bytes) -> bool:
         return h not in self.pins
@@ -149,7 +149,8 @@ class TieredBlockStore:
     def _disk_victims(self):
         """Unreferenced blocks on disk, lowest score first (asked when the disk is full)."""
         victims = [h for h in self.disk if h not in self.holds and h not in self.pins]
-        yield from sorted(victims, key=self._score)
+        now = time.monotonic()
+        yield from sorted(victims, key=lambda h: self._score(h, now))
 
     def _dropped(self, h: bytes) -> None:
         self.meta.pop(h, None)
@@ -269,7 +270,8 @@ class TieredBlockStore:
                 victims = [k for k in lru.order if k not in self.holds and k not in self.pins]
                 if not victims:
                     break
-                k = min(victims, key=self._score)
+                now = time.monotonic()
+                k = min(victims, key=lambda h: self._score(h, now))
                 del lru[k]
                 self.meta.pop(k, None)
                 self.counters["store"]["dropped"] += 1

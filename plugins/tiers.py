@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, MutableMapping
 
 import torch
@@ -41,7 +42,8 @@ class ScoredLRU(zict.LRU):
     Parameters
     ----------
     score : callable
-        ``key -> float``; lower goes first.
+        ``(key, now) -> float``; lower goes first. ``now`` (``time.monotonic()``) is read
+        once per choice, so every candidate is judged at the same instant.
     movable : callable
         ``key -> bool``; keys for which it is False are never chosen as victims. If no
         key is movable, eviction stops (``evict_until_below_target`` returns) and the
@@ -62,7 +64,8 @@ class ScoredLRU(zict.LRU):
                 ]
                 if not candidates:
                     raise KeyError("evict(): nothing movable")
-                key = min(candidates, key=self.score)
+                now = time.monotonic()
+                key = min(candidates, key=lambda k: self.score(k, now))
         return super().evict(key)
 
 

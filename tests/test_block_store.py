@@ -37,12 +37,12 @@ def test_disk_tier_is_a_mapping(tmp_path):
 
 
 def test_scored_buffer_over_disk_is_a_mapping(tmp_path):
-    check_mapping(ScoredBuffer({}, DiskTier(str(tmp_path), 10**6), n=3 * 32, score=lambda k: 0.0, movable=lambda k: True))
+    check_mapping(ScoredBuffer({}, DiskTier(str(tmp_path), 10**6), n=3 * 32, score=lambda k, now: 0.0, movable=lambda k: True))
 
 
 def test_device_host_disk_chain_is_a_mapping(tmp_path):
-    host = ScoredBuffer({}, DiskTier(str(tmp_path), 10**6), n=2 * 32, score=lambda k: 0.0, movable=lambda k: True)
-    check_mapping(ScoredBuffer({}, host, n=2 * 32, score=lambda k: 0.0, movable=lambda k: True))
+    host = ScoredBuffer({}, DiskTier(str(tmp_path), 10**6), n=2 * 32, score=lambda k, now: 0.0, movable=lambda k: True)
+    check_mapping(ScoredBuffer({}, host, n=2 * 32, score=lambda k, now: 0.0, movable=lambda k: True))
 
 
 # -- placement, step by step ---------------------------------------------------------
