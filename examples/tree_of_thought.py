@@ -99,10 +99,10 @@ def run(client: Client, *, branches: int = 4, lines: int = 52, new_tokens: int =
             "workers": [next(iter(where[f.key]), "?") for f in futures],
             "prefill_tokens": _delta(after, before, "prefill_tokens"),
             "transfer_bytes": _delta(after, before, "transfer_bytes"),
+            "held_bytes": _delta(after, before, "bytes"),
         }  # fmt: skip
     m["context_tokens"] = m["kvstate"]["results"][0].reused_tokens + 1
     m["bytes_per_token"] = client.run(_kv_bytes_per_token).popitem()[1]
-    m["resident_bytes"] = sum(s.get("bytes", 0) for s in kvs.stats(client).values())
     return m
 
 
@@ -145,7 +145,8 @@ def table(m: dict) -> str:
         f"{prefill['compiler']:>9.1f} MiB | {prefill['replay'] / max(prefill['kvstate'], 1e-9):>6.2f}x |",
         f"{'KV moved between workers':>24} | {0:>7.1f} MiB | {kv['transfer_bytes'] / mib:>8.1f} MiB | "
         f"{cc['transfer_bytes'] / mib:>9.1f} MiB |",
-        f"{'KV held after (stores)':>24} | {m['resident_bytes'] / mib:>.1f} MiB over all workers",
+        f"{'KV held after (stores)':>24} | {rep['held_bytes'] / mib:>7.1f} MiB | {kv['held_bytes'] / mib:>8.1f} MiB | "
+        f"{cc['held_bytes'] / mib:>9.1f} MiB |",
         "",
         f"token-identical outputs: {'all' if identical(m) else 'NOT ALL'}",
         f"branch 0 says: {kv['results'][0].strip()!r}",

@@ -146,9 +146,11 @@ def test_the_pass_runs_in_a_separate_dask_scheduler_process(tmp_path):
             with kvs.stateflow():
                 on = dask.compute(*shapes.tree_of_thought(k=3, n=6))
             remote = c.run_on_scheduler(recent_plans)
+            scheduler_has_torch = c.run_on_scheduler(lambda: "torch" in sys.modules)
         assert [o.token_ids for o in on] == [o.token_ids for o in off]
         assert any(p["states"] == 1 and p["resumes"] == 3 for p in remote)
         assert len(RECENT_PLANS) == local_before  # it ran over there, not here
+        assert not scheduler_has_torch  # and loaded no model there
     finally:
         for p in reversed(procs):
             p.terminate()
