@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dask_kvstate import config  # noqa: F401  (registers the kvstate.* defaults)
 from dask_kvstate.backends import KNOWN_MODELS
-from dask_kvstate.client import install, stats
+from dask_kvstate.client import install, placement_stats, stats
 from dask_kvstate.generation import Generation
 from dask_kvstate import tasks  # noqa: F401  (kvs.tasks.*: the operators for client.submit)
 from dask_kvstate.operators import evict, extend, fork, generate, materialize, merge, resume, transfer
@@ -40,6 +40,7 @@ __all__ = [
     "materialize",
     "merge",
     "optimize",
+    "placement_stats",
     "resume",
     "stateflow",
     "stats",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from distributed import Client
 
+from dask_kvstate import config
 from dask_kvstate.plugins.worker import PLUGIN_NAME, KVStateWorkerPlugin
 
 
@@ -24,6 +25,10 @@ def install(client: Client, model: str | list[str] | None = None, *, torch_threa
     """
     plugin = KVStateWorkerPlugin(model, torch_threads=torch_threads, device_bytes=device_bytes,
                                  host_bytes=host_bytes, disk_bytes=disk_bytes)  # fmt: skip
+    if config.get("placement.enabled"):
+        from dask_kvstate.plugins.placement import KVPlacement
+
+        client.register_plugin(KVPlacement())  # idempotent: a no-op when already there
     current = client.run(_plugin_settings)
     if not current or any(s != plugin.settings() for s in current.values()):
         client.register_plugin(plugin, name=PLUGIN_NAME)
@@ -36,6 +41,18 @@ def _worker_stats(dask_worker) -> dict:
     if plugin is None or plugin.runtime is None:
         return {"installed": False}
     return {"installed": True, **plugin.runtime.stats(), "models": list(plugin.models)}
+
+
+def _placement_stats(dask_scheduler) -> dict:
+    from dask_kvstate.plugins.placement import PLUGIN_NAME as NAME
+
+    plugin = dask_scheduler.plugins.get(NAME)
+    return {"installed": False} if plugin is None else {"installed": True, **plugin.stats()}
+
+
+def placement_stats(client: Client) -> dict:
+    """The scheduler's placement extension: decisions, choices, outcomes, slower choices."""
+    return client.run_on_scheduler(_placement_stats)
 
 
 def stats(client: Client) -> dict[str, dict]:

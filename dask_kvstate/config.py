@@ -46,6 +46,26 @@ def get_bytes(key: str) -> int:
     return int(dask.utils.parse_bytes(get(key)))
 
 
+def parse_bandwidth(value) -> float | None:
+    """Bytes per second from ``"10 Mbit/s"``, ``"1.25 MB/s"``, ``"1GB"`` or a number; None stays None.
+
+    Examples
+    --------
+    >>> parse_bandwidth("10 Mbit/s"), parse_bandwidth("1.25 MB/s"), parse_bandwidth(None)
+    (1250000.0, 1250000.0, None)
+    """
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    text = str(value).strip().removesuffix("/s").replace("ps", "")
+    bits = text.lower().endswith("bit")
+    if bits:
+        text = text[: -len("bit")] + "B"
+    n = float(dask.utils.parse_bytes(text))
+    return n / 8 if bits else n
+
+
 def get_seconds(key: str) -> float:
     """Read a duration such as ``5s`` and return it in seconds.
 

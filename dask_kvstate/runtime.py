@@ -23,6 +23,8 @@ import torch
 
 from dask_kvstate import config
 from dask_kvstate.blocks import block_hashes, join_blocks, split_blocks
+from dask_kvstate.cost import transfer_or_recompute
+from dask_kvstate.measure import LinkMeter, PrefillMeter
 from dask_kvstate.errors import MergeError
 from dask_kvstate.generation import Generation
 from dask_kvstate.state import KVState, KVStateRef, Lineage, Placement, incompatibility, new_state_id
@@ -57,6 +59,14 @@ class StateRuntime:
         self.block_tokens = int(config.get("block-tokens"))
         self.connect_timeout = config.get_seconds("transport.connect-timeout")
         self.pull_timeout = config.get_seconds("transport.timeout")
+        self.emulated_bandwidth = config.parse_bandwidth(config.get("transport.emulated-bandwidth"))
+        self.rule = config.get("placement.rule")
+        self.prefill_meter = PrefillMeter()
+        # Seeded with Dask's own estimate (or the emulated link, when one is configured)
+        # until real pulls are measured.
+        seed = getattr(worker, "bandwidth", None) or 1e8
+        self.links = LinkMeter(seed_bandwidth=min(seed, self.emulated_bandwidth or seed),
+                               latency=max(getattr(worker, "latency", 0.0) or 0.0, 1e-3))  # fmt: skip
         self.counters: Counter[str] = Counter() if counters is None else counters
 
     # -- helpers -------------------------------------------------------------------
@@ -93,7 +103,9 @@ class StateRuntime:
         past_len = 0 if past is None else past.shape[3]
         self.counters["prefill_tokens"] += len(ids) - past_len
         self.counters["reused_tokens"] += past_len
+        t0 = time.perf_counter()
         cache, _ = self.backend.prefill(list(ids), past)
+        self.prefill_meter.add(len(ids) - past_len, past_len, time.perf_counter() - t0)
         return self.backend.kv_from_cache(cache)
 
     # -- resolve -------------------------------------------------------------------
@@ -118,21 +130,83 @@ class StateRuntime:
         tensors = [self.store.get(h) for h in ref.blocks]
         missing = [h for h, t in zip(ref.blocks, tensors) if t is None]
         self.counters["block_hits"] += len(tensors) - len(missing)
-        if missing and self.worker is not None and ref.placement.worker not in (None, self.address):
-            pulled = self._pull(ref.placement.worker, missing)
-            tensors = [pulled.get(h, t) if t is None else t for h, t in zip(ref.blocks, tensors)]
+        holder = ref.placement.worker
+        decision = None
+        if missing and self.worker is not None and holder not in (None, self.address):
+            decision = self._decide(ref, tensors, holder)
+            if decision["action"] == "pull":
+                t0 = time.perf_counter()
+                pulled = self._pull(holder, missing)
+                decision["seconds"] = time.perf_counter() - t0
+                tensors = [pulled.get(h, t) if t is None else t for h, t in zip(ref.blocks, tensors)]
         first_missing = next((i for i, t in enumerate(tensors) if t is None), None)
         if first_missing is not None:
+            t0 = time.perf_counter()
             tensors = self._recompute(ids, ref.blocks, tensors, first_missing)
+            if decision is not None and decision["action"] == "recompute":
+                decision["seconds"] = time.perf_counter() - t0
+        if decision is not None and "seconds" in decision:
+            self._outcome(decision)
         device = self.backend.device  # a block read back from a lower tier may sit in host memory
         return KVState(ref, ids, join_blocks([t.to(device, non_blocking=True) for t in tensors]))
+
+    # -- transfer or recompute -------------------------------------------------------
+    def _decide(self, ref: KVStateRef, tensors: list, holder: str) -> dict:
+        """Pull the missing blocks from ``holder`` or recompute them (AAFLOW+ eq. 30).
+
+        The scheduler's placement extension decides when it sent this task here for its
+        KV (the ``kvstate-placement`` annotation); otherwise (stolen, loose fallback,
+        extension off) this worker decides with its own measurements, same rule.
+        """
+        first = next(i for i, t in enumerate(tensors) if t is None)
+        missing_tokens = ref.num_tokens - first * ref.block_tokens
+        missing_bytes = missing_tokens * self.backend.kv_bytes_per_token
+        key = self._task_owner()[1]
+        ts = self.worker.state.tasks.get(key) if key is not None else None
+        ann = ((ts.annotations or {}).get("kvstate-placement") if ts is not None else None) or {}
+        if ann.get("worker") == self.address and ann.get("action") in ("pull", "recompute"):
+            d = {"action": ann["action"], "t_transfer": ann["t_transfer"], "t_recompute": ann["t_recompute"],
+                 "by": "scheduler"}  # fmt: skip
+        else:
+            per_token, per_pair = self.prefill_meter.coefficients()
+            action, tt, tr = transfer_or_recompute(
+                missing_bytes, missing_tokens, first * ref.block_tokens, bandwidth=self.links.bandwidth(holder),
+                latency=self.links.latency, per_token_s=per_token, per_pair_s=per_pair,
+            )  # fmt: skip
+            d = {"action": action, "t_transfer": tt, "t_recompute": tr, "by": "worker"}
+        if self.rule in ("pull", "recompute"):
+            d = {**d, "action": self.rule, "by": "config"}
+        self.counters[f"chose_{d['action']}"] += 1
+        return {**d, "key": key, "holder": holder, "missing_bytes": missing_bytes, "missing_tokens": missing_tokens}
+
+    def _outcome(self, d: dict) -> None:
+        """Count a decision that was slower than the other option's estimate, and tell the scheduler."""
+        other = d["t_recompute"] if d["action"] == "pull" else d["t_transfer"]
+        if d["seconds"] > other:
+            self.counters["slower_choice"] += 1
+        plugin = self.worker.plugins.get("kvstate") if self.worker is not None else None
+        if plugin is not None and plugin.placement:
+            msg = {"op": "kvstate-outcome", **{k: v for k, v in d.items() if k != "key"}, "key": d["key"]}
+            self.worker.loop.add_callback(self.worker.batched_stream.send, msg)
+
+    def probe(self, sizes=(32, 256)) -> None:
+        """Time a few prefills of this worker's model to seed the prefill cost model."""
+        vocab = int(getattr(self.backend.config, "vocab_size", 1000))
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (max(sizes),), generator=g).tolist()
+        self.backend.prefill(ids[: min(sizes)])  # warm-up: first calls pay one-off kernel setup
+        for n in sizes:
+            t0 = time.perf_counter()
+            self.backend.prefill(ids[:n])
+            self.prefill_meter.add(n, 0, time.perf_counter() - t0)
 
     def _pull(self, holder: str, hashes: list[bytes]) -> dict[bytes, torch.Tensor]:
         from distributed.utils import sync
 
         try:
             res = sync(self.worker.loop, pull_blocks, self.worker.rpc, holder, hashes,
-                       connect_timeout=self.connect_timeout, timeout=self.pull_timeout)  # fmt: skip
+                       connect_timeout=self.connect_timeout, timeout=self.pull_timeout,
+                       emulated_bandwidth=self.emulated_bandwidth)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - whatever the peer or the comm raised, recompute instead
             self.counters["transfer_failures"] += 1
             logger.warning("kvstate: pulling %d blocks from %s failed (%s: %s); recomputing", len(hashes), holder,
@@ -145,6 +219,7 @@ class StateRuntime:
         self.counters["transfers"] += len(res.blocks)
         self.counters["transfer_bytes"] += res.nbytes
         self.counters["transfer_seconds"] += res.seconds
+        self.links.add(holder, res.nbytes, res.seconds)
         return res.blocks
 
     def _recompute(self, ids, hashes, tensors, first: int) -> list[torch.Tensor]:
@@ -205,6 +280,7 @@ class StateRuntime:
         res = self.backend.generate(ids, None, max_new_tokens=max_new_tokens, temperature=temperature,
                                     top_p=top_p, seed=seed, started=t0)  # fmt: skip
         self.counters["generations"] += 1
+        self.prefill_meter.add(res.prefill_tokens, res.reused_tokens, res.prefill_s)
         return Generation.from_result(self.backend, res, ids)
 
     def resume(self, ref: KVStateRef, text: str, *, max_new_tokens: int, temperature: float, top_p: float,
@@ -223,6 +299,7 @@ class StateRuntime:
                                     temperature=temperature, top_p=top_p, seed=seed, started=t0)  # fmt: skip
         self.counters["generations"] += 1
         self.counters["resumes"] += 1
+        self.prefill_meter.add(res.prefill_tokens, res.reused_tokens, res.prefill_s)
         return Generation.from_result(self.backend, res, ids)
 
     def fork(self, ref: KVStateRef, k: int) -> list[KVStateRef]:

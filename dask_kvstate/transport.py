@@ -88,15 +88,19 @@ async def call(pool, address: str, op: str, *, connect_timeout: float, timeout: 
         pool.reuse(address, comm)
 
 
-async def pull_blocks(pool, address: str, hashes: Sequence[bytes], *, connect_timeout: float,
-                      timeout: float) -> PullResult:  # fmt: skip
+async def pull_blocks(pool, address: str, hashes: Sequence[bytes], *, connect_timeout: float, timeout: float,
+                      emulated_bandwidth: float | None = None) -> PullResult:  # fmt: skip
     """Fetch ``hashes`` from the worker at ``address``; raises OSError/TimeoutError on failure.
 
-    Blocks the holder no longer has are simply absent from the result.
+    Blocks the holder no longer has are simply absent from the result. With
+    ``emulated_bandwidth`` (bytes/s) the pull takes at least ``bytes / bandwidth``: an
+    emulated slow link, so the transfer/recompute crossover shows on one machine.
     """
     t0 = time.perf_counter()
     resp = await call(pool, address, HANDLER, connect_timeout=connect_timeout, timeout=timeout, hashes=list(hashes))
     blocks = {h: _tensor(raw, d, shape) for h, raw, d, shape in
               zip(resp["hashes"], resp["tensors"], resp["dtypes"], resp["shapes"])}  # fmt: skip
     nbytes = sum(t.nelement() * t.element_size() for t in blocks.values())
+    if emulated_bandwidth:
+        await asyncio.sleep(max(0.0, nbytes / emulated_bandwidth - (time.perf_counter() - t0)))
     return PullResult(blocks, nbytes, time.perf_counter() - t0)

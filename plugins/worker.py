@@ -19,6 +19,7 @@ from collections import Counter
 
 import dask.config
 from distributed import WorkerPlugin
+from tornado.ioloop import PeriodicCallback
 
 from dask_kvstate import config
 from dask_kvstate.backends import check_model_name
@@ -86,6 +87,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
             for name, value in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("disk_bytes", disk_bytes))
         }  # fmt: skip
         self.config = {"kvstate": dask.config.get("kvstate")}
+        self.placement = False  # whether the scheduler runs the placement extension
         self.runtime = None  # of the default (first) model
         self.runtimes: dict = {}  # model name -> StateRuntime, all sharing one block store
         self.held: dict = {}  # key -> state ids pinned for it
@@ -111,6 +113,17 @@ class KVStateWorkerPlugin(WorkerPlugin):
         worker.handlers["kvstate_evict"] = self._evict_handler
         if self.config["kvstate"]["worker"].get("memory-monitor", True):
             worker.memory_manager.data = KVStateSpillData(worker.memory_manager.data, self.runtime.store)
+        self._sent_blocks: set[bytes] = set()
+        self._sent_metrics = None
+        self._reporter = None
+        try:  # report only to a scheduler that runs the placement extension
+            self.placement = bool(await worker.scheduler.kvstate_placement())
+        except Exception:  # noqa: BLE001 - no such handler (extension off): stay quiet
+            self.placement = False
+        if self.placement:
+            self._reporter = PeriodicCallback(self._report, 200)
+            self._reporter.start()
+            self._report()  # the probe's numbers, before the first task can need them
         logger.info("kvstate: %s ready on %s", ", ".join(self.models), worker.address)
 
     def runtime_for(self, model: str | None = None):
@@ -142,9 +155,32 @@ class KVStateWorkerPlugin(WorkerPlugin):
                 half_life_s=config.get_seconds("worker.recency-half-life"), device=backends[0].device,
             )  # fmt: skip
             counters = Counter()
-            return {b.name: StateRuntime(b, store, worker, counters=counters) for b in backends}
+            runtimes = {b.name: StateRuntime(b, store, worker, counters=counters) for b in backends}
+            for rt in runtimes.values():  # seed each model's prefill cost model on this worker
+                rt.probe(tuple(config.get("placement.probe-tokens")))
+            return runtimes
+
+    def _report(self) -> None:
+        """Tell the scheduler's placement extension what changed here (blocks, measurements)."""
+        rt = self.runtime
+        if rt is None or self.worker.batched_stream is None or self.worker.batched_stream.comm is None:
+            return
+        current = set(rt.store)
+        added, removed = current - self._sent_blocks, self._sent_blocks - current
+        if added or removed:
+            self.worker.batched_stream.send({"op": "kvstate-blocks", "added": list(added), "removed": list(removed)})
+            self._sent_blocks = current
+        metrics = {
+            "prefill": {name: r.prefill_meter.coefficients() for name, r in self.runtimes.items() if r.prefill_meter.obs},
+            "bandwidth": dict(rt.links.per_peer), "seed_bandwidth": rt.links.seed, "latency": rt.links.latency,
+        }  # fmt: skip
+        if metrics != self._sent_metrics:
+            self.worker.batched_stream.send({"op": "kvstate-metrics", **metrics})
+            self._sent_metrics = metrics
 
     def teardown(self, worker) -> None:
+        if getattr(self, "_reporter", None) is not None:
+            self._reporter.stop()
         for name in (HANDLER, "kvstate_evict"):
             worker.handlers.pop(name, None)
         if isinstance(worker.memory_manager.data, KVStateSpillData):
@@ -167,6 +203,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
                     rt.store.hold(("ref", key, ref.state_id), ref.blocks)
                 if refs:
                     self.held[key] = [r.state_id for r in refs]
+            if refs and start == "executing" and self.placement:  # computed here: the extension wants it
+                self._send_ref(key, refs[0])
         elif start == "memory":
             with self._lock:
                 for sid in self.held.pop(key, ()):
@@ -176,6 +214,13 @@ class KVStateWorkerPlugin(WorkerPlugin):
         # (long-running) still runs: keep their pins until then.
         if start in _RUNNING and finish not in _RUNNING:
             rt.store.unpin(("task", key))
+
+    def _send_ref(self, key, ref: KVStateRef) -> None:
+        summary = {"blocks": list(ref.blocks), "num_tokens": ref.num_tokens, "block_tokens": ref.block_tokens,
+                   "bytes_per_token": ref.nbytes // max(ref.num_tokens, 1), "holder": ref.placement.worker,
+                   "model": ref.model_name}  # fmt: skip
+        if self.worker.batched_stream is not None:
+            self.worker.batched_stream.send({"op": "kvstate-ref", "key": key, "refs": [summary]})
 
     def _may_hold_refs(self, key) -> bool:
         # Only look at values whose type can hold refs: reading any other key's value

@@ -12,7 +12,7 @@ from distributed import Client, LocalCluster
 import dask_kvstate as kvs
 
 # A block size that makes short test prompts span several blocks.
-TEST_CONFIG = {"kvstate.block-tokens": 16}
+TEST_CONFIG = {"kvstate.block-tokens": 16, "kvstate.placement.rule": "pull"}
 
 CONTEXT = (
     "The planner reads the task and writes a plan. The developer follows the plan and writes the code. "

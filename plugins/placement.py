@@ -1,0 +1,160 @@
+"""The ``placement`` scheduler extension: KV locality and the transfer-versus-recompute rule.
+
+Workers tell the scheduler, over their existing batched streams (no polling):
+
+* ``kvstate-ref``: a key they computed holds a state (its block hashes, tokens, holder);
+* ``kvstate-blocks``: which blocks they gained and lost since the last report;
+* ``kvstate-metrics``: their measured prefill cost coefficients per model and KV pull
+  bandwidth per peer;
+* ``kvstate-outcome``: how long the chosen pull or recompute really took.
+
+When a state's key reaches memory, each waiting task that consumes it gets the worker
+that minimises its expected start time::
+
+    occupancy(w) + min(T_transfer(missing bytes at w), T_recompute(missing tokens at w))
+
+through Dask's own mechanism: a loose worker restriction (Dask falls back to any worker
+if that one is gone, and its stealing respects restrictions), plus a
+``kvstate-placement`` annotation carrying the decision to the worker, which pulls or
+recomputes accordingly and falls back to recompute if the pull fails. Tasks the user
+restricted are left alone. Every decision and outcome goes to
+``scheduler.log_event("kvstate-placement", ...)``.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from dask_kvstate.cost import transfer_or_recompute
+
+logger = logging.getLogger("dask_kvstate")
+
+PLUGIN_NAME = "kvstate-placement"
+EVENT = "kvstate-placement"
+
+
+class KVPlacement(SchedulerPlugin):
+    """Scheduler side of KV-aware placement (installed by ``kvs.install``)."""
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self):
+        self.refs: dict = {}  # key -> state summary
+        self.blocks_on: dict[str, set[bytes]] = {}  # worker -> block hashes it holds
+        self.metrics: dict[str, dict] = {}  # worker -> {"prefill": {model: (a, b)}, "bandwidth": {...}, ...}
+        self.counters: Counter[str] = Counter()
+        self.scheduler = None
+
+    async def start(self, scheduler) -> None:
+        self.scheduler = scheduler
+        scheduler.handlers["kvstate_placement"] = self._hello
+        scheduler.stream_handlers.update({
+            "kvstate-ref": self._on_ref, "kvstate-blocks": self._on_blocks,
+            "kvstate-metrics": self._on_metrics, "kvstate-outcome": self._on_outcome,
+        })  # fmt: skip
+
+    async def _hello(self, comm=None) -> bool:
+        """Workers ask before reporting: Dask drops a worker's stream on an unknown op."""
+        return True
+
+    # -- reports from workers ------------------------------------------------------
+    def _on_ref(self, worker=None, key=None, refs=(), **_) -> None:
+        if not refs:
+            return
+        self.refs[key] = refs[0]
+        # The holder has these blocks now; its periodic block report may come later.
+        self.blocks_on.setdefault(refs[0]["holder"], set()).update(refs[0]["blocks"])
+        ts = self.scheduler.tasks.get(key)
+        if ts is not None and ts.state == "memory":  # the report lost the race with task-finished
+            self._place_dependents(key)
+
+    def _on_blocks(self, worker=None, added=(), removed=(), reset=False, **_) -> None:
+        held = self.blocks_on.setdefault(worker, set())
+        if reset:
+            held.clear()
+        held.update(added)
+        held.difference_update(removed)
+
+    def _on_metrics(self, worker=None, prefill=None, bandwidth=None, seed_bandwidth=None, latency=None, **_) -> None:
+        m = self.metrics.setdefault(worker, {})
+        m.update({"prefill": prefill or {}, "bandwidth": bandwidth or {}, "seed_bandwidth": seed_bandwidth,
+                  "latency": latency})  # fmt: skip
+
+    def _on_outcome(self, worker=None, **outcome) -> None:
+        outcome.pop("op", None)
+        other = outcome["t_recompute"] if outcome["action"] == "pull" else outcome["t_transfer"]
+        slower = outcome["seconds"] > other
+        self.counters["outcomes"] += 1
+        self.counters["slower_choice"] += slower
+        self.scheduler.log_event(EVENT, {"kind": "outcome", "worker": worker, "slower": slower, **outcome})
+
+    # -- Dask hooks ----------------------------------------------------------------
+    def transition(self, key, start, finish, *args, **kwargs) -> None:
+        if finish == "memory" and key in self.refs:
+            self._place_dependents(key)
+        elif finish in ("forgotten", "released") and start == "memory":
+            self.refs.pop(key, None)
+
+    def remove_worker(self, scheduler, worker, **kwargs) -> None:
+        self.blocks_on.pop(worker, None)
+        self.metrics.pop(worker, None)
+
+    # -- the decision --------------------------------------------------------------
+    def _place_dependents(self, key) -> None:
+        ts = self.scheduler.tasks.get(key)
+        ref = self.refs.get(key)
+        if ts is None or ref is None:
+            return
+        for dts in ts.dependents:
+            if dts.state not in ("waiting", "no-worker", "released"):
+                continue
+            if dts.worker_restrictions or dts.host_restrictions or dts.resource_restrictions:
+                continue  # the user's restriction wins
+            best = self.choose(ref)
+            if best is None:
+                continue
+            dts.worker_restrictions = {best["worker"]}
+            dts.loose_restrictions = True
+            dts.annotations = {**(dts.annotations or {}), "kvstate-placement": best}
+            self.counters["decisions"] += 1
+            self.counters[f"chose_{best['action']}"] += 1
+            self.scheduler.log_event(EVENT, {"kind": "decision", "key": str(dts.key), **best})
+
+    def estimate(self, ref: dict, worker: str) -> dict | None:
+        """Both estimates for serving ``ref`` on ``worker``; None without its measurements yet."""
+        m = self.metrics.get(worker)
+        coeffs = (m or {}).get("prefill", {}).get(ref["model"])
+        if coeffs is None:
+            return None
+        held = self.blocks_on.get(worker, set())
+        blocks, bt = ref["blocks"], ref["block_tokens"]
+        first = next((i for i, h in enumerate(blocks) if h not in held), len(blocks))
+        missing_tokens = max(ref["num_tokens"] - first * bt, 0)
+        bandwidth = m["bandwidth"].get(ref["holder"]) or m.get("seed_bandwidth") or 1e8
+        action, tt, tr = transfer_or_recompute(
+            missing_tokens * ref["bytes_per_token"], missing_tokens, first * bt, bandwidth=bandwidth,
+            latency=m.get("latency") or 1e-3, per_token_s=coeffs[0], per_pair_s=coeffs[1],
+        )  # fmt: skip
+        return {"action": action, "t_transfer": tt, "t_recompute": tr, "missing_tokens": missing_tokens}
+
+    def choose(self, ref: dict) -> dict | None:
+        """The running worker with the earliest expected start for a consumer of ``ref``."""
+        best = None
+        for ws in self.scheduler.running:
+            est = self.estimate(ref, ws.address)
+            if est is None:
+                continue
+            wait = ws.occupancy / max(ws.nthreads, 1)
+            start = wait + min(est["t_transfer"], est["t_recompute"])
+            if best is None or start < best["expected_start"]:
+                best = {"worker": ws.address, "holder": ref["holder"], "expected_start": start, "occupancy": wait,
+                        **est}  # fmt: skip
+        if best is not None and best["action"] == "local":
+            best["action"] = "pull"  # nothing missing there: the worker finds every block local
+        return best
+
+    def stats(self) -> dict:
+        return {**dict(self.counters), "refs": len(self.refs), "workers": len(self.metrics)}

@@ -1,0 +1,72 @@
+"""KV-aware placement and the transfer-versus-recompute rule on a live cluster."""
+from __future__ import annotations
+
+import dask
+import pytest
+from distributed import Client, LocalCluster
+
+import dask_kvstate as kvs
+
+from .conftest import CONTEXT, on
+
+AUTO = {"kvstate.block-tokens": 16, "kvstate.placement.rule": "auto"}
+
+
+@pytest.fixture(params=["1 Mbit/s", None], ids=["slow-link", "loopback"])
+def auto_client(request):
+    cfg = {**AUTO, "kvstate.transport.emulated-bandwidth": request.param}
+    with dask.config.set(cfg):
+        with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
+            with Client(cluster) as client:
+                kvs.install(client, "tiny-llama", torch_threads=1)
+                yield client, request.param
+
+
+def test_worker_decides_with_measured_numbers_and_output_is_identical(auto_client):
+    client, link = auto_client
+    a, b = sorted(client.scheduler_info()["workers"])
+    text = "Rule test. " + CONTEXT * 3
+    with on(a):
+        state = kvs.materialize(text)
+    with on(b):  # the user's restriction: the worker itself applies the rule
+        outs = [kvs.resume(state, f" Question {i}?", max_new_tokens=8) for i in range(3)]
+    got = dask.compute(*outs)
+    want = dask.compute(*[kvs.generate(text, f" Question {i}?", max_new_tokens=8) for i in range(3)])
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    s = kvs.stats(client)[b]
+    choices = s.get("chose_pull", 0) + s.get("chose_recompute", 0)
+    assert choices >= 1
+    if link == "1 Mbit/s":  # ~100 KB of KV would take ~0.7 s; tiny-llama recomputes it in ms
+        assert s.get("chose_recompute", 0) >= 1 and s.get("transfers", 0) == 0
+    outcomes = [e for _, e in client.get_events("kvstate-placement") if e["kind"] == "outcome"]
+    assert outcomes and all({"t_transfer", "t_recompute", "seconds", "action"} <= set(e) for e in outcomes)
+    for e in outcomes:  # the rule took the option it estimated faster
+        assert e["action"] == ("pull" if e["t_transfer"] < e["t_recompute"] else "recompute")
+
+
+def test_scheduler_places_consumers_of_a_state(auto_client):
+    client, _ = auto_client
+    a, _ = sorted(client.scheduler_info()["workers"])
+    text = "Placement test. " + CONTEXT * 2
+    with on(a):
+        state = kvs.materialize(text)
+    outs = [kvs.resume(s, f" Branch {i}:", max_new_tokens=6) for i, s in enumerate(kvs.fork(state, 2))]
+    outs += [kvs.extend(state, " More context.")]
+    got = dask.compute(*outs)
+    want = [client.compute(kvs.generate(text, f" Branch {i}:", max_new_tokens=6)).result() for i in range(2)]
+    assert [g.token_ids for g in got[:2]] == [w.token_ids for w in want]
+    decisions = [e for _, e in client.get_events("kvstate-placement") if e["kind"] == "decision"]
+    assert decisions, "the placement extension decided nothing"
+    for d in decisions:
+        assert {"worker", "action", "t_transfer", "t_recompute", "expected_start"} <= set(d)
+    ps = kvs.placement_stats(client)
+    assert ps["installed"] and ps["decisions"] == len(decisions) and ps["workers"] == 2
+
+
+def test_placement_can_be_switched_off():
+    with dask.config.set({**AUTO, "kvstate.placement.enabled": False}):
+        with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster:
+            with Client(cluster) as client:
+                kvs.install(client, "tiny-llama", torch_threads=1)
+                assert kvs.placement_stats(client) == {"installed": False}
+                assert client.compute(kvs.generate("Still works.", max_new_tokens=2)).result().token_ids
