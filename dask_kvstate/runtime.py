@@ -189,6 +189,41 @@ class StateRuntime:
             msg = {"op": "kvstate-outcome", **{k: v for k, v in d.items() if k != "key"}, "key": d["key"]}
             self.worker.loop.add_callback(self.worker.batched_stream.send, msg)
 
+    def estimate(self, ref: KVStateRef) -> dict:
+        """What the rule would do for ``ref`` on this worker now, without doing it."""
+        tensors = [self.store.peek(h) for h in ref.blocks]
+        if all(t is not None for t in tensors) or ref.placement.worker in (None, self.address):
+            return {"action": "local", "t_transfer": 0.0, "t_recompute": 0.0}
+        per_token, per_pair = self.prefill_meter.coefficients()
+        first = next(i for i, t in enumerate(tensors) if t is None)
+        missing_tokens = ref.num_tokens - first * ref.block_tokens
+        action, tt, tr = transfer_or_recompute(
+            missing_tokens * self.backend.kv_bytes_per_token, missing_tokens, first * ref.block_tokens,
+            bandwidth=self.links.bandwidth(ref.placement.worker), latency=self.links.latency,
+            per_token_s=per_token, per_pair_s=per_pair,
+        )  # fmt: skip
+        return {"action": action, "t_transfer": tt, "t_recompute": tr}
+
+    def measure_fill(self, ref: KVStateRef, action: str) -> float:
+        """Seconds to fill ``ref``'s blocks here by ``action`` ("pull" or "recompute"), from
+        none held locally; the blocks are dropped again after. For benchmarks of the rule."""
+        if action not in ("pull", "recompute"):
+            raise ValueError(f"action must be 'pull' or 'recompute', got {action!r}")
+        if ref.placement.worker in (None, self.address):
+            raise ValueError("measure_fill needs a state held by another worker")
+        ids = self.backend.tokenize(ref.text)
+        self.store.discard(ref.blocks)
+        t0 = time.perf_counter()
+        if action == "pull":
+            got = self._pull(ref.placement.worker, list(ref.blocks))
+            if len(got) != len(ref.blocks):
+                raise RuntimeError(f"pull from {ref.placement.worker} returned {len(got)} of {len(ref.blocks)} blocks")
+        else:
+            self._recompute(ids, ref.blocks, [None] * len(ref.blocks), 0)
+        seconds = time.perf_counter() - t0
+        self.store.discard(ref.blocks)
+        return seconds
+
     def probe(self, sizes=(32, 256)) -> None:
         """Time a few prefills of this worker's model to seed the prefill cost model."""
         vocab = int(getattr(self.backend.config, "vocab_size", 1000))

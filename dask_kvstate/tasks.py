@@ -115,6 +115,16 @@ def merge(*states: KVStateRef, policy: str = "concat") -> KVStateRef:
     return rt.merge(states, policy)
 
 
+def estimate(state: KVStateRef) -> dict:
+    """The transfer-versus-recompute rule's view of ``state`` on this worker (nothing moves)."""
+    return _runtime_for_state(state, None).estimate(_check_state(state))
+
+
+def measure_fill(state: KVStateRef, action: str) -> float:
+    """Seconds to pull or recompute all of ``state``'s blocks on this worker (benchmarks)."""
+    return _runtime_for_state(state, None).measure_fill(_check_state(state), action)
+
+
 def transfer(state: KVStateRef) -> KVStateRef:
     """Make the worker running this task the state's holder."""
     return _runtime_for_state(state, None).transfer(state)

@@ -22,47 +22,75 @@ from distributed.protocol import to_serialize
 HANDLER = "kvstate_get_blocks"
 
 
-def _frame(t) -> tuple:
-    """A tensor as (zero-copy uint8 frame, dtype name, shape).
-
-    Raw bytes rather than Dask's torch serializer, which goes through ``.numpy()`` and
-    so refuses bfloat16 and CUDA tensors; CUDA blocks are staged through host memory.
-    """
+def _raw(t):
+    """A tensor's bytes as a flat uint8 tensor (CUDA blocks staged through host memory)."""
     import torch
 
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
-    t = t.contiguous()
-    raw = t.reshape(-1).view(torch.uint8).numpy() if t.nelement() else memoryview(b"")
-    return to_serialize(raw), str(t.dtype).removeprefix("torch."), list(t.shape)
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _tensor(raw, dtype: str, shape: list):
-    import numpy as np
-    import torch
-
-    arr = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw
-    if not arr.flags.writeable:  # torch wants writable memory; frames read off TCP usually are
-        arr = arr.copy()
-    return torch.from_numpy(arr).view(getattr(torch, dtype)).reshape(shape)
+BIG_BLOCK = 1 << 20  # bytes: a block this large travels as its own frame, without a copy
+GROUP = 4 << 20  # bytes: smaller blocks are packed into frames of about this size
 
 
 def serve_blocks(store, hashes: Sequence[bytes]) -> dict:
-    """The handler's reply: the present blocks as zero-copy frames, and the missing hashes."""
-    found, frames, dtypes, shapes, missing = [], [], [], [], []
+    """The handler's reply: the present blocks as frames, and the missing hashes.
+
+    A block of 1 MiB or more is its own frame, sent straight from its memory. Smaller
+    blocks are packed a few MiB to a frame: thousands of 32 KiB frames spend their time
+    in per-frame bookkeeping (measured: 14% of a raw Dask transfer of the same bytes).
+    Raw bytes rather than Dask's torch serializer, which goes through ``.numpy()`` and
+    refuses bfloat16 and CUDA tensors.
+    """
+    import torch
+
+    frames, layout, missing, group, group_bytes = [], [], [], [], 0
+
+    def flush():
+        nonlocal group, group_bytes
+        if group:
+            frames.append(to_serialize((torch.cat(group) if len(group) > 1 else group[0]).numpy()))
+            group, group_bytes = [], 0
+
     for h in hashes:
         t = store.peek(h) if store is not None else None
         if t is None:
             missing.append(h)
             continue
-        frame, dtype, shape = _frame(t)
-        found.append(h)
-        frames.append(frame)
-        dtypes.append(dtype)
-        shapes.append(shape)
-    return {"status": "OK", "hashes": found, "tensors": frames, "dtypes": dtypes, "shapes": shapes,
-            "missing": missing}  # fmt: skip
+        raw = _raw(t)
+        meta = [h, str(t.dtype).removeprefix("torch."), list(t.shape), raw.numel()]
+        if raw.numel() >= BIG_BLOCK:
+            flush()
+            frames.append(to_serialize(raw.numpy()))
+            layout.append([*meta, len(frames) - 1, 0])
+        else:
+            layout.append([*meta, len(frames), group_bytes])  # the frame the group will become
+            group.append(raw)
+            group_bytes += raw.numel()
+            if group_bytes >= GROUP:
+                flush()
+    flush()
+    return {"status": "OK", "frames": frames, "layout": layout, "missing": missing}
+
+
+def unpack_blocks(resp: dict) -> dict:
+    """``hash -> tensor`` from a :func:`serve_blocks` reply; each tensor is a view of its frame."""
+    import numpy as np
+    import torch
+
+    flats = []
+    for raw in resp["frames"]:
+        arr = raw if isinstance(raw, np.ndarray) else np.frombuffer(raw, dtype=np.uint8)
+        if not arr.flags.writeable:  # torch wants writable memory
+            arr = arr.copy()
+        flats.append(torch.from_numpy(arr))
+    return {
+        h: flats[frame][offset : offset + size].view(getattr(torch, dtype)).reshape(shape)
+        for h, dtype, shape, size, frame, offset in resp["layout"]
+    }
 
 
 @dataclass
@@ -98,8 +126,7 @@ async def pull_blocks(pool, address: str, hashes: Sequence[bytes], *, connect_ti
     """
     t0 = time.perf_counter()
     resp = await call(pool, address, HANDLER, connect_timeout=connect_timeout, timeout=timeout, hashes=list(hashes))
-    blocks = {h: _tensor(raw, d, shape) for h, raw, d, shape in
-              zip(resp["hashes"], resp["tensors"], resp["dtypes"], resp["shapes"])}  # fmt: skip
+    blocks = unpack_blocks(resp)
     nbytes = sum(t.nelement() * t.element_size() for t in blocks.values())
     if emulated_bandwidth:
         await asyncio.sleep(max(0.0, nbytes / emulated_bandwidth - (time.perf_counter() - t0)))

@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import time
 
-import dask
 from distributed import Client, LocalCluster
 
 import dask_kvstate as kvs

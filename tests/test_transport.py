@@ -35,20 +35,20 @@ def test_served_blocks_are_zero_copy_frames_not_pickles():
     from distributed.protocol import deserialize, serialize
 
     from dask_kvstate.plugins.block_store import TieredBlockStore
-    from dask_kvstate.transport import _tensor, serve_blocks
+    from dask_kvstate.transport import serve_blocks, unpack_blocks
 
-    store = TieredBlockStore(device_bytes=2**20, host_bytes=2**20, disk_bytes=2**20)
-    block = torch.arange(2 * 2 * 2 * 16 * 16, dtype=torch.float32).reshape(2, 2, 2, 16, 16)
+    store = TieredBlockStore(device_bytes=2**22, host_bytes=2**22, disk_bytes=2**22)
+    block = torch.arange(2 * 2 * 2 * 16 * 16 * 64, dtype=torch.float32).reshape(2, 2, 2, 16, 1024)  # 1 MiB: its own frame
     store.put(b"h" * 16, block)
     reply = serve_blocks(store, [b"h" * 16, b"x" * 16])
-    assert reply["hashes"] == [b"h" * 16] and reply["missing"] == [b"x" * 16]
-    header, frames = serialize(reply["tensors"][0].data)
+    assert [row[0] for row in reply["layout"]] == [b"h" * 16] and reply["missing"] == [b"x" * 16]
+    header, frames = serialize(reply["frames"][0].data)
     assert header["serializer"] == "dask"  # Dask's numpy serializer, not pickle
     data_frame = max(frames, key=lambda f: memoryview(f).nbytes)
     assert memoryview(data_frame).nbytes == block.nelement() * 4
     assert torch.frombuffer(data_frame, dtype=torch.float32).data_ptr() == block.data_ptr()  # no copy
-    back = _tensor(deserialize(header, [bytearray(f) for f in frames]), reply["dtypes"][0], reply["shapes"][0])
-    assert torch.equal(back, block)
+    back = unpack_blocks({**reply, "frames": [deserialize(header, [bytearray(f) for f in frames])]})
+    assert torch.equal(back[b"h" * 16], block)
     store.close()
 
 
@@ -58,13 +58,16 @@ def test_blocks_of_any_dtype_survive_the_wire(dtype):
     from distributed.protocol import deserialize, serialize
 
     from dask_kvstate.plugins.block_store import TieredBlockStore
-    from dask_kvstate.transport import _tensor, serve_blocks
+    from dask_kvstate.transport import serve_blocks, unpack_blocks
 
     store = TieredBlockStore(device_bytes=2**20, host_bytes=2**20, disk_bytes=2**20)
     block = torch.randn(2, 2, 2, 5, 8).to(getattr(torch, dtype))
     store.put(b"b" * 16, block)
-    reply = serve_blocks(store, [b"b" * 16])
-    header, frames = serialize(reply["tensors"][0].data)
-    back = _tensor(deserialize(header, frames), reply["dtypes"][0], reply["shapes"][0])
-    assert back.dtype == block.dtype and torch.equal(back, block)
+    store.put(b"c" * 16, block * 2)
+    reply = serve_blocks(store, [b"b" * 16, b"c" * 16])  # small blocks: packed in one frame
+    assert len(reply["frames"]) == 1
+    header, frames = serialize(reply["frames"][0].data)
+    back = unpack_blocks({**reply, "frames": [deserialize(header, frames)]})
+    assert back[b"b" * 16].dtype == block.dtype and torch.equal(back[b"b" * 16], block)
+    assert torch.equal(back[b"c" * 16], block * 2)
     store.close()
