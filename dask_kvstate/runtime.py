@@ -159,25 +159,29 @@ class StateRuntime:
         extension off) this worker decides with its own measurements, same rule.
         """
         first = next(i for i, t in enumerate(tensors) if t is None)
-        missing_tokens = ref.num_tokens - first * ref.block_tokens
-        missing_bytes = missing_tokens * self.backend.kv_bytes_per_token
         key = self._task_owner()[1]
         ts = self.worker.state.tasks.get(key) if key is not None else None
         ann = ((ts.annotations or {}).get("kvstate-placement") if ts is not None else None) or {}
+        d = self._rule(ref, first, holder)
         if ann.get("worker") == self.address and ann.get("action") in ("pull", "recompute"):
-            d = {"action": ann["action"], "t_transfer": ann["t_transfer"], "t_recompute": ann["t_recompute"],
-                 "by": "scheduler"}  # fmt: skip
-        else:
-            per_token, per_pair = self.prefill_meter.coefficients()
-            action, tt, tr = transfer_or_recompute(
-                missing_bytes, missing_tokens, first * ref.block_tokens, bandwidth=self.links.bandwidth(holder),
-                latency=self.links.latency, per_token_s=per_token, per_pair_s=per_pair,
-            )  # fmt: skip
-            d = {"action": action, "t_transfer": tt, "t_recompute": tr, "by": "worker"}
+            d.update(action=ann["action"], t_transfer=ann["t_transfer"], t_recompute=ann["t_recompute"],
+                     by="scheduler")  # fmt: skip
         if self.rule in ("pull", "recompute"):
-            d = {**d, "action": self.rule, "by": "config"}
+            d.update(action=self.rule, by="config")
         self.counters[f"chose_{d['action']}"] += 1
-        return {**d, "key": key, "holder": holder, "missing_bytes": missing_bytes, "missing_tokens": missing_tokens}
+        return {**d, "key": key, "holder": holder}
+
+    def _rule(self, ref: KVStateRef, first: int, holder: str) -> dict:
+        """The rule with this worker's measurements, for ``ref`` missing blocks ``first...``."""
+        missing_tokens = ref.num_tokens - first * ref.block_tokens
+        missing_bytes = missing_tokens * self.backend.kv_bytes_per_token
+        per_token, per_pair = self.prefill_meter.coefficients()
+        action, tt, tr = transfer_or_recompute(
+            missing_bytes, missing_tokens, first * ref.block_tokens, bandwidth=self.links.bandwidth(holder),
+            latency=self.links.latency, per_token_s=per_token, per_pair_s=per_pair,
+        )  # fmt: skip
+        return {"action": action, "t_transfer": tt, "t_recompute": tr, "by": "worker",
+                "missing_bytes": missing_bytes, "missing_tokens": missing_tokens}  # fmt: skip
 
     def _outcome(self, d: dict) -> None:
         """Count a decision that was slower than the other option's estimate, and tell the scheduler."""
@@ -186,23 +190,14 @@ class StateRuntime:
             self.counters["slower_choice"] += 1
         plugin = self.worker.plugins.get("kvstate") if self.worker is not None else None
         if plugin is not None and plugin.placement:
-            msg = {"op": "kvstate-outcome", **{k: v for k, v in d.items() if k != "key"}, "key": d["key"]}
-            self.worker.loop.add_callback(self.worker.batched_stream.send, msg)
+            self.worker.loop.add_callback(self.worker.batched_stream.send, {"op": "kvstate-outcome", **d})
 
     def estimate(self, ref: KVStateRef) -> dict:
         """What the rule would do for ``ref`` on this worker now, without doing it."""
-        tensors = [self.store.peek(h) for h in ref.blocks]
-        if all(t is not None for t in tensors) or ref.placement.worker in (None, self.address):
+        first = next((i for i, h in enumerate(ref.blocks) if h not in self.store), None)
+        if first is None or ref.placement.worker in (None, self.address):
             return {"action": "local", "t_transfer": 0.0, "t_recompute": 0.0}
-        per_token, per_pair = self.prefill_meter.coefficients()
-        first = next(i for i, t in enumerate(tensors) if t is None)
-        missing_tokens = ref.num_tokens - first * ref.block_tokens
-        action, tt, tr = transfer_or_recompute(
-            missing_tokens * self.backend.kv_bytes_per_token, missing_tokens, first * ref.block_tokens,
-            bandwidth=self.links.bandwidth(ref.placement.worker), latency=self.links.latency,
-            per_token_s=per_token, per_pair_s=per_pair,
-        )  # fmt: skip
-        return {"action": action, "t_transfer": tt, "t_recompute": tr}
+        return self._rule(ref, first, ref.placement.worker)
 
     def measure_fill(self, ref: KVStateRef, action: str) -> float:
         """Seconds to fill ``ref``'s blocks here by ``action`` ("pull" or "recompute"), from
@@ -247,9 +242,7 @@ class StateRuntime:
             logger.warning("kvstate: pulling %d blocks from %s failed (%s: %s); recomputing", len(hashes), holder,
                            type(e).__name__, e)  # fmt: skip
             return {}
-        device = self.backend.device
-        for h, t in res.blocks.items():
-            res.blocks[h] = t = t.to(device, non_blocking=True)  # a CPU peer feeding a GPU worker
+        for h, t in res.blocks.items():  # the store moves them to its device; resolve to the model's
             self.store.put(h, t)
         self.counters["transfers"] += len(res.blocks)
         self.counters["transfer_bytes"] += res.nbytes
@@ -311,9 +304,15 @@ class StateRuntime:
         """Text replay: the whole prompt through the model, no state involved."""
         t0 = time.perf_counter()
         ids = self.backend.tokenize(text)
-        self.counters["prefill_tokens"] += len(ids)
-        res = self.backend.generate(ids, None, max_new_tokens=max_new_tokens, temperature=temperature,
-                                    top_p=top_p, seed=seed, started=t0)  # fmt: skip
+        return self._generate(ids, None, t0, max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_p=top_p, seed=seed)  # fmt: skip
+
+    def _generate(self, ids: list[int], past: torch.Tensor | None, started: float, **params) -> Generation:
+        """Decode from ``ids`` with ``past`` as the KV of their leading tokens; counts and measures."""
+        keep = 0 if past is None else int(past.shape[3])
+        self.counters["prefill_tokens"] += len(ids) - keep
+        self.counters["reused_tokens"] += keep
+        res = self.backend.generate(ids, past, started=started, **params)
         self.counters["generations"] += 1
         self.prefill_meter.add(res.prefill_tokens, res.reused_tokens, res.prefill_s)
         return Generation.from_result(self.backend, res, ids)
@@ -328,14 +327,9 @@ class StateRuntime:
         if old.usable:
             # At least the last prompt token is re-run: its logits start decoding.
             keep = min(common_prefix(old.token_ids, ids), len(ids) - 1)
-        self.counters["prefill_tokens"] += len(ids) - keep
-        self.counters["reused_tokens"] += keep
-        res = self.backend.generate(ids, old.kv[:, :, :, :keep] if keep else None, max_new_tokens=max_new_tokens,
-                                    temperature=temperature, top_p=top_p, seed=seed, started=t0)  # fmt: skip
-        self.counters["generations"] += 1
         self.counters["resumes"] += 1
-        self.prefill_meter.add(res.prefill_tokens, res.reused_tokens, res.prefill_s)
-        return Generation.from_result(self.backend, res, ids)
+        return self._generate(ids, old.kv[:, :, :, :keep] if keep else None, t0, max_new_tokens=max_new_tokens,
+                              temperature=temperature, top_p=top_p, seed=seed)  # fmt: skip
 
     def fork(self, ref: KVStateRef, k: int) -> list[KVStateRef]:
         """``k`` new states sharing ``ref``'s blocks: O(1), nothing is copied."""

@@ -115,6 +115,8 @@ class TieredBlockStore:
         self.counters: dict[str, Counter[str]] = {t: Counter() for t in TIERS}
         self.counters["store"] = Counter()
         self.device_peak = 0
+        #: Bumped whenever a block enters or leaves the store (not when it changes tier).
+        self.version = 0
         self._lock = threading.RLock()
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvstate-prefetch")
 
@@ -148,13 +150,18 @@ class TieredBlockStore:
 
     def _disk_victims(self):
         """Unreferenced blocks on disk, lowest score first (asked when the disk is full)."""
-        victims = [h for h in self.disk if h not in self.holds and h not in self.pins]
         now = time.monotonic()
-        yield from sorted(victims, key=lambda h: self._score(h, now))
+        yield from sorted(self._droppable(self.disk), key=lambda h: self._score(h, now))
+
+    def _droppable(self, hashes) -> list[bytes]:
+        """Those of ``hashes`` no ref holds and no running task pins."""
+        return [h for h in hashes if h not in self.holds and h not in self.pins]
 
     def _dropped(self, h: bytes) -> None:
+        """Bookkeeping for a block deleted from every tier to make room."""
         self.meta.pop(h, None)
         self.counters["store"]["dropped"] += 1
+        self.version += 1
 
     def _count(self, tier: str, what: str):
         def cb(key, value):
@@ -205,6 +212,7 @@ class TieredBlockStore:
             tensor = tensor.to(self.device_type, non_blocking=True)
             self._touch(h, hit=False, size=nbytes(tensor))
             self.counters["store"]["puts"] += 1
+            self.version += 1
             try:
                 self._device[h] = tensor
             except OSError as e:  # DiskFullError or a real disk error while spilling
@@ -256,6 +264,7 @@ class TieredBlockStore:
         logger.warning("kvstate: spilled block %s is damaged (%s); treating it as a miss", h.hex()[:12], err)
         self.disk.discard(h)
         self.meta.pop(h, None)
+        self.version += 1
 
     def _disk_full(self, err: Exception) -> None:
         """The disk took no more: keep blocks above, dropping unreferenced ones if over budget."""
@@ -267,14 +276,13 @@ class TieredBlockStore:
             del self.host[k]
         for lru in (self.host, self.device):
             while lru.total_weight > lru.n:
-                victims = [k for k in lru.order if k not in self.holds and k not in self.pins]
+                victims = self._droppable(lru.order)
                 if not victims:
                     break
                 now = time.monotonic()
                 k = min(victims, key=lambda h: self._score(h, now))
                 del lru[k]
-                self.meta.pop(k, None)
-                self.counters["store"]["dropped"] += 1
+                self._dropped(k)
 
     # -- protection ----------------------------------------------------------------
     def pin(self, owner: Hashable, hashes: Iterable[bytes]) -> None:
@@ -303,15 +311,14 @@ class TieredBlockStore:
         """Drop the unreferenced, unpinned ones of ``hashes`` from every tier; returns bytes freed."""
         freed = 0
         with self._lock:
-            for h in hashes:
-                if h in self.holds or h in self.pins or h not in self:
-                    continue
+            for h in self._droppable(hashes):
                 size = self.size_of(h)
                 try:
                     del self._device[h]
-                except KeyError:
+                except KeyError:  # not stored here
                     continue
                 self.meta.pop(h, None)
+                self.version += 1
                 freed += size
         return freed
 

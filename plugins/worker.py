@@ -114,6 +114,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
         if self.config["kvstate"]["worker"].get("memory-monitor", True):
             worker.memory_manager.data = KVStateSpillData(worker.memory_manager.data, self.runtime.store)
         self._sent_blocks: set[bytes] = set()
+        self._sent_version = -1
         self._sent_metrics = None
         self._reporter = None
         try:  # report only to a scheduler that runs the placement extension
@@ -165,11 +166,13 @@ class KVStateWorkerPlugin(WorkerPlugin):
         rt = self.runtime
         if rt is None or self.worker.batched_stream is None or self.worker.batched_stream.comm is None:
             return
-        current = set(rt.store)
-        added, removed = current - self._sent_blocks, self._sent_blocks - current
-        if added or removed:
-            self.worker.batched_stream.send({"op": "kvstate-blocks", "added": list(added), "removed": list(removed)})
-            self._sent_blocks = current
+        if rt.store.version != self._sent_version:  # runs every 200 ms: diff only on change
+            self._sent_version = rt.store.version
+            current = set(rt.store)
+            added, removed = current - self._sent_blocks, self._sent_blocks - current
+            if added or removed:
+                self.worker.batched_stream.send({"op": "kvstate-blocks", "added": list(added), "removed": list(removed)})
+                self._sent_blocks = current
         metrics = {
             "prefill": {name: r.prefill_meter.coefficients() for name, r in self.runtimes.items() if r.prefill_meter.obs},
             "bandwidth": dict(rt.links.per_peer), "seed_bandwidth": rt.links.seed, "latency": rt.links.latency,
