@@ -33,8 +33,12 @@ class KVStateSpillData(MutableMapping):
         freed = self.store.evict_to_disk()
         if freed > 0:
             return freed
+        # The store may hold only pinned blocks while the wrapped buffer is empty: its
+        # evict() raises KeyError then, which would kill the memory monitor's callback.
         evict = getattr(self.data, "evict", None)
-        return evict() if evict is not None else -1
+        if evict is None or not getattr(self.data, "fast", None):
+            return -1
+        return evict()
 
     # -- MutableMapping: all to the wrapped mapping ------------------------------------
     def __getitem__(self, key):
