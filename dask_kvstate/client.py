@@ -5,6 +5,7 @@ from distributed import Client
 
 from dask_kvstate import config
 from dask_kvstate.plugins.worker import PLUGIN_NAME, KVStateWorkerPlugin
+from dask_kvstate.views import ClusterStats
 
 
 def _plugin_settings(dask_worker) -> dict | None:
@@ -55,7 +56,7 @@ def placement_stats(client: Client) -> dict:
     return client.run_on_scheduler(_placement_stats)
 
 
-def stats(client: Client) -> dict[str, dict]:
+def stats(client: Client) -> ClusterStats:
     """Per-worker counters and bytes: ``{worker: {blocks, bytes, hits, transfers, ...}}``.
 
     Keys: ``model``, ``blocks`` and ``bytes`` (all tiers), ``pinned_bytes`` (held by
@@ -66,5 +67,8 @@ def stats(client: Client) -> dict[str, dict]:
     ``transfer_bytes``, ``transfer_seconds``, ``recomputes`` (blocks rebuilt),
     ``recompute_tokens``, ``incompatible``, ``materializations``, ``resumes``, ``forks``,
     ``evicted_bytes``, ...). Counters never seen are absent; read them with ``.get``.
+
+    The result is a dict (:class:`~dask_kvstate.views.ClusterStats`) that prints as a
+    table with totals and renders as HTML in Jupyter.
     """
-    return client.run(_worker_stats)
+    return ClusterStats(client.run(_worker_stats))
