@@ -30,6 +30,9 @@ def install(client: Client, model: str | list[str] | None = None, *, torch_threa
         from dask_kvstate.plugins.placement import KVPlacement
 
         client.register_plugin(KVPlacement())  # idempotent: a no-op when already there
+    from dask_kvstate.plugins.observe import KVObserver
+
+    client.register_plugin(KVObserver())  # stats, history and the /kvstate page; idempotent too
     current = client.run(_plugin_settings)
     if not current or any(s != plugin.settings() for s in current.values()):
         client.register_plugin(plugin, name=PLUGIN_NAME)
