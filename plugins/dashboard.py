@@ -162,7 +162,8 @@ class KVStatePage:
 
     def __init__(self, scheduler, observer):
         from bokeh.layouts import column, row
-        from bokeh.models import ColumnDataSource, DataTable, Div, FactorRange, HoverTool, TableColumn
+        from bokeh.models import (ColumnDataSource, DataTable, Div, FactorRange, HoverTool, NumeralTickFormatter,
+                                  TableColumn)  # fmt: skip
         from bokeh.plotting import figure
 
         self.scheduler = scheduler
@@ -177,8 +178,9 @@ class KVStatePage:
                             sizing_mode="stretch_width", tools="", toolbar_location=None)  # fmt: skip
         self.tiers.hbar_stack(list(TIERS), y="worker", height=0.8, color=list(TIER_COLORS), source=self.tier_source,
                               legend_label=list(TIERS))  # fmt: skip
-        self.tiers.xaxis.axis_label = "bytes"
-        self.tiers.legend.location = "bottom_right"
+        self.tiers.xaxis.formatter = NumeralTickFormatter(format="0.0 b")
+        self.tiers.legend.orientation = "horizontal"
+        self.tiers.add_layout(self.tiers.legend[0], "above")  # beside the bars, never over them
 
         cols = ["worker", "model", "blocks", "device_blocks", "host_blocks", "disk_blocks", "hits", "misses",
                 "hit_rate", "transfers", "transfer_bytes", "recomputes", "tokens_avoided"]  # fmt: skip
