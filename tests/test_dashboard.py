@@ -235,3 +235,33 @@ def test_chromium_shows_the_totals_of_kvs_stats(client, cluster):
         assert seen["title"] == "Dask: KV state"
         assert int(during["workers"]) == len(client.scheduler_info()["workers"])
         del held
+
+
+# -- progress bars ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_progress_bars_show_on_a_terminal_unless_disabled(monkeypatch, on):
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    from dask_kvstate import progress
+
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal 100 columns wide
+    with os.fdopen(child, "w") as terminal:
+        monkeypatch.setattr("sys.stderr", terminal)
+        with dask.config.set({"kvstate.progress": on}):
+            assert progress.enabled() is on
+            with progress.bar(total=3, desc="converting", unit="step") as b:
+                b.update(3)
+        terminal.flush()
+        os.set_blocking(main, False)
+        try:
+            shown = os.read(main, 65536).decode()
+        except BlockingIOError:
+            shown = ""
+    os.close(main)
+    assert ("converting" in shown and "3/3" in shown) is on, shown
