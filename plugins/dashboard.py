@@ -54,10 +54,9 @@ def register_page(scheduler, observer=None):
         logger.info("kvstate: no Dask dashboard on this scheduler; %s not served", ROUTE)
         return None
     try:
-        from tornado.ioloop import IOLoop
-
         from distributed.dashboard.core import BokehApplication
         from distributed.dashboard.scheduler import template_variables
+        from tornado.ioloop import IOLoop
     except ImportError as e:  # bokeh too old/new for distributed: it said so already
         logger.info("kvstate: dashboard page unavailable (%s)", e)
         return None
@@ -82,10 +81,9 @@ def unregister_page(scheduler, app) -> None:
 
 def kvstate_doc(scheduler, extra, doc):
     """The Bokeh document of ``/kvstate``."""
+    from dask_kvstate.plugins.observe import PLUGIN_NAME
     from distributed.dashboard.components import add_periodic_callback
     from distributed.dashboard.components.scheduler import BOKEH_THEME, env
-
-    from dask_kvstate.plugins.observe import PLUGIN_NAME
 
     page = KVStatePage(scheduler, scheduler.plugins.get(PLUGIN_NAME))
     page.update()
@@ -162,8 +160,15 @@ class KVStatePage:
 
     def __init__(self, scheduler, observer):
         from bokeh.layouts import column, row
-        from bokeh.models import (ColumnDataSource, DataTable, Div, FactorRange, HoverTool, NumeralTickFormatter,
-                                  TableColumn)  # fmt: skip
+        from bokeh.models import (
+            ColumnDataSource,
+            DataTable,
+            Div,
+            FactorRange,
+            HoverTool,
+            NumeralTickFormatter,
+            TableColumn,  # fmt: skip
+        )
         from bokeh.plotting import figure
 
         self.scheduler = scheduler

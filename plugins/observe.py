@@ -55,6 +55,7 @@ class KVObserver(SchedulerPlugin):
 
     def __init__(self):
         self.refresh_s = _seconds("dashboard.refresh-interval")
+        self.report_s = _seconds("dashboard.report-interval")
         self.history_len = int(config.get("dashboard.history"))
         self.largest_n = int(config.get("dashboard.largest-states"))
         if self.history_len < 1 or self.largest_n < 0:
@@ -91,7 +92,7 @@ class KVObserver(SchedulerPlugin):
 
     async def _hello(self, comm=None) -> dict:
         """Workers ask before reporting (Dask drops a worker's stream on an unknown op)."""
-        return {"interval": config.get_seconds("dashboard.report-interval")}
+        return {"interval": self.report_s}  # the client's setting, carried by this plugin
 
     # -- reports from workers ------------------------------------------------------
     def _on_stats(self, worker=None, stats=None, **_) -> None:

@@ -15,13 +15,13 @@ from dataclasses import replace
 import dask
 import pytest
 from dask.utils import format_bytes
+from dask_kvstate.plugins.dashboard import SHOWN_TOTALS, KVStatePage
+from dask_kvstate.plugins.observe import PLUGIN_NAME, KVObserver
 from distributed import Client, LocalCluster, wait
 from distributed.utils_test import poll_for
 
 import dask_kvstate as kvs
 from dask_kvstate import events
-from dask_kvstate.plugins.dashboard import SHOWN_TOTALS, KVStatePage
-from dask_kvstate.plugins.observe import PLUGIN_NAME, KVObserver
 from dask_kvstate.views import ClusterStats
 
 from .browser import Browser, find_chromium
@@ -175,6 +175,8 @@ def test_page_data_follows_a_workflow(client, workers):
     head = largest[0]
     assert [c["op"] for c in head] == ["extend", "fork", "materialize"] and head[0]["live"]
     assert head[0]["tokens"] > head[-1]["tokens"] and "extend" in shown["lineage"]
+    # Placement decisions for these consumers went to Dask's event log under their topic.
+    assert any(m.get("kind") == "decision" for _, m in client.get_events(events.PLACEMENT))
     del held
 
 
