@@ -20,11 +20,16 @@ from datetime import datetime
 from dask.utils import format_bytes
 
 from dask_kvstate.events import PLACEMENT
-from dask_kvstate.views import TIERS, hit_rate
+from dask_kvstate.views import TIERS, html_table
 
 logger = logging.getLogger("dask_kvstate")
 
 ROUTE = "/kvstate"
+_TABLE_CSS = """
+table { border-collapse: collapse; font-size: 12px; }
+th, td { padding: 2px 8px; text-align: right; border-bottom: 1px solid #ddd; white-space: nowrap; }
+th:first-child, td:first-child { text-align: left; }
+"""
 TIER_COLORS = ("#1f77b4", "#ff7f0e", "#7f7f7f")
 ACTION_COLORS = {"pull": "#1f77b4", "recompute": "#d62728"}
 #: Totals shown in the header; each is a ``<span data-kvstate=NAME>`` so tests and users can find it.
@@ -155,20 +160,20 @@ def sessions_html(plugin) -> str:
     return "<h4>Sessions</h4><table>" + "".join(out) + "</table>"
 
 
+def _update(source, data: dict) -> None:
+    """Dask's helper (distributed.dashboard.utils.update): skips unchanged data, so an idle
+    page sends nothing to the browser, and updates the columns in place."""
+    from distributed.dashboard.utils import update
+
+    update(source, data)
+
+
 class KVStatePage:
     """All panels of the page; ``update`` refreshes them from the observe extension."""
 
     def __init__(self, scheduler, observer):
         from bokeh.layouts import column, row
-        from bokeh.models import (
-            ColumnDataSource,
-            DataTable,
-            Div,
-            FactorRange,
-            HoverTool,
-            NumeralTickFormatter,
-            TableColumn,  # fmt: skip
-        )
+        from bokeh.models import ColumnDataSource, Div, FactorRange, HoverTool, NumeralTickFormatter
         from bokeh.plotting import figure
 
         self.scheduler = scheduler
@@ -187,12 +192,11 @@ class KVStatePage:
         self.tiers.legend.orientation = "horizontal"
         self.tiers.add_layout(self.tiers.legend[0], "above")  # beside the bars, never over them
 
-        cols = ["worker", "model", "blocks", "device_blocks", "host_blocks", "disk_blocks", "hits", "misses",
-                "hit_rate", "transfers", "transfer_bytes", "recomputes", "tokens_avoided"]  # fmt: skip
-        self.table_source = ColumnDataSource({c: [] for c in cols})
-        self.table = DataTable(source=self.table_source, columns=[TableColumn(field=c, title=c.replace("_", " "))
-                                                                  for c in cols],
-                               height=160, sizing_mode="stretch_width", index_position=None)  # fmt: skip
+        # The per-worker table as HTML, the same one kvs.stats renders in Jupyter. Not a
+        # Bokeh DataTable: in Bokeh 3.9 its cells stop redrawing after the first update
+        # (bokeh/bokeh#13859 and relatives), so the page would show stale numbers.
+        self.table = Div(text="", name="kvstate-workers", sizing_mode="stretch_width",
+                         stylesheets=[_TABLE_CSS])  # fmt: skip
 
         self.history_source = ColumnDataSource({k: [] for k in ("time", "transfers", "recomputes", "transfer_bytes",
                                                                  "prefill_tokens", "tokens_avoided")})  # fmt: skip
@@ -234,25 +238,15 @@ class KVStatePage:
         tier = lambda s, t, f: s.get("tiers", {}).get(t, {}).get(f, 0)  # noqa: E731
         if list(self.tiers.y_range.factors) != workers:
             self.tiers.y_range.factors = workers
-        self.tier_source.data = {"worker": workers, **{t: [tier(stats[w], t, "bytes") for w in workers] for t in TIERS}}
-        rate = lambda s: "-" if hit_rate(s) is None else f"{hit_rate(s):.0%}"  # noqa: E731
-        self.table_source.data = {
-            "worker": workers, "model": [stats[w].get("model", "") for w in workers],
-            "blocks": [stats[w].get("blocks", 0) for w in workers],
-            **{f"{t}_blocks": [tier(stats[w], t, "blocks") for w in workers] for t in TIERS},
-            "hits": [stats[w].get("hits", 0) for w in workers], "misses": [stats[w].get("misses", 0) for w in workers],
-            "hit_rate": [rate(stats[w]) for w in workers], "transfers": [stats[w].get("transfers", 0) for w in workers],
-            "transfer_bytes": [format_bytes(stats[w].get("transfer_bytes", 0)) for w in workers],
-            "recomputes": [stats[w].get("recomputes", 0) for w in workers],
-            "tokens_avoided": [stats[w].get("prefill_tokens_avoided", 0) for w in workers],
-        }  # fmt: skip
+        _update(self.tier_source, {"worker": workers, **{t: [tier(stats[w], t, "bytes") for w in workers] for t in TIERS}})
+        self.table.text = html_table({w: stats[w] for w in workers}, title="per worker") if workers else ""
         history = list(obs.history) if obs is not None else []
-        self.history_source.data = {
+        _update(self.history_source, {
             "time": [datetime.fromtimestamp(t) for t, _ in history],
             **{k: [h.get(k, 0) for _, h in history] for k in ("transfers", "recomputes", "transfer_bytes",
                                                                "prefill_tokens")},
             "tokens_avoided": [h.get("prefill_tokens_avoided", 0) for _, h in history],
-        }  # fmt: skip
+        })  # fmt: skip
         self._update_rule()
         plugin = obs.sessions_plugin() if obs is not None else None
         self.sessions.visible = plugin is not None
@@ -264,7 +258,7 @@ class KVStatePage:
         events = [(t, m) for t, m in self.scheduler.get_events(PLACEMENT)[-500:]
                   if isinstance(m, dict) and m.get("kind") == "outcome"]  # fmt: skip
         est = lambda m: m.get("t_transfer") if m.get("action") == "pull" else m.get("t_recompute")  # noqa: E731
-        self.rule_source.data = {
+        _update(self.rule_source, {
             "time": [datetime.fromtimestamp(t) for t, _ in events], "seconds": [m.get("seconds") for _, m in events],
             "estimate": [est(m) for _, m in events], "action": [str(m.get("action")) for _, m in events],
             "color": [ACTION_COLORS.get(m.get("action"), "#7f7f7f") for _, m in events],
@@ -272,4 +266,4 @@ class KVStatePage:
             "t_transfer": [m.get("t_transfer") for _, m in events],
             "t_recompute": [m.get("t_recompute") for _, m in events],
             "worker": [str(m.get("worker")) for _, m in events],
-        }  # fmt: skip
+        })  # fmt: skip

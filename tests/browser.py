@@ -19,16 +19,17 @@ import urllib.request
 #: Flags from the issue: no sandbox (root in CI), no GPU, nothing fetched from outside.
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking")
 
-#: Text of every ``[data-kvstate]`` element, looking inside Bokeh's shadow roots.
+#: Text of every ``[data-kvstate]`` element and table row, looking inside Bokeh's shadow roots.
 READ_SHOWN = """(() => {
-  const out = {}; let canvases = 0;
+  const out = {}; const rows = []; let canvases = 0;
   const visit = (root) => {
     root.querySelectorAll('[data-kvstate]').forEach(e => { out[e.dataset.kvstate] = e.textContent; });
+    root.querySelectorAll('tbody tr').forEach(r => rows.push(Array.from(r.querySelectorAll('td'), td => td.textContent)));
     root.querySelectorAll('canvas').forEach(c => { if (c.width > 0 && c.height > 0) canvases += 1; });
     root.querySelectorAll('*').forEach(e => { if (e.shadowRoot) visit(e.shadowRoot); });
   };
   visit(document);
-  return JSON.stringify({shown: out, canvases: canvases, title: document.title});
+  return JSON.stringify({shown: out, rows: rows, canvases: canvases, title: document.title});
 })()"""
 
 

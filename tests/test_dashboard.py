@@ -22,7 +22,7 @@ from distributed import Client, LocalCluster, wait
 from distributed.utils_test import poll_for
 
 import dask_kvstate as kvs
-from dask_kvstate import events
+from dask_kvstate import events, views
 from dask_kvstate.views import ClusterStats
 
 from .browser import Browser, find_chromium
@@ -64,11 +64,12 @@ def _shown(totals: dict) -> dict:
 
 
 def _settled(client):
-    """(kvs.stats totals, the scheduler's totals) once the workers' pushed reports caught up."""
+    """(kvs.stats, the scheduler's totals) once the workers' pushed reports caught up."""
     pair = {}
 
     def agree():
-        pair["stats"] = kvs.stats(client).totals
+        pair["full"] = kvs.stats(client)
+        pair["stats"] = pair["full"].totals
         pair["observed"] = client.run_on_scheduler(_observer_snapshot)["totals"]
         return pair["stats"] == pair["observed"]
 
@@ -76,7 +77,7 @@ def _settled(client):
         raise AssertionError(f"the scheduler's totals {pair['observed']} never matched kvs.stats {pair['stats']}")
 
     poll_for(agree, timeout=20, period=0.2, fail_func=fail)
-    return pair["stats"], pair["observed"]
+    return pair["full"], pair["observed"]
 
 
 # -- reprs ------------------------------------------------------------------------------
@@ -165,7 +166,8 @@ def test_page_data_follows_a_workflow(client, workers):
     thoughts, answers = tree_of_thought(3, 4)
     held = client.compute(thoughts)  # keep the branch states live
     dask.compute(*answers)
-    stats, observed = _settled(client)
+    full, observed = _settled(client)
+    stats = full.totals
     assert observed == stats
     shown = client.run_on_scheduler(_page_header)
     assert shown["workers"] == workers and shown["history"] >= 1 and shown["sessions"] is False
@@ -229,24 +231,28 @@ def test_chromium_shows_the_totals_of_kvs_stats(client, cluster):
         running = client.compute(answers)
         browser.navigate(loopback(cluster, "kvstate"))
 
-        def check(want: dict, label: str) -> None:
-            def shows():  # Bokeh has drawn the plots, and the totals are kvs.stats'
+        def check(label: str) -> None:
+            stats = _settled(client)[0]
+            want, rows = _shown(stats.totals), views._rows(stats)  # the per-worker rows as the page writes them
+
+            def shows():  # Bokeh has drawn the plots, and the totals and rows are kvs.stats'
                 seen.update(browser.read_page())
-                return seen.get("canvases", 0) >= 4 and seen.get("shown") == want
+                return seen.get("canvases", 0) >= 4 and seen.get("shown") == want and seen.get("rows") == rows
 
             def fail():
-                raise AssertionError(f"{label}: the page shows {seen.get('shown')}, kvs.stats says {want}")
+                raise AssertionError(f"{label}: the page shows {seen.get('shown')} {seen.get('rows')}, "
+                                     f"kvs.stats says {want} {rows}")  # fmt: skip
 
             poll_for(shows, timeout=30, period=0.25, fail_func=fail)
 
         try:
             wait(held)
-            check(_shown(_settled(client)[0]), "mid-run")
+            check("mid-run")
             assert not any(f.done() for f in running)  # still running: held at the gate
             during.update(seen["shown"])
             Event(go, client=client).set()
             wait(running)
-            check(_shown(_settled(client)[0]), "after the run")
+            check("after the run")
         finally:  # the artifacts, pass or fail
             Event(go, client=client).set()
             browser.screenshot(os.path.join(ARTIFACTS, "kvstate-dashboard.png"))
