@@ -48,6 +48,10 @@ def _observer_snapshot(dask_scheduler):
     return dask_scheduler.plugins[PLUGIN_NAME].snapshot()
 
 
+def _lineages(ids, dask_scheduler):
+    return [dask_scheduler.plugins[PLUGIN_NAME].lineage(i) for i in ids]
+
+
 def _page_header(dask_scheduler):
     page = KVStatePage(dask_scheduler, dask_scheduler.plugins[PLUGIN_NAME])
     page.update()
@@ -173,11 +177,16 @@ def test_page_data_follows_a_workflow(client, workers):
     assert shown["workers"] == workers and shown["history"] >= 1 and shown["sessions"] is False
     for key, value in _shown(stats).items():
         assert f"data-kvstate='{key}'" in shown["header"] and f">{value}</b>" in shown["header"], key
-    # The largest states are the branches (context + a thought), with their lineage to the context.
+    # Each branch's lineage leads back through its fork to the shared context.
+    refs = client.gather(held)
+    chains = client.run_on_scheduler(_lineages, [r.state_id for r in refs])
+    for ref, chain in zip(refs, chains):
+        assert [c["op"] for c in chain] == ["extend", "fork", "materialize"], chain
+        assert chain[0]["tokens"] == ref.num_tokens > chain[-1]["tokens"] and chain[0]["holder"] in workers
+    assert len({c[-1]["state"] for c in chains}) == 1  # one shared context
     largest = client.run_on_scheduler(_observer_snapshot)["largest"]
-    head = largest[0]
-    assert [c["op"] for c in head] == ["extend", "fork", "materialize"] and head[0]["live"]
-    assert head[0]["tokens"] > head[-1]["tokens"] and "extend" in shown["lineage"]
+    sizes = [c[0]["nbytes"] for c in largest]
+    assert sizes == sorted(sizes, reverse=True) and largest[0][0]["op"] in shown["lineage"]
     # Placement decisions for these consumers went to Dask's event log under their topic.
     assert any(m.get("kind") == "decision" for _, m in client.get_events(events.PLACEMENT))
     del held
