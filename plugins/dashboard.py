@@ -207,6 +207,8 @@ class KVStatePage:
         self.flow.line("time", "recomputes", source=self.history_source, color=ACTION_COLORS["recompute"],
                        legend_label="recomputed", line_width=2)  # fmt: skip
         self.flow.legend.location = "top_left"
+        self.flow.add_tools(HoverTool(tooltips=[("pulled", "@transfers blocks, @transfer_bytes{0.0 b}"),
+                                                ("recomputed", "@recomputes blocks")], mode="vline"))  # fmt: skip
         self.tokens = figure(title="Prefill tokens: computed vs avoided (cumulative)", x_axis_type="datetime",
                              height=220, sizing_mode="stretch_width", tools="")  # fmt: skip
         self.tokens.line("time", "prefill_tokens", source=self.history_source, color="#7f7f7f",

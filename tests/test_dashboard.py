@@ -151,6 +151,12 @@ def test_spills_are_logged_aggregated_per_report():
 # -- the page -----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("key, value", [("history", 0), ("refresh-interval", "0s"), ("largest-states", -1)])
+def test_observer_rejects_bad_settings(key, value):
+    with dask.config.set({f"kvstate.dashboard.{key}": value}), pytest.raises(ValueError, match=key):
+        KVObserver()
+
+
 def test_page_with_no_data_shows_an_empty_state():
     with LocalCluster(n_workers=0, processes=False, dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as c:
         url = loopback(cluster, "kvstate")
@@ -268,7 +274,8 @@ def test_chromium_shows_the_totals_of_kvs_stats(client, cluster):
             with open(os.path.join(ARTIFACTS, "kvstate-dashboard.json"), "w") as f:
                 json.dump({"during": during, "after": seen.get("shown")}, f, indent=1)
         assert seen["title"] == "Dask: KV state"
-        assert int(during["blocks"].replace(",", "")) < int(seen["shown"]["blocks"].replace(",", ""))
+        count = lambda shown: int(shown["prefill_tokens_avoided"].replace(",", ""))  # noqa: E731
+        assert count(during) < count(seen["shown"])  # the answers resumed from the branches' KV
         assert all(r.reused_tokens > 0 for r in client.gather(running))
         del held
 
