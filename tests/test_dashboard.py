@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -295,16 +297,19 @@ def test_progress_bars_show_on_a_terminal_unless_disabled(monkeypatch, on):
     main, child = pty.openpty()
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal 100 columns wide
     with os.fdopen(child, "w") as terminal:
-        monkeypatch.setattr("sys.stderr", terminal)
-        with dask.config.set({"kvstate.progress": on}):
+        with monkeypatch.context() as m, dask.config.set({"kvstate.progress": on}):
+            m.setattr("sys.stderr", terminal)  # restored before the terminal closes
             assert progress.enabled() is on
             with progress.bar(total=3, desc="converting", unit="step") as b:
                 b.update(3)
+        # The pty delivers asynchronously: read up to a marker written after the bar.
+        terminal.write("<<end>>\n")
         terminal.flush()
-        os.set_blocking(main, False)
-        try:
-            shown = os.read(main, 65536).decode()
-        except BlockingIOError:
-            shown = ""
+        shown = ""
+        deadline = time.monotonic() + 10
+        while "<<end>>" not in shown and time.monotonic() < deadline:
+            if select.select([main], [], [], 0.5)[0]:
+                shown += os.read(main, 65536).decode(errors="replace")
     os.close(main)
+    assert "<<end>>" in shown, shown
     assert ("converting" in shown and "3/3" in shown) is on, shown
