@@ -74,4 +74,11 @@ def stats(client: Client) -> ClusterStats:
     The result is a dict (:class:`~dask_kvstate.views.ClusterStats`) that prints as a
     table with totals and renders as HTML in Jupyter.
     """
-    return ClusterStats(client.run(_worker_stats))
+    result = client.run(_worker_stats)
+    if client.asynchronous:  # an awaitable, as client.run returns there
+        return _as_cluster_stats(result)
+    return ClusterStats(result)
+
+
+async def _as_cluster_stats(pending) -> ClusterStats:
+    return ClusterStats(await pending)

@@ -85,7 +85,7 @@ class KVObserver(SchedulerPlugin):
     async def close(self) -> None:
         if getattr(self, "_sampler", None) is not None:
             self._sampler.stop()
-        if self._app is not None:
+        if getattr(self, "_app", None) is not None:
             from dask_kvstate.plugins.dashboard import unregister_page
 
             unregister_page(self.scheduler, self._app)

@@ -313,3 +313,14 @@ def test_progress_bars_show_on_a_terminal_unless_disabled(monkeypatch, on):
     os.close(main)
     assert "<<end>>" in shown, shown
     assert ("converting" in shown and "3/3" in shown) is on, shown
+
+
+def test_stats_under_an_asynchronous_client(client, workers):
+    import asyncio
+
+    async def go():
+        async with Client(client.scheduler.address, asynchronous=True) as ac:
+            return await kvs.stats(ac)
+
+    s = asyncio.run(go())
+    assert isinstance(s, ClusterStats) and sorted(s) == workers and "total" in str(s)
