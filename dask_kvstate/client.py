@@ -5,6 +5,7 @@ from distributed import Client
 
 from dask_kvstate import config
 from dask_kvstate.plugins.worker import PLUGIN_NAME, KVStateWorkerPlugin
+from dask_kvstate.views import ClusterStats
 
 
 def _plugin_settings(dask_worker) -> dict | None:
@@ -29,6 +30,9 @@ def install(client: Client, model: str | list[str] | None = None, *, torch_threa
         from dask_kvstate.plugins.placement import KVPlacement
 
         client.register_plugin(KVPlacement())  # idempotent: a no-op when already there
+    from dask_kvstate.plugins.observe import KVObserver
+
+    client.register_plugin(KVObserver())  # stats, history and the /kvstate page; idempotent too
     current = client.run(_plugin_settings)
     if not current or any(s != plugin.settings() for s in current.values()):
         client.register_plugin(plugin, name=PLUGIN_NAME)
@@ -55,7 +59,7 @@ def placement_stats(client: Client) -> dict:
     return client.run_on_scheduler(_placement_stats)
 
 
-def stats(client: Client) -> dict[str, dict]:
+def stats(client: Client) -> ClusterStats:
     """Per-worker counters and bytes: ``{worker: {blocks, bytes, hits, transfers, ...}}``.
 
     Keys: ``model``, ``blocks`` and ``bytes`` (all tiers), ``pinned_bytes`` (held by
@@ -66,5 +70,15 @@ def stats(client: Client) -> dict[str, dict]:
     ``transfer_bytes``, ``transfer_seconds``, ``recomputes`` (blocks rebuilt),
     ``recompute_tokens``, ``incompatible``, ``materializations``, ``resumes``, ``forks``,
     ``evicted_bytes``, ...). Counters never seen are absent; read them with ``.get``.
+
+    The result is a dict (:class:`~dask_kvstate.views.ClusterStats`) that prints as a
+    table with totals and renders as HTML in Jupyter.
     """
-    return client.run(_worker_stats)
+    result = client.run(_worker_stats)
+    if client.asynchronous:  # an awaitable, as client.run returns there
+        return _as_cluster_stats(result)
+    return ClusterStats(result)
+
+
+async def _as_cluster_stats(pending) -> ClusterStats:
+    return ClusterStats(await pending)

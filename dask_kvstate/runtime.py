@@ -26,6 +26,7 @@ from dask_kvstate.blocks import block_hashes, join_blocks, split_blocks
 from dask_kvstate.cost import transfer_or_recompute
 from dask_kvstate.measure import LinkMeter, PrefillMeter
 from dask_kvstate.errors import MergeError
+from dask_kvstate.events import COMPATIBILITY, LIFECYCLE, worker_event
 from dask_kvstate.generation import Generation
 from dask_kvstate.state import KVState, KVStateRef, Lineage, Placement, incompatibility, new_state_id
 from dask_kvstate.transport import pull_blocks
@@ -123,6 +124,11 @@ class StateRuntime:
         if why is not None:
             self.counters["incompatible"] += 1
             logger.info("kvstate: not reusing state %s (%s); recomputing from text", ref.state_id[:8], why)
+            # One event per refusal: rare by nature, and each names a state a user may be debugging.
+            worker_event(self.worker, COMPATIBILITY, {
+                "kind": "refused", "state": ref.state_id, "model": ref.model_name, "here": self.backend.name,
+                "tokens": ref.num_tokens, "reason": why,
+            })  # fmt: skip
             return KVState(ref, ids, None)
         if not ids:
             return KVState(ref, ids, None)
@@ -378,6 +384,8 @@ class StateRuntime:
             self.store.release(owner)
         freed = self.store.discard(ref.blocks)
         self.counters["evicted_bytes"] += freed
+        worker_event(self.worker, LIFECYCLE, {"kind": "evict", "state": ref.state_id, "blocks": len(ref.blocks),
+                                              "freed_bytes": freed})  # fmt: skip
         return freed
 
     def stats(self) -> dict:

@@ -12,6 +12,7 @@ import dask
 from distributed import Client, LocalCluster
 
 import dask_kvstate as kvs
+from dask_kvstate import progress
 import shapes
 
 
@@ -40,12 +41,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default="tiny-llama")
     args = ap.parse_args(argv)
     rows = {}
-    for name, build in shapes.SHAPES.items():
+    for name, build in progress.bar(shapes.SHAPES.items(), total=len(shapes.SHAPES), desc="shapes", unit="shape"):
         # A fresh cluster per shape: no shape profits from blocks another left in the stores.
         with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
             with Client(cluster) as client:
                 kvs.install(client, args.model, torch_threads=1)
-                print(f"{name} ...", flush=True)
+                progress.write(f"{name} ...")
                 rows[name] = measure(client, build)
     print(f"{'shape':>16} | calls | states | prefill tokens off -> on | wall off -> on     | identical")
     print("-" * 86)

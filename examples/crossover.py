@@ -19,7 +19,7 @@ import numpy as np
 from distributed import Client, LocalCluster, wait
 
 import dask_kvstate as kvs
-from dask_kvstate import tasks
+from dask_kvstate import progress, tasks
 
 BANDWIDTHS = ["10 Mbit/s", "100 Mbit/s", "1 Gbit/s", "10 Gbit/s"]
 CONTEXTS = [256, 512, 1024, 2048, 4096]
@@ -68,6 +68,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     cells = []
+    sweep = progress.bar(total=len(BANDWIDTHS) * len(CONTEXTS), desc="crossover sweep", unit="cell")
     for bw in BANDWIDTHS:
         cfg = {"kvstate.transport.emulated-bandwidth": bw}
         with dask.config.set(cfg), LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
@@ -78,10 +79,12 @@ def main(argv=None) -> dict:
                 for n in CONTEXTS:
                     cell = sweep_cell(client, a, b, n, f"{bw} {n}", args.repeats)
                     cells.append({"bandwidth": bw, **cell})
-                    print(f"{bw:>11} {cell['tokens']:>5} tok {cell['mib']:7.2f} MiB | rule: {cell['choice']:<9} "
+                    sweep.update()
+                    progress.write(f"{bw:>11} {cell['tokens']:>5} tok {cell['mib']:7.2f} MiB | rule: {cell['choice']:<9} "
                           f"(est pull {cell['est_pull']:.4f} s, recompute {cell['est_recompute']:.4f} s) | measured "
                           f"pull {cell['t_pull']:.4f} s, recompute {cell['t_recompute']:.4f} s | "
-                          f"{'right' if cell['right'] else 'WRONG'}", flush=True)  # fmt: skip
+                          f"{'right' if cell['right'] else 'WRONG'}")  # fmt: skip
+    sweep.close()
     right = sum(c["right"] for c in cells)
     print(f"rule picked the faster option in {right}/{len(cells)} cells ({100 * right / len(cells):.0f}%)")
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, protocol=f"{args.protocol}://",

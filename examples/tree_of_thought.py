@@ -19,6 +19,7 @@ import time
 from distributed import Client, LocalCluster
 
 import dask_kvstate as kvs
+from dask_kvstate import progress
 
 SYSTEM = "You are a senior site reliability engineer. Read the incident report and answer briefly."
 
@@ -90,6 +91,8 @@ def run(client: Client, *, branches: int = 4, lines: int = 52, new_tokens: int =
         before, t0 = kvs.stats(client), time.perf_counter()
         with kvs.stateflow() if compiled else contextlib.nullcontext():
             futures = client.compute(outs)
+            for _ in progress.as_completed(futures, desc=f"{name}: {len(futures)} branches"):
+                pass
             results = client.gather(futures)
         wall, after = time.perf_counter() - t0, kvs.stats(client)
         where = client.who_has(futures)

@@ -1,12 +1,21 @@
 """The state plan for people: text, and graphviz with state edges dashed."""
 from __future__ import annotations
 
+import html
+
 from dask_kvstate.graph_opt.plan import CHARS_PER_TOKEN, Plan
 
 
 def _short(key) -> str:
     s = str(key)
     return s if len(s) <= 32 else s[:29] + "..."
+
+
+def _table(header, rows) -> str:
+    esc = html.escape
+    head = "".join(f"<th>{esc(str(h))}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{esc(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 class StatePlan:
@@ -52,6 +61,33 @@ class StatePlan:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        """The plan as tables for notebooks: states (what each prefills, who uses it) and calls.
+
+        Plain HTML, no graphviz needed (``to_dot()`` is there for a picture).
+        """
+        esc = html.escape
+        p = self.plan
+        head = str(self).splitlines()[:2]
+        parts = [f"<div><strong>{esc(head[0])}</strong><br>{esc(head[1])}"]
+        if p.states:
+            rows = []
+            for key, st in p.states.items():
+                segs = ", ".join(s.label() for s in st.segments)
+                src = "materialize" if st.op == "materialize" else f"extend {self._ref(st.parent)}"
+                rows.append((self.names[key], src, segs, st.model or "", len(st.consumers) + len(st.children),
+                             _short(key)))  # fmt: skip
+            parts.append(_table(("state", "op", "segments", "model", "used by", "key"), rows))
+        calls = []
+        for call in p.calls:
+            if call.key in p.resumes:
+                skey, rest = p.resumes[call.key]
+                calls.append((_short(call.key), f"resume from {self.names[skey]}", ", ".join(s.label() for s in rest)))
+            else:
+                calls.append((_short(call.key), "unchanged (nothing shared)", ""))
+        parts.append(_table(("call", "plan", "then prefill"), calls))
+        return "".join(parts) + "</div>"
 
     def to_dot(self) -> str:
         """Graphviz source: boxes are states, ellipses LLM calls; dashed edges carry KV state."""

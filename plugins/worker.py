@@ -24,6 +24,7 @@ from tornado.ioloop import PeriodicCallback
 from dask_kvstate import config
 from dask_kvstate.backends import check_model_name
 from dask_kvstate.plugins.memory import KVStateSpillData
+from dask_kvstate.plugins.observe import StatsReporter
 from dask_kvstate.state import KVStateRef
 from dask_kvstate.transport import HANDLER, serve_blocks
 
@@ -125,6 +126,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
             self._reporter = PeriodicCallback(self._report, 200)
             self._reporter.start()
             self._report()  # the probe's numbers, before the first task can need them
+        # Stats for the dashboard page, pushed only to a scheduler running the observe extension.
+        self._observer = await StatsReporter.connect(worker, self)
         logger.info("kvstate: %s ready on %s", ", ".join(self.models), worker.address)
 
     def runtime_for(self, model: str | None = None):
@@ -184,6 +187,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
     def teardown(self, worker) -> None:
         if getattr(self, "_reporter", None) is not None:
             self._reporter.stop()
+        if getattr(self, "_observer", None) is not None:
+            self._observer.stop()
         for name in (HANDLER, "kvstate_evict"):
             worker.handlers.pop(name, None)
         if isinstance(worker.memory_manager.data, KVStateSpillData):
@@ -208,6 +213,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
                     self.held[key] = [r.state_id for r in refs]
             if refs and start == "executing" and self.placement:  # computed here: the extension wants it
                 self._send_ref(key, refs[0])
+            if refs and start == "executing" and getattr(self, "_observer", None) is not None:
+                self._observer.send_states(key, refs)
         elif start == "memory":
             with self._lock:
                 for sid in self.held.pop(key, ()):

@@ -69,8 +69,14 @@ def load(name: str, cache_dir: str | None = None):
 def _from_folder(folder: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    from dask_kvstate import progress
+
+    with progress.bar(total=2, desc=f"loading {folder.name}", unit="step") as bar, \
+            progress.quiet_transformers_unless_enabled():  # fmt: skip
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+        bar.update()
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        bar.update()
     return model.eval(), tokenizer
 
 
@@ -130,22 +136,34 @@ def _file_lock(path: Path):
 def _convert_gguf(gguf: Path, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-    # The weights are already dequantized to float32; drop the GGUF quantizer so
-    # transformers agrees to save them as plain safetensors.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "kvstate-source.json").write_text(json.dumps({"gguf": str(gguf), "size": gguf.stat().st_size}))
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    from dask_kvstate import progress
+
+    # ~20 s, once per machine: worth a bar (on a terminal only; see dask_kvstate.progress).
+    with progress.bar(total=4, desc=f"{SMOLLM2}: GGUF -> safetensors (once)", unit="step") as bar, \
+            progress.quiet_transformers_unless_enabled():  # fmt: skip
+        bar.set_postfix_str("dequantizing weights")
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        bar.update()
+        bar.set_postfix_str("tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        bar.update()
+        # The weights are already dequantized to float32; drop the GGUF quantizer so
+        # transformers agrees to save them as plain safetensors.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+        try:
+            bar.set_postfix_str("writing safetensors")
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            bar.update()
+            (tmp / "kvstate-source.json").write_text(json.dumps({"gguf": str(gguf), "size": gguf.stat().st_size}))
+            os.replace(tmp, folder)
+            bar.update()
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 # -- tiny-llama ----------------------------------------------------------------------

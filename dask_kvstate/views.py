@@ -1,0 +1,133 @@
+"""People-facing views of kvstate numbers: a terminal table and a notebook HTML table.
+
+:func:`totals` is the one place cluster totals are summed, so ``kvs.stats`` and the
+``/kvstate`` dashboard page always show the same numbers. Torch-free: the scheduler
+(which renders the dashboard) imports this module.
+"""
+from __future__ import annotations
+
+import html
+from collections.abc import Mapping
+
+from dask.utils import format_bytes
+
+TIERS = ("device", "host", "disk")
+
+#: Counters summed over workers for the cluster totals (absent counters count 0).
+TOTAL_KEYS = ("blocks", "bytes", "hits", "misses", "transfers", "transfer_bytes", "recomputes",
+              "prefill_tokens", "prefill_tokens_avoided", "incompatible", "evictions")  # fmt: skip
+
+# (header, how to read it from one worker's stats, how to show it)
+_COLUMNS = (
+    ("model", lambda s: s.get("model", ""), str),
+    ("blocks", lambda s: s.get("blocks", 0), "{:,}".format),
+    ("bytes", lambda s: s.get("bytes", 0), format_bytes),
+    *((f"{t}", lambda s, t=t: s.get("tiers", {}).get(t, {}).get("bytes", 0), format_bytes) for t in TIERS),
+    ("hits", lambda s: s.get("hits", 0), "{:,}".format),
+    ("misses", lambda s: s.get("misses", 0), "{:,}".format),
+    ("hit rate", lambda s: hit_rate(s), lambda r: "-" if r is None else f"{r:.0%}"),
+    ("transfers", lambda s: s.get("transfers", 0), "{:,}".format),
+    ("recomputes", lambda s: s.get("recomputes", 0), "{:,}".format),
+    ("tokens avoided", lambda s: s.get("prefill_tokens_avoided", 0), "{:,}".format),
+)
+
+
+def hit_rate(s: Mapping) -> float | None:
+    """Block hits over lookups (hits + misses); None before any lookup.
+
+    Examples
+    --------
+    >>> hit_rate({"hits": 3, "misses": 1}), hit_rate({})
+    (0.75, None)
+    """
+    n = s.get("hits", 0) + s.get("misses", 0)
+    return None if n == 0 else s.get("hits", 0) / n
+
+
+def totals(per_worker: Mapping[str, Mapping]) -> dict:
+    """Cluster totals of the per-worker stats (workers without the plugin are skipped).
+
+    Examples
+    --------
+    >>> t = totals({"a": {"installed": True, "blocks": 2, "hits": 1, "tiers": {"device": {"bytes": 8}}},
+    ...             "b": {"installed": True, "blocks": 3, "misses": 1}, "c": {"installed": False}})
+    >>> t["workers"], t["blocks"], t["tiers"]["device"]["bytes"], t["hit_rate"]
+    (2, 5, 8, 0.5)
+    """
+    live = [s for s in per_worker.values() if s.get("installed", True)]
+    out: dict = {"workers": len(live), **{k: sum(int(s.get(k, 0)) for s in live) for k in TOTAL_KEYS}}
+    out["tiers"] = {t: {f: sum(int(s.get("tiers", {}).get(t, {}).get(f, 0)) for s in live)
+                        for f in ("blocks", "bytes")} for t in TIERS}  # fmt: skip
+    out["hit_rate"] = hit_rate(out)
+    return out
+
+
+def _rows(per_worker: Mapping[str, Mapping]) -> list[list[str]]:
+    rows = []
+    for worker, s in sorted(per_worker.items()):
+        if not s.get("installed", True):
+            rows.append([worker, "(kvstate not installed)"] + [""] * (len(_COLUMNS) - 1))
+            continue
+        rows.append([worker] + [show(get(s)) for _, get, show in _COLUMNS])
+    return rows
+
+
+def _total_row(per_worker: Mapping[str, Mapping]) -> list[str]:
+    t = totals(per_worker)
+    flat = {**t, "tiers": t["tiers"], "model": f"{t['workers']} workers"}
+    return ["total"] + [show(get(flat)) for _, get, show in _COLUMNS]
+
+
+def text_table(per_worker: Mapping[str, Mapping]) -> str:
+    """A fixed-width table: one row per worker, then the totals."""
+    if not per_worker:
+        return "kvstate: no workers"
+    header = ["worker"] + [h for h, _, _ in _COLUMNS]
+    rows = [header] + _rows(per_worker) + [_total_row(per_worker)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    lines = [fmt(r).rstrip() for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    lines.insert(len(lines) - 1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def html_table(per_worker: Mapping[str, Mapping], title: str = "kvstate") -> str:
+    """The same table as HTML, with the totals as a footer row."""
+    esc = html.escape
+    if not per_worker:
+        return f"<div><strong>{esc(title)}</strong>: no workers</div>"
+    head = "".join(f"<th>{esc(h)}</th>" for h in ["worker"] + [h for h, _, _ in _COLUMNS])
+    body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in _rows(per_worker))
+    foot = "<tr>" + "".join(f"<th>{esc(c)}</th>" for c in _total_row(per_worker)) + "</tr>"
+    return (f"<div><strong>{esc(title)}</strong><table><thead><tr>{head}</tr></thead>"
+            f"<tbody>{body}</tbody><tfoot>{foot}</tfoot></table></div>")  # fmt: skip
+
+
+class ClusterStats(dict):
+    """What ``kvs.stats`` returns: ``{worker: {...}}``, a plain dict, that also renders.
+
+    A dict subclass, so code that indexes it (``stats[worker]["hits"]``) and compares it
+    keeps working; ``print`` gives a table per worker plus totals, Jupyter an HTML table.
+
+    Examples
+    --------
+    >>> s = ClusterStats({"tcp://a:1": {"installed": True, "model": "tiny-llama", "blocks": 2, "bytes": 2048,
+    ...                                 "hits": 3, "misses": 1}})
+    >>> s["tcp://a:1"]["blocks"], s.totals["hit_rate"]
+    (2, 0.75)
+    >>> str(s).splitlines()[0].split()[:4]
+    ['worker', 'model', 'blocks', 'bytes']
+    """
+
+    @property
+    def totals(self) -> dict:
+        return totals(self)
+
+    def __str__(self) -> str:
+        return text_table(self)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        return html_table(self, title="kvstate: KV blocks per worker")
