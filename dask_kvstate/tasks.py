@@ -10,6 +10,8 @@ Each finds its worker's ``kvstate`` plugin and hands the work to its runtime.
 """
 from __future__ import annotations
 
+import time
+
 from distributed import get_worker
 from distributed.utils import sync
 
@@ -123,6 +125,20 @@ def estimate(state: KVStateRef) -> dict:
 def measure_fill(state: KVStateRef, action: str) -> float:
     """Seconds to pull or recompute all of ``state``'s blocks on this worker (benchmarks)."""
     return _runtime_for_state(state, None).measure_fill(_check_state(state), action)
+
+
+def measure_raw_fetch(key: str, holder: str) -> float:
+    """Seconds for this worker to fetch task result ``key`` from ``holder`` the way Dask
+    moves any data (``get_data``): the baseline KV pulls are measured against."""
+    from distributed.worker import get_data_from_worker
+
+    worker = get_worker()
+    t0 = time.perf_counter()
+    resp = sync(worker.loop, get_data_from_worker, worker.rpc, [key], holder, who=worker.address)
+    seconds = time.perf_counter() - t0
+    if key not in resp.get("data", {}):
+        raise RuntimeError(f"{holder} did not return {key!r}: {resp.get('status')}")
+    return seconds
 
 
 def transfer(state: KVStateRef) -> KVStateRef:

@@ -6,13 +6,14 @@ both options are really carried out and timed. The rule is right when it picked 
 faster of the two measured times. Also measures KV pull throughput against a raw Dask
 transfer of a numpy array of the same bytes, on the same link, in the same run.
 
-Run: ``python examples/crossover.py [--model tiny-llama] [--protocol tcp]``.
+Run: ``python examples/crossover.py [--model tiny-llama] [--protocol tcp] [--throughput tcp,ucx]``.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
-import time
 
 import dask
 import numpy as np
@@ -45,57 +46,78 @@ def sweep_cell(client, a, b, tokens_hint: int, salt: str, repeats: int) -> dict:
             "est_recompute": est["t_recompute"], "right": est["action"] == faster}  # fmt: skip
 
 
-def throughput(client, a, b, nbytes: int, repeats: int = 3) -> dict:
-    """KV pull vs Dask's own transfer of a numpy array of the same size between the same workers."""
-    tokens = nbytes // client.run(lambda dask_worker: dask_worker.plugins["kvstate"].runtime.backend.kv_bytes_per_token)[a]
-    ref = client.submit(tasks.materialize, context(tokens, "throughput"), workers=[a], pure=False).result()
-    kv = [client.submit(tasks.measure_fill, ref, "pull", workers=[b], pure=False).result() for _ in range(repeats)]
-    raw = []
-    for i in range(repeats):
-        arr = client.submit(np.ones, ref.nbytes, dtype=np.uint8, workers=[a], pure=False, key=f"raw-{i}-{time.time()}")
-        wait(arr)
-        t0 = time.perf_counter()
-        client.replicate([arr], workers=[b], n=2)
-        raw.append(time.perf_counter() - t0)
-        del arr
-    return {"mib": ref.nbytes / 2**20, "kv_s": min(kv), "raw_s": min(raw), "ratio": min(raw) / min(kv)}
+def throughput(client, a, b, nbytes: int, repeats: int = 9) -> dict:
+    """KV pull vs Dask's own fetch of a numpy array of the same bytes, a -> b, interleaved.
+
+    Both are timed inside a task on ``b``, from request to data in hand (the KV pull
+    also stores the blocks), so neither pays the scheduler's round trips. Random bytes,
+    like KV, in case comm compression is on. Medians of ``repeats``.
+    """
+    per_token = client.run(lambda dask_worker: dask_worker.plugins["kvstate"].runtime.backend.kv_bytes_per_token)[a]
+    ref = client.submit(tasks.materialize, context(nbytes // per_token, "throughput"), workers=[a], pure=False).result()
+    arr = client.submit(lambda n: np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8), ref.nbytes,
+                        workers=[a], pure=False)  # fmt: skip
+    wait(arr)
+    kv, raw = [], []
+    for _ in range(repeats):
+        kv.append(client.submit(tasks.measure_fill, ref, "pull", workers=[b], pure=False).result())
+        raw.append(client.submit(tasks.measure_raw_fetch, arr.key, a, workers=[b], pure=False).result())
+    kv_s, raw_s = statistics.median(kv), statistics.median(raw)
+    return {"mib": ref.nbytes / 2**20, "blocks": len(ref.blocks), "kv_s": kv_s, "raw_s": raw_s, "ratio": raw_s / kv_s}
+
+
+def sweep(model: str, protocol: str, repeats: int) -> list[dict]:
+    cells = []
+    bar = progress.bar(total=len(BANDWIDTHS) * len(CONTEXTS), desc="crossover sweep", unit="cell")
+    for bw in BANDWIDTHS:
+        cfg = {"kvstate.transport.emulated-bandwidth": bw}
+        with dask.config.set(cfg), two_workers(protocol) as client:
+            kvs.install(client, model, torch_threads=1)
+            a, b = sorted(client.scheduler_info()["workers"])
+            for n in CONTEXTS:
+                cell = sweep_cell(client, a, b, n, f"{bw} {n}", repeats)
+                cells.append({"bandwidth": bw, **cell})
+                bar.update()
+                progress.write(f"{bw:>11} {cell['tokens']:>5} tok {cell['mib']:7.2f} MiB | rule: {cell['choice']:<9} "
+                               f"(est pull {cell['est_pull']:.4f} s, recompute {cell['est_recompute']:.4f} s) | "
+                               f"measured pull {cell['t_pull']:.4f} s, recompute {cell['t_recompute']:.4f} s | "
+                               f"{'right' if cell['right'] else 'WRONG'}")  # fmt: skip
+    bar.close()
+    right = sum(c["right"] for c in cells)
+    print(f"rule picked the faster option in {right}/{len(cells)} cells ({100 * right / len(cells):.0f}%)")
+    return cells
+
+
+@contextlib.contextmanager
+def two_workers(protocol: str):
+    if protocol == "ucx":  # UCX over loopback TCP and shared memory on a machine without RDMA/GPU
+        os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, protocol=f"{protocol}://",
+                      security=True if protocol == "tls" else None, dashboard_address=":0") as cluster, Client(cluster) as client:  # fmt: skip
+        yield client
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny-llama")
-    ap.add_argument("--protocol", default="tcp")
+    ap.add_argument("--protocol", default="tcp", help="comm of the sweep's cluster: tcp, tls or ucx")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--throughput", default="tcp", help="comma-separated comms to measure KV pull throughput on")
+    ap.add_argument("--mib", type=int, default=64, help="bytes of KV moved per throughput measurement")
+    ap.add_argument("--skip-sweep", action="store_true")
     args = ap.parse_args(argv)
-    cells = []
-    sweep = progress.bar(total=len(BANDWIDTHS) * len(CONTEXTS), desc="crossover sweep", unit="cell")
-    for bw in BANDWIDTHS:
-        cfg = {"kvstate.transport.emulated-bandwidth": bw}
-        with dask.config.set(cfg), LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                                protocol=f"{args.protocol}://", dashboard_address=":0") as cluster:  # fmt: skip
-            with Client(cluster) as client:
-                kvs.install(client, args.model, torch_threads=1)
-                a, b = sorted(client.scheduler_info()["workers"])
-                for n in CONTEXTS:
-                    cell = sweep_cell(client, a, b, n, f"{bw} {n}", args.repeats)
-                    cells.append({"bandwidth": bw, **cell})
-                    sweep.update()
-                    progress.write(f"{bw:>11} {cell['tokens']:>5} tok {cell['mib']:7.2f} MiB | rule: {cell['choice']:<9} "
-                          f"(est pull {cell['est_pull']:.4f} s, recompute {cell['est_recompute']:.4f} s) | measured "
-                          f"pull {cell['t_pull']:.4f} s, recompute {cell['t_recompute']:.4f} s | "
-                          f"{'right' if cell['right'] else 'WRONG'}")  # fmt: skip
-    sweep.close()
-    right = sum(c["right"] for c in cells)
-    print(f"rule picked the faster option in {right}/{len(cells)} cells ({100 * right / len(cells):.0f}%)")
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, protocol=f"{args.protocol}://",
-                      dashboard_address=":0") as cluster, Client(cluster) as client:  # fmt: skip
-        kvs.install(client, args.model, torch_threads=1)
-        a, b = sorted(client.scheduler_info()["workers"])
-        tp = throughput(client, a, b, 64 * 2**20)
-    print(f"{args.protocol} throughput, {tp['mib']:.0f} MiB: KV pull {tp['mib'] / tp['kv_s']:.0f} MiB/s, raw Dask "
-          f"numpy transfer {tp['mib'] / tp['raw_s']:.0f} MiB/s: KV at {100 * tp['ratio']:.0f}% of raw")  # fmt: skip
-    return {"cells": cells, "throughput": tp}
-
+    cells = [] if args.skip_sweep else sweep(args.model, args.protocol, args.repeats)
+    rates = {}
+    for protocol in filter(None, args.throughput.split(",")):
+        with two_workers(protocol) as client:
+            kvs.install(client, args.model, torch_threads=1)
+            a, b = sorted(client.scheduler_info()["workers"])
+            tp = rates[protocol] = throughput(client, a, b, args.mib * 2**20)
+        print(f"{protocol} throughput, {tp['mib']:.0f} MiB in {tp['blocks']} blocks: KV pull {tp['mib'] / tp['kv_s']:.0f} "
+              f"MiB/s, Dask's fetch of a numpy array of the same bytes {tp['mib'] / tp['raw_s']:.0f} MiB/s: "
+              f"KV at {100 * tp['ratio']:.0f}% of raw", flush=True)  # fmt: skip
+    return {"cells": cells, "throughput": rates}
 
 if __name__ == "__main__":
     main()

@@ -18,6 +18,7 @@ import threading
 from collections import Counter
 
 import dask.config
+from dask.utils import parse_bytes
 from distributed import WorkerPlugin
 from tornado.ioloop import PeriodicCallback
 
@@ -26,7 +27,7 @@ from dask_kvstate.backends import check_model_name
 from dask_kvstate.plugins.memory import KVStateSpillData
 from dask_kvstate.plugins.observe import StatsReporter
 from dask_kvstate.state import KVStateRef
-from dask_kvstate.transport import HANDLER, serve_blocks
+from dask_kvstate.transport import HANDLER, PackingBuffers, serve_blocks, serve_inline
 
 logger = logging.getLogger("dask_kvstate")
 
@@ -110,6 +111,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
         self.worker = worker
         self.runtimes = await loop.run_in_executor(None, self._build, worker)
         self.runtime = self.runtimes[self.models[0]]
+        packing = self.config["kvstate"]["transport"].get("packing-bytes", 0)
+        self.packing = PackingBuffers(parse_bytes(packing) if isinstance(packing, str) else int(packing or 0))
         worker.handlers[HANDLER] = self._serve_blocks
         worker.handlers["kvstate_evict"] = self._evict_handler
         if self.config["kvstate"]["worker"].get("memory-monitor", True):
@@ -253,8 +256,13 @@ class KVStateWorkerPlugin(WorkerPlugin):
     async def _serve_blocks(self, comm=None, hashes=()) -> dict:
         if self.runtime is None:
             return serve_blocks(None, hashes)
-        # Blocks on disk are read and checked off the event loop.
-        return await asyncio.to_thread(serve_blocks, self.runtime.store, hashes)
+        # Serve on the event loop, as Worker.get_data does, unless blocks must be read
+        # and checked from disk or many small blocks packed (a copy): those go to a thread
+        # past Dask's own offload threshold. The thread hop costs a few ms per pull.
+        store, packing = self.runtime.store, self.packing if self.packing.keep_bytes else None
+        if serve_inline(store, hashes, parse_bytes(dask.config.get("distributed.comm.offload")), packing is not None):
+            return serve_blocks(store, hashes, packing)
+        return await asyncio.to_thread(serve_blocks, store, hashes, packing)
 
     async def _evict_handler(self, comm=None, state=None) -> int:
         if self.runtime is None or not isinstance(state, KVStateRef):
