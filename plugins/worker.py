@@ -164,7 +164,10 @@ class KVStateWorkerPlugin(WorkerPlugin):
     def _report(self) -> None:
         """Tell the scheduler's placement extension what changed here (blocks, measurements)."""
         rt = self.runtime
-        if rt is None or self.worker.batched_stream is None or self.worker.batched_stream.comm is None:
+        stream = self.worker.batched_stream
+        # A closed stream (scheduler gone, worker closing) would raise from send() on
+        # every tick; the next connection's stream gets a fresh report.
+        if rt is None or stream is None or stream.comm is None or stream.comm.closed():
             return
         if rt.store.version != self._sent_version:  # runs every 200 ms: diff only on change
             self._sent_version = rt.store.version
