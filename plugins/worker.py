@@ -76,6 +76,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
     def __init__(self, model: str | list[str] | None = None, *, torch_threads: int | None = None,
                  device_bytes: int | str | None = None, host_bytes: int | str | None = None,
                  disk_bytes: int | str | None = None):  # fmt: skip
+        # A bad key fails here, on the client (or in the preload), not later in a task.
+        config.check(dask.config.get("kvstate"))
         names = [model] if isinstance(model, str) or model is None else list(model)
         self.models = tuple(dict.fromkeys(check_model_name(m or config.get("model")) for m in names or [None]))
         torch_threads = torch_threads if torch_threads is not None else config.get("worker.torch-threads")
