@@ -45,11 +45,15 @@ def _break_placement(dask_scheduler):
     def boom(*args, **kwargs):
         raise RuntimeError("injected placement failure")
 
-    dask_scheduler.plugins["kvstate-placement"].estimate = boom  # every decision now raises
+    ext = dask_scheduler.plugins["kvstate-placement"]
+    ext.estimate = boom  # every decision now raises (in transition)
+    ext.blocks_on = None  # and every block report from a worker (a stream handler)
 
 
 def _mend_placement(dask_scheduler):
-    vars(dask_scheduler.plugins["kvstate-placement"]).pop("estimate", None)
+    ext = dask_scheduler.plugins["kvstate-placement"]
+    vars(ext).pop("estimate", None)
+    ext.blocks_on = {}
 
 
 def test_placement_failure_is_logged_and_tasks_keep_running(fault_client, caplog):
@@ -74,7 +78,8 @@ def test_placement_failure_is_logged_and_tasks_keep_running(fault_client, caplog
     assert after["errors"] >= 1 and after["decisions"] == before["decisions"]  # no new decision, no crash
     assert sorted(client.scheduler_info()["workers"]) == workers  # no worker lost its stream
     events = [e for _, e in client.get_events("kvstate-error")]
-    assert events and all("injected placement failure" in e["error"] for e in events)
+    assert {e["where"] for e in events} >= {"a transition", "a ref report"}  # a hook and a stream handler
+    assert any("injected placement failure" in e["error"] for e in events)
     assert any("kvstate placement" in r.getMessage() and r.exc_info for r in caplog.records)
 
 
