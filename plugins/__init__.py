@@ -35,6 +35,9 @@ async def dask_setup(server) -> None:
         # catch_errors=False: a model that fails to load must fail the preload loudly.
         await server.plugin_add(plugin, name=PLUGIN_NAME, catch_errors=False)
     elif isinstance(server, Scheduler):
+        import dask.config
+
+        config.check(dask.config.get("kvstate"))
         if config.get("placement.enabled"):
             from dask_kvstate.plugins.placement import KVPlacement
 

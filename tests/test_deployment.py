@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 
 import dask
-from distributed import Client
+from distributed import Client, Worker
+from distributed.utils_test import captured_logger, gen_cluster
 
 import dask_kvstate as kvs
+from dask_kvstate.client import _worker_stats
 from dask_kvstate.graph_opt import recent_plans
 
 from .conftest import CONTEXT, on
@@ -91,3 +93,14 @@ def test_cli_cluster_with_the_preload_runs_the_compiler_and_moves_state(tmp_path
     # (distributed itself logs the closing streams' tracebacks at INFO; no error may show)
     for t in text.values():
         assert "Failed to start preload" not in t and " ERROR " not in t and "Exception in callback" not in t, t
+
+
+
+@gen_cluster(client=True, nthreads=[])
+async def test_a_bad_setting_fails_the_preload_loudly_with_its_name(c, s):
+    with dask.config.set({"kvstate.worker.disk-bytes": "lots"}), captured_logger("distributed.preloading") as log:
+        async with Worker(s.address, nthreads=1, preload=["dask_kvstate.plugins"]) as w:
+            assert "kvstate" not in w.plugins  # no half-configured plugin
+            assert await c.run(_worker_stats) == {w.address: {"installed": False}}
+    assert "Failed to start preload: dask_kvstate.plugins" in log.getvalue()
+    assert "kvstate.worker.disk-bytes must be a byte size like '16GiB', got 'lots'" in log.getvalue()
