@@ -177,6 +177,7 @@ def test_holder_killed_mid_workflow_every_output_arrives_identical(fault_client)
     got = [f.result().token_ids for f in answers]
     after_b = kvs.stats(client)[b]
     print(f"holder killed mid-workflow: {sum(g == w for g, w in zip(got, want))}/{len(want)} identical; survivor "
+          f"re-materialized {after_b.get('materializations', 0) - before_b.get('materializations', 0)} states and "
           f"recomputed {after_b.get('recomputes', 0) - before_b.get('recomputes', 0)} blocks, transfer failures "
           f"+{after_b.get('transfer_failures', 0) - before_b.get('transfer_failures', 0)}")  # fmt: skip
     assert got == want  # all 8 arrive, token-identical
