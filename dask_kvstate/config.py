@@ -7,6 +7,8 @@ Dask mechanisms (YAML files, ``DASK_KVSTATE__...`` environment variables,
 """
 from __future__ import annotations
 
+import functools
+import math
 import os
 from typing import Any
 
@@ -76,3 +78,115 @@ def get_seconds(key: str) -> float:
     0.25
     """
     return float(dask.utils.parse_timedelta(get(key), default="seconds"))
+
+
+# -- checking a whole kvstate config ----------------------------------------------------
+# Dask validates no config, and jsonschema is not a dependency of distributed, so the
+# few schema keywords kvstate-schema.yaml uses are checked here by hand; values the
+# schema types only loosely (byte sizes, durations, bandwidths as strings) are parsed.
+_JSON_TYPES = {
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, (list, tuple)),
+    "string": lambda v: isinstance(v, str),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+}
+_BYTES = ("worker.device-bytes", "worker.host-bytes", "worker.disk-bytes")
+_SECONDS = ("worker.recency-half-life", "transport.connect-timeout", "transport.timeout")
+
+
+@functools.lru_cache(maxsize=1)
+def _schema() -> dict:
+    with open(SCHEMA_FILE) as f:
+        return yaml.safe_load(f)["properties"]["kvstate"]
+
+
+def _check_node(value, schema: dict, path: str) -> None:
+    types = schema.get("type")
+    if types is not None:
+        types = [types] if isinstance(types, str) else types
+        if not any(_JSON_TYPES[t](value) for t in types):
+            raise ValueError(f"kvstate.{path} must be of type {' or '.join(types)}, got {value!r:.80}")
+    if "enum" in schema and value not in schema["enum"]:
+        raise ValueError(f"kvstate.{path} must be one of {schema['enum']}, got {value!r:.80}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if "minimum" in schema and not value >= schema["minimum"]:
+            raise ValueError(f"kvstate.{path} must be >= {schema['minimum']}, got {value!r}")
+        if "exclusiveMinimum" in schema and not value > schema["exclusiveMinimum"]:
+            raise ValueError(f"kvstate.{path} must be > {schema['exclusiveMinimum']}, got {value!r}")
+        if "maximum" in schema and not value <= schema["maximum"]:
+            raise ValueError(f"kvstate.{path} must be <= {schema['maximum']}, got {value!r}")
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        for key, sub in value.items():
+            name = str(key).replace("_", "-")  # DASK_KVSTATE__BLOCK_TOKENS arrives as block_tokens
+            if name not in props:
+                raise ValueError(f"unknown config key kvstate.{path}{'.' if path else ''}{key}; known: {', '.join(props)}")
+            _check_node(sub, props[name], f"{path}{'.' if path else ''}{name}")
+    elif isinstance(value, (list, tuple)) and "items" in schema:
+        for i, item in enumerate(value):
+            _check_node(item, schema["items"], f"{path}[{i}]")
+
+
+def check(cfg: dict) -> None:
+    """Raise ValueError naming the first bad key of a ``kvstate`` config; None if it is good.
+
+    Checks what ``kvstate-schema.yaml`` says (types, ranges, choices, no unknown keys)
+    and that byte sizes, durations and bandwidths parse and are positive, so a typo in a
+    YAML file or a ``DASK_KVSTATE__...`` variable fails at ``kvs.install`` (or the
+    preload), not in a task on a worker.
+
+    Examples
+    --------
+    >>> check(dask.config.get("kvstate"))
+    >>> check({"block-tokens": 0})
+    Traceback (most recent call last):
+    ...
+    ValueError: kvstate.block-tokens must be >= 1, got 0
+    >>> check({"worker": {"disk-bytes": "lots"}})
+    Traceback (most recent call last):
+    ...
+    ValueError: kvstate.worker.disk-bytes must be a byte size like '16GiB', got 'lots'
+    """
+    if not isinstance(cfg, dict):
+        raise TypeError(f"a kvstate config is a dict, got {type(cfg).__name__}")
+    _check_node(cfg, _schema(), "")
+
+    def leaf(path: str):
+        node = cfg
+        for part in path.split("."):
+            if not isinstance(node, dict):
+                return None
+            node = next((v for k, v in node.items() if str(k).replace("_", "-") == part), None)
+        return node
+
+    for path in _BYTES:
+        v = leaf(path)
+        if v is None:
+            continue
+        try:
+            n = dask.utils.parse_bytes(v)
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError):
+            n = None
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"kvstate.{path} must be a byte size like '16GiB', got {v!r:.80}")
+    for path in _SECONDS:
+        v = leaf(path)
+        if v is None:
+            continue
+        try:
+            s = dask.utils.parse_timedelta(v, default="seconds")
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError):  # parse_timedelta('') raises IndexError
+            s = None
+        if not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
+            raise ValueError(f"kvstate.{path} must be a positive duration like '5s', got {v!r:.80}")
+    v = leaf("transport.emulated-bandwidth")
+    if v is not None:
+        try:
+            bw = parse_bandwidth(v)
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError):
+            bw = None
+        if bw is None or not math.isfinite(bw) or bw <= 0:
+            raise ValueError(f"kvstate.transport.emulated-bandwidth must be a rate like '100 Mbit/s' or null, got {v!r:.80}")

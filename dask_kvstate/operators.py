@@ -57,7 +57,8 @@ def fork(state, k: int) -> list[Delayed]:
     4
     """
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"fork needs a positive int k, got {k!r}")
+        raise ValueError(f"fork needs a positive int k, got {k!r}: k is the number of branches "
+                         "(kvs.fork(state, 3) gives 3 states); use k >= 1")  # fmt: skip
     return list(_task(tasks.fork, state, k, nout=k))
 
 

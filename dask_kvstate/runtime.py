@@ -364,7 +364,9 @@ class StateRuntime:
         for a, b in zip(ordered, ordered[1:]):
             why = incompatibility(a, model=b.model, config=b.config, namespace=b.namespace)
             if why:
-                raise MergeError(f"cannot merge state {a.state_id[:8]} with {b.state_id[:8]}: {why}")
+                raise MergeError(f"cannot merge state {a.state_id[:8]} with {b.state_id[:8]}: {why}. Merge only "
+                                 "states of one model, config and namespace; to combine texts across them, "
+                                 "kvs.extend one state with the other's text")  # fmt: skip
             if not b.text.startswith(a.text):
                 at = common_prefix(a.text, b.text)
                 raise MergeError(

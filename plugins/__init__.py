@@ -1,1 +1,46 @@
-"""Worker and scheduler plugins (installed as ``dask_kvstate.plugins``)."""
+"""Worker and scheduler plugins (installed as ``dask_kvstate.plugins``).
+
+Also a Dask preload, for clusters started from the command line (dask-jobqueue,
+Kubernetes, ``dask scheduler`` / ``dask worker`` by hand)::
+
+    dask scheduler --preload dask_kvstate.plugins
+    DASK_KVSTATE__MODEL=tiny-llama dask worker tcp://scheduler:8786 --preload dask_kvstate.plugins
+
+so that every worker has its model and block store before it takes its first task, and
+no client has to call ``kvs.install``. Settings come from the ``kvstate.*`` Dask config
+of the process (YAML files or ``DASK_KVSTATE__...`` environment variables).
+"""
+from __future__ import annotations
+
+
+async def dask_setup(server) -> None:
+    """Preload hook (``--preload dask_kvstate.plugins``): attach the kvstate plugins.
+
+    On a worker: the ``kvstate`` worker plugin with ``kvstate.model`` (a list of models
+    in ``DASK_KVSTATE__MODEL='["a", "b"]'`` loads several) and the budgets and threads of
+    ``kvstate.worker.*``. On a scheduler: the placement extension, unless
+    ``kvstate.placement.enabled`` is false. A bad setting fails the preload with the
+    plugin's ValueError, which distributed logs (``Failed to start preload``) and the
+    worker then runs without the plugin; ``kvs.install`` from a client still works.
+    """
+    from distributed import Scheduler, Worker
+
+    from dask_kvstate import config
+
+    if isinstance(server, Worker):
+        from dask_kvstate.plugins.worker import PLUGIN_NAME, KVStateWorkerPlugin
+
+        # The plugin reads every setting from the config when it is built, as kvs.install's does.
+        plugin = KVStateWorkerPlugin(config.get("model"))
+        # catch_errors=False: a model that fails to load must fail the preload loudly.
+        await server.plugin_add(plugin, name=PLUGIN_NAME, catch_errors=False)
+    elif isinstance(server, Scheduler):
+        import dask.config
+
+        config.check(dask.config.get("kvstate"))
+        if config.get("placement.enabled"):
+            from dask_kvstate.plugins.placement import KVPlacement
+
+            server.add_plugin(KVPlacement())
+    else:
+        raise TypeError(f"dask_kvstate.plugins preloads a Worker or a Scheduler, not a {type(server).__name__}")

@@ -13,14 +13,23 @@ corruption check, not a signature: the files are 0600 in a 0700 folder; CRC-32 r
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 
-import numpy as np
 import torch
 
 MAGIC = b"KVB1"
 _LEN = struct.Struct("<I")
+
+
+# Names -> dtypes from torch's namespace itself (vars(), never getattr: a header's
+# "dtype" must not reach torch's lazy module loader).
+_DTYPES = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 class CorruptBlockError(ValueError):
@@ -69,17 +78,21 @@ def decode(buf) -> torch.Tensor:
     (hlen,) = _LEN.unpack(mv[4:8])
     try:
         header = json.loads(bytes(mv[8 : 8 + hlen]))
-        dtype = getattr(torch, header["dtype"])
-        shape, nbytes, digest = tuple(header["shape"]), int(header["nbytes"]), header["crc32"]
+        dtype = _DTYPES[header["dtype"]]
+        shape, nbytes, digest = header["shape"], header["nbytes"], header["crc32"]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CorruptBlockError(f"unreadable KV block header: {e}") from None
+        raise CorruptBlockError(f"unreadable KV block header: {e!r:.200}") from None
+    # Typed checks before any arithmetic: the header is outside input (found by fuzzing:
+    # a string shape reached numpy, a negative one reached reshape).
+    if not (isinstance(shape, list) and all(_is_count(n) for n in shape) and _is_count(nbytes) and _is_count(digest)):
+        raise CorruptBlockError(f"KV block header inconsistent: {str(header):.200}")
     payload = mv[8 + hlen :]
     if len(payload) != nbytes:
         raise CorruptBlockError(f"KV block truncated: {len(payload)} of {nbytes} payload bytes")
     if _checksum(payload) != digest:
         raise CorruptBlockError("KV block checksum mismatch")
-    if not isinstance(dtype, torch.dtype) or int(np.prod(shape)) * dtype.itemsize != nbytes:
-        raise CorruptBlockError(f"KV block header inconsistent: {header}")
+    if math.prod(shape) * dtype.itemsize != nbytes:
+        raise CorruptBlockError(f"KV block header inconsistent: {str(header):.200}")
     if not nbytes:
         return torch.empty(shape, dtype=dtype)
     # zict.File hands back a fresh bytearray: wrap it in place rather than copy it.

@@ -22,7 +22,9 @@ restricted are left alone. Every decision and outcome goes to
 """
 from __future__ import annotations
 
+import functools
 import logging
+import traceback
 from collections import Counter
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -33,6 +35,34 @@ logger = logging.getLogger("dask_kvstate")
 
 PLUGIN_NAME = "kvstate-placement"
 EVENT = "kvstate-placement"
+ERROR_EVENT = "kvstate-error"
+
+
+def _guarded(what: str):
+    """Run an extension hook so that its failure costs a decision, not the cluster.
+
+    Unguarded, an exception in a stream handler closes that worker's stream (the
+    scheduler then removes the worker), and one in ``transition`` is logged by
+    distributed at INFO only. Here it is logged as an error, counted (``errors``) and
+    sent to ``log_event("kvstate-error")``; tasks keep the restrictions already given,
+    and workers decide pull or recompute with their own measurements.
+    """
+
+    def decorate(method):
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - see above: placement must never take a worker down
+                self.counters["errors"] += 1
+                logger.exception("kvstate placement: %s failed; keeping the last decisions", what)
+                if self.scheduler is not None:
+                    self.scheduler.log_event(ERROR_EVENT, {"where": what, "error": f"{type(e).__name__}: {e}",
+                                                           "traceback": traceback.format_exc(limit=5)})  # fmt: skip
+
+        return run
+
+    return decorate
 
 
 class KVPlacement(SchedulerPlugin):
@@ -61,6 +91,7 @@ class KVPlacement(SchedulerPlugin):
         return True
 
     # -- reports from workers ------------------------------------------------------
+    @_guarded("a ref report")
     def _on_ref(self, worker=None, key=None, refs=(), **_) -> None:
         if not refs:
             return
@@ -71,6 +102,7 @@ class KVPlacement(SchedulerPlugin):
         if ts is not None and ts.state == "memory":  # the report lost the race with task-finished
             self._place_dependents(key)
 
+    @_guarded("a block report")
     def _on_blocks(self, worker=None, added=(), removed=(), reset=False, **_) -> None:
         held = self.blocks_on.setdefault(worker, set())
         if reset:
@@ -78,11 +110,13 @@ class KVPlacement(SchedulerPlugin):
         held.update(added)
         held.difference_update(removed)
 
+    @_guarded("a metrics report")
     def _on_metrics(self, worker=None, prefill=None, bandwidth=None, seed_bandwidth=None, latency=None, **_) -> None:
         m = self.metrics.setdefault(worker, {})
         m.update({"prefill": prefill or {}, "bandwidth": bandwidth or {}, "seed_bandwidth": seed_bandwidth,
                   "latency": latency})  # fmt: skip
 
+    @_guarded("an outcome report")
     def _on_outcome(self, worker=None, **outcome) -> None:
         outcome.pop("op", None)
         other = outcome["t_recompute"] if outcome["action"] == "pull" else outcome["t_transfer"]
@@ -92,12 +126,14 @@ class KVPlacement(SchedulerPlugin):
         self.scheduler.log_event(EVENT, {"kind": "outcome", "worker": worker, "slower": slower, **outcome})
 
     # -- Dask hooks ----------------------------------------------------------------
+    @_guarded("a transition")
     def transition(self, key, start, finish, *args, **kwargs) -> None:
         if finish == "memory" and key in self.refs:
             self._place_dependents(key)
         elif finish in ("forgotten", "released") and start == "memory":
             self.refs.pop(key, None)
 
+    @_guarded("remove_worker")
     def remove_worker(self, scheduler, worker, **kwargs) -> None:
         self.blocks_on.pop(worker, None)
         self.metrics.pop(worker, None)

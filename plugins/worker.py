@@ -78,6 +78,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
     def __init__(self, model: str | list[str] | None = None, *, torch_threads: int | None = None,
                  device_bytes: int | str | None = None, host_bytes: int | str | None = None,
                  disk_bytes: int | str | None = None):  # fmt: skip
+        # A bad key fails here, on the client (or in the preload), not later in a task.
+        config.check(dask.config.get("kvstate"))
         names = [model] if isinstance(model, str) or model is None else list(model)
         self.models = tuple(dict.fromkeys(check_model_name(m or config.get("model")) for m in names or [None]))
         torch_threads = torch_threads if torch_threads is not None else config.get("worker.torch-threads")
@@ -170,7 +172,10 @@ class KVStateWorkerPlugin(WorkerPlugin):
     def _report(self) -> None:
         """Tell the scheduler's placement extension what changed here (blocks, measurements)."""
         rt = self.runtime
-        if rt is None or self.worker.batched_stream is None or self.worker.batched_stream.comm is None:
+        stream = self.worker.batched_stream
+        # A closed stream (scheduler gone, worker closing) would raise from send() on
+        # every tick; the next connection's stream gets a fresh report.
+        if rt is None or stream is None or stream.comm is None or stream.comm.closed():
             return
         if rt.store.version != self._sent_version:  # runs every 200 ms: diff only on change
             self._sent_version = rt.store.version

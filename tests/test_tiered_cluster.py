@@ -1,6 +1,8 @@
 """The tiered store under a real workflow: tight budgets, spills to disk, damaged files."""
 from __future__ import annotations
 
+import os
+
 import dask
 import pytest
 from distributed import Client, LocalCluster
@@ -60,7 +62,7 @@ def _spill_files(dask_worker) -> list[str]:
     return [store.disk.path(h) for h in store.disk]
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncate"])
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "delete"])
 def test_damaged_spill_files_are_detected_and_recomputed(tight_client, damage):
     client = tight_client
     kvs.install(client, "tiny-llama", torch_threads=1, device_bytes=BLOCK, host_bytes=BLOCK, disk_bytes="1GiB")
@@ -69,6 +71,9 @@ def test_damaged_spill_files_are_detected_and_recomputed(tight_client, damage):
     (w, files), = client.run(_spill_files).items()
     assert len(files) >= len(ref.blocks) - 2  # all but what fits in device + host
     for path in files:
+        if damage == "delete":
+            os.remove(path)
+            continue
         with open(path, "r+b") as f:
             if damage == "truncate":
                 f.truncate(40)
@@ -80,6 +85,7 @@ def test_damaged_spill_files_are_detected_and_recomputed(tight_client, damage):
     assert out.token_ids == want.token_ids
     s = kvs.stats(client)[w]
     assert s["tiers"]["disk"]["checksum_failures"] >= 1 and s["recomputes"] >= 1
+    assert s["tiers"]["disk"]["checksum_failures"] == len(files)  # every damaged file detected and counted
 
 
 def _monitor_spills_kv(dask_worker) -> dict:
