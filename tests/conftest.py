@@ -1,6 +1,7 @@
 """Shared fixtures: a real two-process cluster running tiny-llama."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -18,6 +19,16 @@ CONTEXT = (
     "The planner reads the task and writes a plan. The developer follows the plan and writes the code. "
     "The tester runs the tests and reports what failed, and the developer tries again. "
 ) * 3
+
+
+@contextlib.contextmanager
+def kv_cluster(config: dict = TEST_CONFIG, model: str = "tiny-llama", **cluster_kwargs):
+    """A client of a fresh cluster of two worker processes running ``model`` under ``config``."""
+    with dask.config.set(config):
+        with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                          **cluster_kwargs) as cluster, Client(cluster) as client:  # fmt: skip
+            kvs.install(client, model, torch_threads=1)
+            yield client
 
 
 @pytest.fixture(scope="session")

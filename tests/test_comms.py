@@ -13,11 +13,10 @@ import time
 
 import dask
 import pytest
-from distributed import Client, LocalCluster
 
 import dask_kvstate as kvs
 
-from .conftest import CONTEXT, TEST_CONFIG, on
+from .conftest import CONTEXT, TEST_CONFIG, kv_cluster, on
 
 
 def _cluster_kwargs(protocol: str) -> dict:
@@ -33,11 +32,9 @@ def _cluster_kwargs(protocol: str) -> dict:
 
 @pytest.fixture(scope="module", params=["tls", "ucx"])
 def comm_client(request):
-    with dask.config.set(TEST_CONFIG):  # rule "pull": every miss crosses the comm
-        with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
-                          **_cluster_kwargs(request.param)) as cluster, Client(cluster) as client:  # fmt: skip
-            kvs.install(client, "tiny-llama", torch_threads=1)
-            yield request.param, client
+    # TEST_CONFIG's rule "pull": every miss crosses the comm
+    with kv_cluster(TEST_CONFIG, **_cluster_kwargs(request.param)) as client:
+        yield request.param, client
 
 
 def test_resume_on_another_worker_pulls_over_the_comm(comm_client):

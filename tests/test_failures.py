@@ -5,23 +5,20 @@ import os
 
 import dask
 import pytest
-from distributed import Client, LocalCluster, wait
+from distributed import wait
 from distributed.utils_test import async_poll_for
 
 import dask_kvstate as kvs
 
-from .conftest import CONTEXT, TEST_CONFIG, on
+from .conftest import CONTEXT, TEST_CONFIG, kv_cluster, on
 
 FAST_FAIL = {**TEST_CONFIG, "kvstate.transport.connect-timeout": "1s"}
 
 
 @pytest.fixture
 def fresh_client():
-    with dask.config.set(FAST_FAIL):
-        with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as c:
-            with Client(c) as client:
-                kvs.install(client, "tiny-llama", torch_threads=1)
-                yield client
+    with kv_cluster(FAST_FAIL) as client:
+        yield client
 
 
 async def _die(dask_worker):

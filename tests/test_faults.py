@@ -11,13 +11,13 @@ import os
 
 import dask
 import pytest
-from distributed import Client, LocalCluster, wait
+from distributed import wait
 from distributed.utils_test import async_poll_for
 
 import dask_kvstate as kvs
 from dask_kvstate.transport import HANDLER
 
-from .conftest import CONTEXT, on
+from .conftest import CONTEXT, kv_cluster, on
 from .test_failures import FAST_FAIL, kill
 
 QUESTION = " Who tests the code?"
@@ -25,11 +25,8 @@ QUESTION = " Who tests the code?"
 
 @pytest.fixture(scope="module")
 def fault_client():
-    with dask.config.set(FAST_FAIL):
-        with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as c:
-            with Client(c) as client:
-                kvs.install(client, "tiny-llama", torch_threads=1)
-                yield client
+    with kv_cluster(FAST_FAIL) as client:
+        yield client
 
 
 def replay(client, *segments, n=12):

@@ -10,12 +10,11 @@ import gc
 
 import dask
 import pytest
-from distributed import Client, LocalCluster
 from distributed.utils_test import poll_for
 
 import dask_kvstate as kvs
 
-from .conftest import TEST_CONFIG, on
+from .conftest import TEST_CONFIG, kv_cluster, on
 
 WORKFLOWS = 1000
 BATCH = 100
@@ -60,24 +59,21 @@ def run_batch(client, workers, start: int) -> list:
 
 @pytest.mark.slow
 def test_a_thousand_workflows_leak_nothing():
-    with dask.config.set(TEST_CONFIG):
-        with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                          dashboard_address=":0") as cluster, Client(cluster) as client:  # fmt: skip
-            kvs.install(client, "tiny-llama", torch_threads=1)
-            workers = sorted(client.scheduler_info()["workers"])
-            done = run_batch(client, workers, 0)  # warm-up: caches, allocator pools, the first plans
-            warm = client.run(_footprint)
-            for start in range(BATCH, WORKFLOWS, BATCH):
-                done += run_batch(client, workers, start)
+    with kv_cluster(TEST_CONFIG) as client:
+        workers = sorted(client.scheduler_info()["workers"])
+        done = run_batch(client, workers, 0)  # warm-up: caches, allocator pools, the first plans
+        warm = client.run(_footprint)
+        for start in range(BATCH, WORKFLOWS, BATCH):
+            done += run_batch(client, workers, start)
 
-            def settled():  # forgotten keys and the last block reports arrive asynchronously
-                now = client.run(_footprint)
-                ext = client.run_on_scheduler(_extension_refs)
-                return all(f["tasks"] == 0 and f["blocks"] == 0 for f in now.values()) and ext["blocks"] == 0
-
-            poll_for(settled, timeout=30)
-            end = client.run(_footprint)
+        def settled():  # forgotten keys and the last block reports arrive asynchronously
+            now = client.run(_footprint)
             ext = client.run_on_scheduler(_extension_refs)
+            return all(f["tasks"] == 0 and f["blocks"] == 0 for f in now.values()) and ext["blocks"] == 0
+
+        poll_for(settled, timeout=30)
+        end = client.run(_footprint)
+        ext = client.run_on_scheduler(_extension_refs)
     assert len(done) == 2 * WORKFLOWS and all(d.token_ids for d in done)
     for w in workers:
         e = end[w]

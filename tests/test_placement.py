@@ -7,7 +7,7 @@ from distributed import Client, LocalCluster
 
 import dask_kvstate as kvs
 
-from .conftest import CONTEXT, on
+from .conftest import CONTEXT, kv_cluster, on
 
 AUTO = {"kvstate.block-tokens": 16, "kvstate.placement.rule": "auto"}
 
@@ -15,11 +15,8 @@ AUTO = {"kvstate.block-tokens": 16, "kvstate.placement.rule": "auto"}
 @pytest.fixture(params=["1 Mbit/s", None], ids=["slow-link", "loopback"])
 def auto_client(request):
     cfg = {**AUTO, "kvstate.transport.emulated-bandwidth": request.param}
-    with dask.config.set(cfg):
-        with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
-            with Client(cluster) as client:
-                kvs.install(client, "tiny-llama", torch_threads=1)
-                yield client, request.param
+    with kv_cluster(cfg) as client:
+        yield client, request.param
 
 
 def test_worker_decides_with_measured_numbers_and_output_is_identical(auto_client):
