@@ -107,7 +107,7 @@ class CapacityController(SchedulerPlugin):
         raw = config.get("scheduling.capacity.interval") if interval is None else interval
         try:
             self.interval_s = float(dask.utils.parse_timedelta(raw, default="seconds"))
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, KeyError) as e:
             raise ValueError(f"kvstate.scheduling.capacity.interval must be a duration, got {raw!r}") from e
         self.k = int(config.get("scheduling.capacity.persistence") if persistence is None else persistence)
         self.epsilon = float(config.get("scheduling.capacity.epsilon") if epsilon is None else epsilon)

@@ -85,7 +85,7 @@ class LateBindingStealing(SchedulerPlugin):
             raise ValueError(f"kvstate.scheduling.stealing.alpha must be in [0, 1), got {self.alpha!r}")
         try:
             self.beta = float(dask.utils.parse_timedelta(raw_beta, default="seconds"))
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, KeyError) as e:
             raise ValueError(f"kvstate.scheduling.stealing.beta must be a duration, got {raw_beta!r}") from e
         if self.max_moves < 1:
             raise ValueError(f"kvstate.scheduling.stealing.max-moves must be >= 1, got {self.max_moves!r}")
@@ -194,11 +194,14 @@ class LateBindingStealing(SchedulerPlugin):
                        tuple(sorted((ts.resource_restrictions or {}).items())), ts.loose_restrictions)  # fmt: skip
                 thieves = thieves_by_sig.get(sig)
                 if thieves is None:
-                    valid = s.valid_workers(ts)
-                    if valid is not None:
-                        valid = [ws for ws in running if ws in valid]
-                    thieves = thieves_by_sig[sig] = running if valid is None or (not valid and ts.loose_restrictions) \
-                        else valid
+                    # Loose restrictions (``allow_other_workers``, KV placement) are preferences:
+                    # any worker may take the task, the KV part of the move cost prices them.
+                    # Resource restrictions (agent roles) always hold.
+                    valid = None if ts.loose_restrictions else s.valid_workers(ts)
+                    thieves = running if valid is None else [ws for ws in running if ws in valid]
+                    need = ts.resource_restrictions or {}
+                    thieves = thieves_by_sig[sig] = [ws for ws in thieves
+                                                     if all(ws.resources.get(r, 0) >= n for r, n in need.items())]
                 thief = min((ws for ws in thieves if ws is not victim), key=wait, default=None)
                 if thief is None:
                     continue
