@@ -78,7 +78,8 @@ def install_scheduling(client: Client) -> list[str]:
     Needs no model: ``kvs.install`` calls it, and workflows of plain Python functions can
     call it alone. The sessions extension comes first (the others read it); with any
     extension on, every worker gets the ``kvstate-scheduling`` plugin (re-sorting its
-    ready heap, taking capacity moves). Idempotent. Returns the names registered.
+    ready heap, taking capacity moves). Idempotent. Returns the names registered
+    (an awaitable of them with an asynchronous client).
     """
     from dask_kvstate.plugins.capacity import CapacityController
     from dask_kvstate.plugins.priority import ProgressPriority
@@ -90,11 +91,17 @@ def install_scheduling(client: Client) -> list[str]:
                                      ("capacity.enabled", CapacityController)) if config.get(f"scheduling.{key}")]  # fmt: skip
     if not wanted and not config.get("scheduling.sessions"):
         return []
-    plugins = [SessionTracker(), *wanted]
+    plugins = [SessionTracker(), *wanted, SchedulingWorkerPlugin()]
+    if client.asynchronous:  # an asynchronous client: the caller awaits the registrations
+        async def register() -> list[str]:
+            for p in plugins:
+                await client.register_plugin(p)
+            return [p.name for p in plugins[:-1]]
+
+        return register()
     for p in plugins:
         client.register_plugin(p)  # idempotent: a no-op when one of that name is there
-    client.register_plugin(SchedulingWorkerPlugin())
-    return [p.name for p in plugins]
+    return [p.name for p in plugins[:-1]]
 
 
 def _scheduling_stats(dask_scheduler) -> dict:

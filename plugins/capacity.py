@@ -130,6 +130,7 @@ class CapacityController(SchedulerPlugin):
         self._done = defaultdict(lambda: [0, 0.0])  # role -> [completions, busy seconds] this interval
         self._visits: Counter[str] = Counter()  # role -> invocations submitted this interval
         self._sessions: set[str] = set()
+        self.role_of: dict = {}  # key -> its role, for tasks the scheduler holds
         self.history: deque = deque(maxlen=WINDOW)  # (done, visits, sessions) per interval
         self.bottleneck: str | None = None
         self.streak = 0
@@ -150,22 +151,27 @@ class CapacityController(SchedulerPlugin):
             if ts is None or ts.state != "released" or not ts.resource_restrictions:
                 continue
             roles = self._roles(ts)
+            if not roles:
+                continue
+            # One role per task is what the controller counts (the first, if a task asks several).
+            self.role_of[key] = roles[0]
+            self._visits[roles[0]] += 1
             s = self.tracker.session_of(key)
-            for r in roles:
-                self._visits[r] += 1
-            if roles and s is not None:
+            if s is not None:
                 self._sessions.add(s.id)
 
     def transition(self, key, start, finish, *args, startstops=None, **kwargs) -> None:
+        if finish == "forgotten":
+            self.role_of.pop(key, None)
+            return
         if start != "processing" or finish != "memory" or not startstops:
             return
-        ts = self.scheduler.tasks.get(key)
-        if ts is None or not ts.resource_restrictions:
+        r = self.role_of.get(key)
+        if r is None:
             return
         busy = sum(ss["stop"] - ss["start"] for ss in startstops if ss.get("action") == "compute")
-        for r in self._roles(ts):
-            self._done[r][0] += 1
-            self._done[r][1] += busy
+        self._done[r][0] += 1
+        self._done[r][1] += busy
 
     # -- the controller --------------------------------------------------------------
     def control(self) -> None:
@@ -183,20 +189,23 @@ class CapacityController(SchedulerPlugin):
         self._sessions.clear()
         units: Counter[str] = Counter()
         ready: Counter[str] = Counter()
+        role_of = self.role_of
         for ws in s.running:
-            per_role: Counter[str] = Counter()
-            for ts in ws.processing:
-                for r in self._roles(ts):
-                    per_role[r] += 1
+            per_role: dict[str, int] = {}
+            for ts in ws.processing:  # the hot loop with 10,000 queued tasks: a dict lookup each
+                r = role_of.get(ts.key)
+                if r is not None:
+                    per_role[r] = per_role.get(r, 0) + 1
             for r, q in ws.resources.items():
                 if r.startswith(self.prefix):
                     units[r] += q
-                    ready[r] += max(per_role[r] - q, 0)
+                    ready[r] += max(per_role.get(r, 0) - q, 0)
             for r, n in per_role.items():
                 if r not in ws.resources:
                     ready[r] += n
         for ts in s.unrunnable:
-            for r in self._roles(ts):
+            r = role_of.get(ts.key)
+            if r is not None:
                 ready[r] += 1
         done, busy, visits, sessions = Counter(), Counter(), Counter(), set()
         for d, v, ss in self.history:
@@ -238,7 +247,7 @@ class CapacityController(SchedulerPlugin):
         """A running worker offering a ``donor`` unit with no donor task on it (none gets stranded)."""
         for ws in sorted(self.scheduler.running, key=lambda w: w.address):
             if ws.resources.get(donor, 0) >= 1 and ws.address in self.tracker.control_workers and \
-                    not any(donor in (ts.resource_restrictions or ()) for ts in ws.processing):  # fmt: skip
+                    not any(self.role_of.get(ts.key) == donor for ts in ws.processing):  # fmt: skip
                 return ws
         return None
 
@@ -275,5 +284,5 @@ class CapacityController(SchedulerPlugin):
     def stats(self) -> dict:
         from dask_kvstate.plugins.control import latency_summary
 
-        return {**dict(self.counters), "k": self.k, "last": self.last, "moves": list(self.moves)[-20:],
+        return {**dict(self.counters), "k": self.k, "last": self.last, "recent_moves": list(self.moves)[-20:],
                 "latency": latency_summary(self.latency)}  # fmt: skip
