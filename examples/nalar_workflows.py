@@ -10,8 +10,10 @@ outcomes, so the rows of the table differ only in scheduling.
 
 * ``swe``: planner -> 3 developers -> a tester each; a failed test goes back to the
   same developer lane (up to 4 attempts). A developer attempt that lands on another
-  worker than the lane's previous one pays a context rebuild (its KV is elsewhere):
-  that is what session affinity of the stateful ``developer`` saves.
+  worker than the lane's previous one pays a context rebuild (half a median call: its
+  KV is elsewhere). No policy is told that cost: it is a real price of moving. With
+  ``--stateful`` the developer gets Nalar's ``stateful`` hint, and its retries keep
+  session affinity (never migrated).
 * ``analyst``: financial analyst, fan-out to 4 analysts, a summary, and half of the
   requests come back after a think time with a follow-up (2 analysts, a summary).
 * ``router``: a classifier routes to ``chat`` or ``code``; the share of code grows
@@ -53,7 +55,11 @@ CONFIGS = {
     "stealing": {"stealing.enabled": True},
     "capacity": {"capacity.enabled": True},
     "all": {"priority.enabled": True, "stealing.enabled": True, "capacity.enabled": True},
+    # pairs, for ablations (not in the default set)
+    "capacity+stealing": {"stealing.enabled": True, "capacity.enabled": True},
+    "capacity+priority": {"priority.enabled": True, "capacity.enabled": True},
 }
+DEFAULT_CONFIGS = "default,priority,stealing,capacity,all"
 
 
 # -- components: sleep, never compute ------------------------------------------------------
@@ -82,12 +88,13 @@ class Workflow:
     rate: float  # requests per second
     components: dict = field(default_factory=dict)  # component -> (median seconds, sigma)
     hints: dict = field(default_factory=dict)
+    stateful: dict = field(default_factory=dict)  # hints applied only with --stateful
 
 
 WORKFLOWS = {
     "swe": Workflow("swe", {"planner": 4, "developer": 4, "tester": 4}, rate=7.0,
                     components={"planner": (0.05, 0.8), "developer": (0.10, 0.8), "tester": (0.06, 0.8)},
-                    hints={"developer": {"stateful": True}}),  # fmt: skip
+                    stateful={"developer": {"stateful": True}}),  # fmt: skip
     "analyst": Workflow("analyst", {"analyst": 6, "summarizer": 2}, rate=7.0,
                         components={"analyst": (0.08, 1.0), "summarizer": (0.06, 0.8)}),  # fmt: skip
     "router": Workflow("router", {"router": 2, "chat": 5, "code": 5}, rate=20.0,
@@ -291,12 +298,13 @@ async def control_loop(n_futures: int, seconds: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workflow", choices=[*WORKFLOWS, "all"], default="swe")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated, of " + ",".join(CONFIGS))
     ap.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
     ap.add_argument("--drain", type=float, default=120.0, help="seconds allowed after the last arrival")
     ap.add_argument("--rate", type=float, default=None, help="requests per second (default: the workflow's)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-hints", action="store_true", help="drop the component hints (developer: stateful)")
+    ap.add_argument("--stateful", action="store_true",
+                    help="mark swe's developer stateful: its retries keep session affinity (Nalar's stateful hint)")
     ap.add_argument("--out", default="results/nalar")
     ap.add_argument("--control-loop", type=int, default=0, metavar="N", help="measure the loop with N queued futures")
     args = ap.parse_args()
@@ -312,8 +320,8 @@ def main() -> None:
         wf = WORKFLOWS[name]
         if args.rate:
             wf.rate = args.rate
-        if args.no_hints:
-            wf.hints = {}
+        if args.stateful:
+            wf.hints = {**wf.hints, **wf.stateful}
         rows = []
         for config in args.configs.split(","):
             rows.append(asyncio.run(run_one(wf, config, duration=args.duration, seed=args.seed, drain=args.drain)))
@@ -324,7 +332,8 @@ def main() -> None:
         print(md)
         with open(os.path.join(args.out, f"{name}.md"), "w") as f:
             f.write(f"Command: python examples/nalar_workflows.py --workflow {name} --duration {args.duration} "
-                    f"--seed {args.seed}; rate {wf.rate}/s; roles at start {wf.roles}\n\n{md}\n")
+                    f"--seed {args.seed}{' --stateful' if args.stateful else ''}; rate {wf.rate}/s; "
+                    f"roles at start {wf.roles}; hints {wf.hints}\n\n{md}\n")
         with open(os.path.join(args.out, f"{name}.json"), "w") as f:
             json.dump(rows, f, indent=1)
         plot(rows, os.path.join(args.out, f"{name}.png"))
