@@ -205,7 +205,7 @@ async def run_one(wf: Workflow, config: str, *, duration: float, seed: int, drai
                 latencies.append(time.perf_counter() - t0 - t_arr)  # from the scheduled arrival
 
             jobs = [asyncio.ensure_future(request(i, float(t))) for i, t in enumerate(arrivals)]
-            done, pending = await asyncio.wait(jobs, timeout=duration + drain)
+            _, pending = await asyncio.wait(jobs, timeout=duration + drain)
             for j in pending:
                 j.cancel()
             stats = await c.run_on_scheduler(_scheduling_stats) if config != "default" else {}
@@ -303,6 +303,7 @@ def main() -> None:
     ap.add_argument("--drain", type=float, default=120.0, help="seconds allowed after the last arrival")
     ap.add_argument("--rate", type=float, default=None, help="requests per second (default: the workflow's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--roles", default=None, help="units per role at start, e.g. planner=1,developer=7,tester=4")
     ap.add_argument("--stateful", action="store_true",
                     help="mark swe's developer stateful: its retries keep session affinity (Nalar's stateful hint)")
     ap.add_argument("--out", default="results/nalar")
@@ -322,6 +323,11 @@ def main() -> None:
             wf.rate = args.rate
         if args.stateful:
             wf.hints = {**wf.hints, **wf.stateful}
+        if args.roles:
+            units = {k: int(v) for k, v in (kv.split("=") for kv in args.roles.split(","))}
+            if set(units) != set(wf.roles):
+                raise ValueError(f"--roles must give every role of {name}: {sorted(wf.roles)}, got {sorted(units)}")
+            wf.roles = units
         rows = []
         for config in args.configs.split(","):
             rows.append(asyncio.run(run_one(wf, config, duration=args.duration, seed=args.seed, drain=args.drain)))
@@ -332,7 +338,8 @@ def main() -> None:
         print(md)
         with open(os.path.join(args.out, f"{name}.md"), "w") as f:
             f.write(f"Command: python examples/nalar_workflows.py --workflow {name} --duration {args.duration} "
-                    f"--seed {args.seed}{' --stateful' if args.stateful else ''}; rate {wf.rate}/s; "
+                    f"--seed {args.seed}{' --stateful' if args.stateful else ''} --configs {args.configs}; "
+                    f"rate {wf.rate}/s; "
                     f"roles at start {wf.roles}; hints {wf.hints}\n\n{md}\n")
         with open(os.path.join(args.out, f"{name}.json"), "w") as f:
             json.dump(rows, f, indent=1)

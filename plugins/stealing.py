@@ -217,7 +217,7 @@ class LateBindingStealing(SchedulerPlugin):
         for victim in sorted((ws for ws in running if q[ws] > 0), key=q.__getitem__, reverse=True):
             if moves >= self.max_moves:
                 break
-            def waiting():
+            def waiting(victim=victim):
                 return (ts for ts in victim.processing
                         if ts not in victim.executing and ts not in victim.long_running and ts not in in_flight)
 

@@ -231,3 +231,50 @@ async def test_capacity_moves_a_unit_to_a_persistent_bottleneck(c, s, p1, p2, de
     await c.gather(more)
     assert any(moved.address in {w.address for w in s.tasks[f.key].who_has} for f in more)
     assert s.plugins["kvstate-sessions"].loop.stats()["capacity"]["count"] >= capacity.k
+
+
+# -- KV in the move cost and in priority, with a real model ------------------------------------------
+def _kv_view(dask_scheduler, consumer_key, a, b):
+    ts = dask_scheduler.tasks[consumer_key]
+    placement = dask_scheduler.plugins["kvstate-placement"]
+    stealing = dask_scheduler.plugins["kvstate-stealing"]
+    wa, wb = dask_scheduler.workers[a], dask_scheduler.workers[b]
+    ref = next(placement.refs[d.key] for d in ts.dependencies if d.key in placement.refs)
+    at_b = placement.estimate(ref, b)
+    return {"state": ts.state, "on": ts.processing_on.address, "move_to_b": stealing._move_cost(ts, wa, wb),
+            "inputs_to_b": dask_scheduler.get_comm_cost(ts, wb), "kv_at_b": min(at_b["t_transfer"], at_b["t_recompute"]),
+            "resident_a": ProgressPriority._resident(placement, ts, a),
+            "resident_b": ProgressPriority._resident(placement, ts, b)}  # fmt: skip
+
+
+def test_kv_missing_at_the_thief_is_priced_into_the_move_and_residency_into_priority():
+    from distributed import Client, LocalCluster
+
+    from dask_kvstate import tasks
+
+    from .conftest import CONTEXT
+
+    cfg = {"kvstate.block-tokens": 16, "kvstate.transport.emulated-bandwidth": "1 Mbit/s",
+           "kvstate.scheduling.stealing.enabled": True, "kvstate.scheduling.priority.enabled": True,
+           "kvstate.scheduling.priority.kv-resident": True,
+           "kvstate.scheduling.stealing.beta": "1h"}  # fmt: skip  (price moves, make none: the consumer stays put)
+    with dask.config.set(cfg):
+        with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
+                Client(cluster) as client:  # fmt: skip
+            kvs.install(client, "tiny-llama", torch_threads=1)
+            a, b = sorted(client.scheduler_info()["workers"])
+            state = client.submit(tasks.materialize, "Move cost. " + CONTEXT * 2, workers=[a], pure=False)
+            state.result()
+            hold = client.submit(blocker, "gate-kv", workers=[a], pure=False)  # a is busy: the consumer queues
+            consumer = client.submit(tasks.resume, state, " Next?", max_new_tokens=2, workers=[a],
+                                     allow_other_workers=True, pure=False)  # fmt: skip
+            while client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.tasks[consumer.key].state) \
+                    != "processing":  # fmt: skip
+                time.sleep(0.05)
+            view = client.run_on_scheduler(_kv_view, consumer.key, a, b)
+            Event("gate-kv", client=client).set()
+            assert consumer.result().token_ids and hold.result() == "gate-kv"
+    assert view["on"] == a
+    assert view["kv_at_b"] > 0  # the blocks are on a only; b would pull or recompute them
+    assert view["move_to_b"] >= view["inputs_to_b"] + view["kv_at_b"] - 1e-9
+    assert view["resident_a"] and not view["resident_b"]
