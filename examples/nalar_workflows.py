@@ -197,7 +197,7 @@ async def run_one(wf: Workflow, config: str, *, duration: float, seed: int, drai
             if config != "default":
                 await kvs.install_scheduling(c)
             latencies: list[float] = []
-            t0 = time.perf_counter()
+            t0, t_wall0 = time.perf_counter(), time.time()
 
             async def request(rid: int, t_arr: float) -> None:
                 await asyncio.sleep(max(t_arr - (time.perf_counter() - t0), 0.0))
@@ -216,6 +216,8 @@ async def run_one(wf: Workflow, config: str, *, duration: float, seed: int, drai
         out["moves"] = {k: stats[k].get("moves", 0) for k in ("stealing", "capacity") if stats[k]["installed"]}
         if stats["capacity"]["installed"]:
             out["units_end"] = stats["capacity"]["last"].get("units")
+            out["capacity_moves"] = [(round(m["time"] - t_wall0, 1), m["from"], m["to"])
+                                     for m in stats["capacity"]["recent_moves"]]  # fmt: skip
     return out
 
 

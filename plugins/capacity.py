@@ -65,8 +65,8 @@ def best_move(x: dict, units: dict, rates: dict, visits: dict, bottleneck: str, 
     """The donor whose unit, given to ``bottleneck``, raises ``min_v x_v`` the most.
 
     Returns ``(donor, predicted throughput)`` or None when no donor is feasible (above its
-    minimum, bottleneck below its maximum) or no move gains more than ``epsilon``
-    (relative).
+    minimum, bottleneck below its maximum, not the bottleneck after the move) or no move
+    gains more than ``epsilon`` (relative).
 
     Examples
     --------
@@ -91,6 +91,8 @@ def best_move(x: dict, units: dict, rates: dict, visits: dict, bottleneck: str, 
         # A donor never measured (no calls in the window) has nothing to lose.
         trial[d] = normalized_capacity(units[d] - 1, rates[d], visits[d]) if rates.get(d) else math.inf
         predicted = min(trial.values())
+        if trial[d] <= trial[bottleneck]:
+            continue  # the donor would become the new bottleneck: the next interval would move it back
         if predicted > current * (1 + epsilon) and (best is None or predicted > best[1]):
             best = (d, predicted)
     return best
