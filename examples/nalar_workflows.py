@@ -221,6 +221,19 @@ async def run_one(wf: Workflow, config: str, *, duration: float, seed: int, drai
     return out
 
 
+def merge_runs(runs: list[dict]) -> dict:
+    """One row per config: each latency statistic is the median over the repeats (seeds)."""
+    if len(runs) == 1:
+        return runs[0]
+    row = dict(runs[-1])
+    for k in ("n", "offered", "unfinished"):
+        row[k] = sum(r[k] for r in runs)
+    for k in ("avg", "p50", "p95", "p99", "max"):
+        row[k] = statistics.median(r[k] for r in runs)
+    row["runs"] = runs
+    return row
+
+
 def table(rows: list[dict]) -> str:
     base = next((r for r in rows if r["config"] == "default"), None)
     lines = ["| workflow | config | requests | unfinished | avg s | P50 s | P95 s | P99 s | max s | avg vs default | P99 vs default |",
@@ -305,6 +318,7 @@ def main() -> None:
     ap.add_argument("--drain", type=float, default=120.0, help="seconds allowed after the last arrival")
     ap.add_argument("--rate", type=float, default=None, help="requests per second (default: the workflow's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1, help="seeds seed..seed+repeats-1, interleaved; medians")
     ap.add_argument("--roles", default=None, help="units per role at start, e.g. planner=1,developer=7,tester=4")
     ap.add_argument("--stateful", action="store_true",
                     help="mark swe's developer stateful: its retries keep session affinity (Nalar's stateful hint)")
@@ -330,17 +344,23 @@ def main() -> None:
             if set(units) != set(wf.roles):
                 raise ValueError(f"--roles must give every role of {name}: {sorted(wf.roles)}, got {sorted(units)}")
             wf.roles = units
-        rows = []
-        for config in args.configs.split(","):
-            rows.append(asyncio.run(run_one(wf, config, duration=args.duration, seed=args.seed, drain=args.drain)))
-            r = rows[-1]
-            print(f"{name:8s} {config:9s} avg={r['avg']:.3f}s p99={r['p99']:.3f}s max={r['max']:.3f}s "
-                  f"unfinished={r['unfinished']} {r.get('moves', '')} loop={r.get('control_loop_ms', {})}", flush=True)
+        runs: dict[str, list[dict]] = {c: [] for c in args.configs.split(",")}
+        # Repeats are interleaved (every config once, then again), so a change in the
+        # machine's load during the experiment hits every config alike.
+        for rep in range(args.repeats):
+            for config in runs:
+                r = asyncio.run(run_one(wf, config, duration=args.duration, seed=args.seed + rep, drain=args.drain))
+                runs[config].append(r)
+                print(f"{name:8s} {config:9s} seed={args.seed + rep} avg={r['avg']:.3f}s p99={r['p99']:.3f}s "
+                      f"max={r['max']:.3f}s unfinished={r['unfinished']} {r.get('moves', '')} "
+                      f"loop={r.get('control_loop_ms', {})}", flush=True)  # fmt: skip
+        rows = [merge_runs(rs) for rs in runs.values()]
         md = table(rows)
         print(md)
         with open(os.path.join(args.out, f"{name}.md"), "w") as f:
             f.write(f"Command: python examples/nalar_workflows.py --workflow {name} --duration {args.duration} "
-                    f"--seed {args.seed}{' --stateful' if args.stateful else ''} --configs {args.configs}; "
+                    f"--seed {args.seed} --repeats {args.repeats}{' --stateful' if args.stateful else ''} "
+                    f"--configs {args.configs}; "
                     f"rate {wf.rate}/s; "
                     f"roles at start {wf.roles}; hints {wf.hints}\n\n{md}\n")
         with open(os.path.join(args.out, f"{name}.json"), "w") as f:
