@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import sys
 
 _EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "nalar_workflows.py")
 
@@ -18,6 +19,7 @@ _EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "nala
 def _workflows():
     spec = importlib.util.spec_from_file_location("nalar_workflows", _EXAMPLE)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
