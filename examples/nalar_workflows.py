@@ -11,7 +11,9 @@ outcomes, so the rows of the table differ only in scheduling.
 * ``swe``: planner -> 3 developers -> a tester each; a failed test goes back to the
   same developer lane (up to 4 attempts). A developer attempt that lands on another
   worker than the lane's previous one pays a context rebuild (half a median call: its
-  KV is elsewhere). No policy is told that cost: it is a real price of moving. With
+  KV is elsewhere). The previous attempt's result is its input, and that result's
+  ``dask.sizeof`` is the KV bytes a move would carry (as for ``KVStateRef``), so Dask
+  and the policies see the price of moving through the usual transfer estimate. With
   ``--stateful`` the developer gets Nalar's ``stateful`` hint, and its retries keep
   session affinity (never migrated).
 * ``analyst``: financial analyst, fan-out to 4 analysts, a summary, and half of the
@@ -44,6 +46,7 @@ from dataclasses import dataclass, field
 
 import dask
 import numpy as np
+from dask.sizeof import sizeof
 from distributed import Client, Scheduler, SpecCluster, Worker, get_worker
 
 import dask_kvstate as kvs
@@ -68,11 +71,29 @@ def work(seconds: float, *deps) -> float:
     return seconds
 
 
-def develop(seconds: float, rebuild: float, lane_worker: str | None, *deps) -> str:
+class LaneContext:
+    """What a developer attempt leaves behind: where its context (KV) lives, and how big it is.
+
+    Like ``KVStateRef``, its ``dask.sizeof`` is the KV bytes behind it, not the few bytes
+    it pickles to: so Dask (``decide_worker``, its WorkStealing) and our stealing's
+    ``C_mig`` price moving the next attempt away at the time a rebuild costs.
+    """
+
+    def __init__(self, worker: str, kv_bytes: int):
+        self.worker, self.kv_bytes = worker, kv_bytes
+
+
+@sizeof.register(LaneContext)
+def _sizeof_lane_context(ctx: LaneContext) -> int:
+    return ctx.kv_bytes
+
+
+def develop(seconds: float, rebuild: float, previous: LaneContext | None, *deps) -> LaneContext:
     """A developer attempt; away from the lane's previous worker it first rebuilds its context."""
     me = get_worker().address
-    time.sleep(seconds + (rebuild if lane_worker is not None and lane_worker != me else 0.0))
-    return me
+    time.sleep(seconds + (rebuild if previous is not None and previous.worker != me else 0.0))
+    # The rebuild time at Dask's bandwidth estimate: what moving this context costs.
+    return LaneContext(me, int(rebuild * dask.utils.parse_bytes(dask.config.get("distributed.scheduler.bandwidth"))))
 
 
 def run_tests(seconds: float, passes: bool, *deps) -> bool:
@@ -132,15 +153,15 @@ async def swe(c: Client, rid: int, d: Draws, t_arr: float) -> None:
         plan = c.submit(work, plan_s, key=f"planner-{rid}", resources=role("planner"))
 
         async def lane(k: int) -> None:
-            lane_worker, dep = None, plan
+            previous = None  # the last attempt's future: its context is the next attempt's input
             for attempt, (dev_s, passed, test_s) in enumerate(lanes[k]):
-                dev = c.submit(develop, dev_s, rebuild, lane_worker, dep, key=f"developer-{rid}-{k}-{attempt}",
+                dev = c.submit(develop, dev_s, rebuild, previous, plan, key=f"developer-{rid}-{k}-{attempt}",
                                resources=role("developer"))  # fmt: skip
                 ok = c.submit(run_tests, test_s, passed, dev, key=f"tester-{rid}-{k}-{attempt}",
                               resources=role("tester"))  # fmt: skip
                 if await ok:
                     return
-                lane_worker, dep = await dev, dev
+                previous = dev
 
         await asyncio.gather(*(lane(k) for k in range(3)))
 
