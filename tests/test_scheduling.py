@@ -234,7 +234,12 @@ async def test_capacity_moves_a_unit_to_a_persistent_bottleneck(c, s, p1, p2, de
 
 
 # -- KV in the move cost and in priority, with a real model ------------------------------------------
-def _kv_view(dask_scheduler, consumer_key, a, b):
+def _state_of(key, dask_scheduler):
+    ts = dask_scheduler.tasks.get(key)
+    return None if ts is None else ts.state
+
+
+def _kv_view(consumer_key, a, b, dask_scheduler):
     ts = dask_scheduler.tasks[consumer_key]
     placement = dask_scheduler.plugins["kvstate-placement"]
     stealing = dask_scheduler.plugins["kvstate-stealing"]
@@ -249,8 +254,12 @@ def _kv_view(dask_scheduler, consumer_key, a, b):
 
 def test_kv_missing_at_the_thief_is_priced_into_the_move_and_residency_into_priority():
     from distributed import Client, LocalCluster
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401
 
     from dask_kvstate import tasks
+
+    # Above: transformers resolves these names lazily, and two in-process workers loading
+    # the model at once race on that first import; resolving them here first avoids it.
 
     from .conftest import CONTEXT
 
@@ -268,8 +277,7 @@ def test_kv_missing_at_the_thief_is_priced_into_the_move_and_residency_into_prio
             hold = client.submit(blocker, "gate-kv", workers=[a], pure=False)  # a is busy: the consumer queues
             consumer = client.submit(tasks.resume, state, " Next?", max_new_tokens=2, workers=[a],
                                      allow_other_workers=True, pure=False)  # fmt: skip
-            while client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.tasks[consumer.key].state) \
-                    != "processing":  # fmt: skip
+            while client.run_on_scheduler(_state_of, consumer.key) != "processing":
                 time.sleep(0.05)
             view = client.run_on_scheduler(_kv_view, consumer.key, a, b)
             Event("gate-kv", client=client).set()
