@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import dask
+
+logger = logging.getLogger("dask_kvstate")
 
 ANNOTATION = "kvstate-session"
 COMPONENT = "kvstate-component"
@@ -65,26 +68,35 @@ def _client_or_none():
         return None
 
 
-def _notify_close(session_id: str) -> None:
-    client = _client_or_none()
+def _notify_close(session_id: str, client=None) -> None:
+    client = client if client is not None else _client_or_none()
     if client is None or client.status not in ("running", "connecting", "newly-created"):
         return  # no cluster to tell: the scheduler never saw the session's tasks either
     msg = {"kind": "close", "session": session_id}
     if client.asynchronous:
         # Called from a coroutine: the notice must not block the event loop it runs on.
         asyncio.ensure_future(client.log_event(TOPIC, msg))
-    else:
+        return
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
         client.log_event(TOPIC, msg)
+    else:  # a blocking client inside someone's event loop would deadlock or cross loops
+        raise RuntimeError(f"session {session_id}: found a synchronous client inside a running event loop; "
+                           "pass the asynchronous one: kvs.session(name, client=client)")
 
 
 @contextlib.contextmanager
-def session(name: str | None = None) -> Iterator[SessionHandle]:
+def session(name: str | None = None, client=None) -> Iterator[SessionHandle]:
     """Mark every task submitted inside the block as one workflow request.
 
     The scheduler extensions use it for workflow-progress priority, session affinity of
     stateful components, visits per request (capacity) and, when the session ends, to
     invalidate what it left behind. Nested sessions: the innermost wins. Works without a
-    cluster (the annotation is simply carried); the exit notice never raises.
+    cluster (the annotation is simply carried); the exit notice never raises (a failed
+    notice is logged: that session then never ends on the scheduler). ``client`` is the
+    one to tell at exit; by default ``distributed.get_client()`` (inside a task: the
+    worker's client). Pass it where several clients live in one process.
 
     Examples
     --------
@@ -101,8 +113,10 @@ def session(name: str | None = None) -> Iterator[SessionHandle]:
         try:
             yield handle
         finally:
-            with contextlib.suppress(Exception):  # a closing cluster must not mask the block's error
-                _notify_close(handle.id)
+            try:
+                _notify_close(handle.id, client)
+            except Exception as e:  # a closing cluster must not mask the block's own error
+                logger.warning("kvstate: could not tell the scheduler that %s ended: %s", handle.id, e)
 
 
 def component(name: str):
