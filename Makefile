@@ -35,6 +35,7 @@ test-fast: install
 bench: install
 	HF_HUB_OFFLINE=1 $(PY) examples/tree_of_thought.py --branches 8
 	HF_HUB_OFFLINE=1 $(PY) examples/compiler_shapes.py --model smollm2-135m
+	HF_HUB_OFFLINE=1 $(PY) examples/nalar_workflows.py --workflow all --out results/nalar
 
 clean:
 	rm -rf $(VENV) build *.egg-info

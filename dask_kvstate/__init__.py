@@ -14,6 +14,8 @@ from __future__ import annotations
 from dask_kvstate import config  # noqa: F401  (registers the kvstate.* defaults)
 from dask_kvstate.backends import KNOWN_MODELS
 from dask_kvstate.client import install, placement_stats, stats
+from dask_kvstate.client import install_scheduling, scheduling_stats
+from dask_kvstate.session import component, current_session, session
 from dask_kvstate.generation import Generation
 from dask_kvstate import tasks  # noqa: F401  (kvs.tasks.*: the operators for client.submit)
 from dask_kvstate.operators import evict, extend, fork, generate, materialize, merge, resume, transfer
@@ -31,17 +33,22 @@ __all__ = [
     "MergeError",
     "StateflowError",
     "compatible",
+    "component",
+    "current_session",
     "evict",
     "explain",
     "extend",
     "fork",
     "generate",
     "install",
+    "install_scheduling",
     "materialize",
     "merge",
     "optimize",
     "placement_stats",
     "resume",
+    "scheduling_stats",
+    "session",
     "stateflow",
     "stats",
     "transfer",

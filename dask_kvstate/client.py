@@ -33,6 +33,7 @@ def install(client: Client, model: str | list[str] | None = None, *, torch_threa
     from dask_kvstate.plugins.observe import KVObserver
 
     client.register_plugin(KVObserver())  # stats, history and the /kvstate page; idempotent too
+    install_scheduling(client)
     current = client.run(_plugin_settings)
     if not current or any(s != plugin.settings() for s in current.values()):
         client.register_plugin(plugin, name=PLUGIN_NAME)
@@ -82,3 +83,57 @@ def stats(client: Client) -> ClusterStats:
 
 async def _as_cluster_stats(pending) -> ClusterStats:
     return ClusterStats(await pending)
+
+
+# -- workflow-aware scheduling (Nalar): sessions, priority, stealing, capacity --------------
+def install_scheduling(client: Client) -> list[str]:
+    """Register the scheduling extensions switched on in ``kvstate.scheduling.*``.
+
+    Needs no model: ``kvs.install`` calls it, and workflows of plain Python functions can
+    call it alone. The sessions extension comes first (the others read it); with any
+    extension on, every worker gets the ``kvstate-scheduling`` plugin (re-sorting its
+    ready heap, taking capacity moves). Idempotent. Returns the names registered
+    (an awaitable of them with an asynchronous client).
+    """
+    from dask_kvstate.plugins.capacity import CapacityController
+    from dask_kvstate.plugins.priority import ProgressPriority
+    from dask_kvstate.plugins.scheduling_worker import SchedulingWorkerPlugin
+    from dask_kvstate.plugins.sessions import SessionTracker
+    from dask_kvstate.plugins.stealing import LateBindingStealing
+
+    wanted = [cls() for key, cls in (("priority.enabled", ProgressPriority), ("stealing.enabled", LateBindingStealing),
+                                     ("capacity.enabled", CapacityController)) if config.get(f"scheduling.{key}")]  # fmt: skip
+    if not wanted and not config.get("scheduling.sessions"):
+        return []
+    plugins = [SessionTracker(), *wanted, SchedulingWorkerPlugin()]
+    if client.asynchronous:  # an asynchronous client: the caller awaits the registrations
+        async def register() -> list[str]:
+            for p in plugins:
+                await client.register_plugin(p)
+            return [p.name for p in plugins[:-1]]
+
+        return register()
+    for p in plugins:
+        client.register_plugin(p)  # idempotent: a no-op when one of that name is there
+    return [p.name for p in plugins[:-1]]
+
+
+def _scheduling_stats(dask_scheduler) -> dict:
+    out = {}
+    for name in ("kvstate-sessions", "kvstate-priority", "kvstate-stealing", "kvstate-capacity"):
+        plugin = dask_scheduler.plugins.get(name)
+        out[name.removeprefix("kvstate-")] = {"installed": False} if plugin is None else \
+            {"installed": True, **plugin.stats()}  # fmt: skip
+    return out
+
+
+def scheduling_stats(client: Client) -> dict:
+    """What the scheduling extensions did, and the global control loop's latency.
+
+    ``{"sessions": {open, ended, sessions, recently_ended, control_loop, ...},
+    "priority": {...}, "stealing": {moves, kept, affinity_kept, queued_seen, ...},
+    "capacity": {moves, last, latency, ...}}``; ``sessions.control_loop`` holds, per
+    policy and in total, the pass latency (count, mean, p50, p99, max in ms). Never
+    raises for an extension that is off: it reads ``{"installed": False}``.
+    """
+    return client.run_on_scheduler(_scheduling_stats)

@@ -135,8 +135,8 @@ def lineage_html(chains: list[list[dict]]) -> str:
 def sessions_html(plugin) -> str:
     """The sessions panel, from whatever summary the sessions extension offers.
 
-    Contract for that extension (built in another issue): ``progress()`` returning
-    ``{session: {"done": int, "total": int, ...}}``, or ``stats()`` returning a dict.
+    Contract: ``progress()`` returning ``{session: {"done": int, "total": int, ...}}``
+    (``plugins/sessions.py``), or ``stats()`` returning a dict.
     """
     rows: dict = {}
     for attr in ("progress", "stats"):

@@ -78,3 +78,9 @@ def on(worker):
 
 def stats_of(client, worker) -> dict:
     return kvs.stats(client)[worker]
+
+
+def pytest_collection_modifyitems(items):
+    """Run tests/test_scheduling.py first: its ``gen_cluster`` tests check the process
+    for leaked clusters and clients, which the session-scoped fixtures above are."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/test_scheduling.py"))

@@ -1,0 +1,215 @@
+"""The ``sessions`` scheduler extension: the workflow context Nalar's policies read.
+
+Per session (``kvs.session``) it keeps invocations created and completed (progress),
+arrival time and order, liveness (open, closed, ended) and visits per component. It
+also owns the global control loop the other scheduling extensions register with, and
+the worker handshake (``kvstate_scheduling_hello``) telling which workers run the
+``kvstate-scheduling`` worker plugin, so no extension ever sends a stream message a
+worker cannot handle (Dask drops the stream of a worker on an unknown op).
+
+**End hook.** A session ends once its ``with`` block has exited and the scheduler
+holds none of its tasks. Then every callable in ``SessionTracker.on_end`` is called
+with the :class:`Session` (``scheduler.plugins["kvstate-sessions"].on_end.append(fn)``;
+the KV lifecycle extension invalidates the session's KV there), and an
+``{"kind": "end", ...}`` event goes to the ``kvstate-session`` topic, so clients can
+``client.subscribe_topic`` to it. A failing hook is logged, never raised.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from time import time
+
+from dask.utils import key_split
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from dask_kvstate import config
+from dask_kvstate.plugins.control import ControlLoop
+from dask_kvstate.session import ANNOTATION, COMPONENT, TOPIC
+
+logger = logging.getLogger("dask_kvstate")
+
+PLUGIN_NAME = "kvstate-sessions"
+ENDED_KEPT = 1000  # summaries of ended sessions kept for stats
+
+
+@dataclass(eq=False)
+class Session:
+    """What the scheduler knows of one workflow request."""
+
+    id: str
+    seq: int  # arrival order on this scheduler
+    arrival: float
+    created: int = 0
+    completed: int = 0
+    failed: int = 0
+    visits: Counter = field(default_factory=Counter)  # component -> invocations created
+    live: set = field(default_factory=set)  # keys the scheduler still holds
+    closed_at: float | None = None
+    ended_at: float | None = None
+    last_activity: float = 0.0
+
+    @property
+    def progress(self) -> int:
+        """Completed invocations: Nalar's measure of workflow progress."""
+        return self.completed
+
+    def summary(self) -> dict:
+        return {"id": self.id, "seq": self.seq, "arrival": self.arrival, "created": self.created,
+                "completed": self.completed, "failed": self.failed, "visits": dict(self.visits),
+                "live": len(self.live), "closed_at": self.closed_at, "ended_at": self.ended_at}  # fmt: skip
+
+
+def component_of(ts) -> str:
+    """The ``kvstate-component`` annotation, else the key's prefix (the function name)."""
+    return (ts.annotations or {}).get(COMPONENT) or key_split(ts.key)
+
+
+class SessionTracker(SchedulerPlugin):
+    """Scheduler side of ``kvs.session`` (installed by ``kvs.install`` when enabled)."""
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self, interval: str | float | None = None):
+        raw = interval if interval is not None else config.get("scheduling.interval")
+        try:
+            self.interval_s = float(__import__("dask").utils.parse_timedelta(raw, default="seconds"))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"kvstate.scheduling.interval must be a duration like '200ms', got {raw!r}") from e
+        if self.interval_s <= 0:
+            raise ValueError(f"kvstate.scheduling.interval must be > 0, got {raw!r}")
+        self.scheduler = None
+
+    async def start(self, scheduler) -> None:
+        self.scheduler = scheduler
+        self.sessions: dict[str, Session] = {}
+        self.key_session: dict = {}  # key -> Session
+        self.closing: set[Session] = set()  # closed, waiting for their tasks to go
+        self.ended: deque = deque(maxlen=ENDED_KEPT)
+        self.on_end: list = []
+        self.control_workers: set[str] = set()
+        self.counters: Counter[str] = Counter()
+        self._seq = 0
+        self.loop = ControlLoop(self.interval_s)
+        self.loop.add("sessions", self.sweep)
+        scheduler.handlers["kvstate_scheduling_hello"] = self._hello
+        # Dask's SchedulerPlugin.update_graph does not receive ``submitting_task``, the
+        # key of the task that submitted a graph from inside a worker: wrap the stream
+        # handler to read it, so sub-tasks inherit their parent's session.
+        original = scheduler.stream_handlers["update-graph"]
+        if not getattr(original, "_kvstate_wrapped", False):
+            async def update_graph(*args, submitting_task=None, annotations=None, **kwargs):
+                parent = self.key_session.get(submitting_task) if submitting_task is not None else None
+                if parent is not None and ANNOTATION not in (annotations or {}):
+                    annotations = {**(annotations or {}), ANNOTATION: parent.id}
+                    self.counters["inherited_graphs"] += 1
+                return await original(*args, submitting_task=submitting_task, annotations=annotations, **kwargs)
+
+            update_graph._kvstate_wrapped = True
+            scheduler.stream_handlers["update-graph"] = update_graph
+        self.loop.start()
+
+    async def close(self) -> None:
+        self.loop.stop()
+
+    async def _hello(self, worker: str | None = None) -> bool:
+        """A worker's ``kvstate-scheduling`` plugin announces its handlers."""
+        if worker is not None:
+            self.control_workers.add(worker)
+        return True
+
+    def remove_worker(self, scheduler, worker, **kwargs) -> None:
+        self.control_workers.discard(worker)
+
+    # -- Dask hooks ----------------------------------------------------------------
+    def update_graph(self, scheduler, *, tasks=(), annotations=None, **kwargs) -> None:
+        by_key = (annotations or {}).get(ANNOTATION) or {}
+        if not by_key:
+            return
+        now = time()
+        for key, sid in by_key.items():
+            if key in self.key_session:
+                continue
+            ts = scheduler.tasks.get(key)
+            if ts is None or ts.run_spec is None:
+                continue  # not a task to run (scattered data, an already-forgotten key)
+            s = self.sessions.get(sid)
+            if s is None:
+                self._seq += 1
+                s = self.sessions[sid] = Session(sid, self._seq, now)
+                scheduler.log_event(TOPIC, {"kind": "start", "session": sid, "seq": s.seq})
+            elif s.ended_at is not None:
+                self.counters["late_tasks"] += 1  # tasks arriving after the end: revive it
+                s.ended_at = None
+            s.created += 1
+            s.visits[component_of(ts)] += 1
+            s.live.add(key)
+            s.last_activity = now
+            self.key_session[key] = s
+
+    def transition(self, key, start, finish, *args, **kwargs) -> None:
+        s = self.key_session.get(key)
+        if s is None:
+            return
+        if finish == "memory" and start == "processing":
+            s.completed += 1
+            s.last_activity = time()
+        elif finish == "erred":
+            s.failed += 1
+        elif finish == "forgotten":
+            del self.key_session[key]
+            s.live.discard(key)
+
+    def log_event(self, topic, msg) -> None:
+        if topic == TOPIC and isinstance(msg, dict) and msg.get("kind") == "close":
+            s = self.sessions.get(msg.get("session"))
+            if s is None:  # a session that submitted nothing: it starts and ends here
+                self._seq += 1
+                s = self.sessions[msg["session"]] = Session(msg["session"], self._seq, time())
+            if s.closed_at is None:
+                s.closed_at = time()
+                self.closing.add(s)
+
+    # -- the control pass ------------------------------------------------------------
+    def sweep(self) -> None:
+        """End closed sessions whose tasks are all gone.
+
+        One interval of grace after the close notice: that notice travels by RPC while
+        the session's last graphs travel on the client's batched stream, so it can
+        overtake them by a few milliseconds.
+        """
+        now = time()
+        for s in [s for s in self.closing if not s.live and now - s.closed_at >= self.interval_s]:
+            self.closing.discard(s)
+            self._end(s, now)
+
+    def _end(self, s: Session, now: float) -> None:
+        s.ended_at = now
+        del self.sessions[s.id]
+        self.ended.append(s.summary())
+        self.counters["ended"] += 1
+        for fn in list(self.on_end):
+            try:
+                fn(s)
+            except Exception:
+                logger.exception("kvstate session end hook %r failed for %s", fn, s.id)
+        self.scheduler.log_event(TOPIC, {"kind": "end", **s.summary()})
+
+    # -- reads ---------------------------------------------------------------------
+    def session_of(self, key) -> Session | None:
+        return self.key_session.get(key)
+
+    def progress(self) -> dict:
+        """Live sessions' progress, ``{id: {"done": completed, "total": created}}``: the
+        dashboard's sessions panel reads this."""
+        return {sid: {"done": s.completed, "total": s.created, "closed": s.closed_at is not None}
+                for sid, s in list(self.sessions.items())[:100]}  # fmt: skip
+
+    def stats(self) -> dict:
+        return {"open": sum(s.closed_at is None for s in self.sessions.values()), "closing": len(self.closing),
+                "ended": self.counters["ended"], "inherited_graphs": self.counters["inherited_graphs"],
+                "late_tasks": self.counters["late_tasks"], "workers": len(self.control_workers),
+                "sessions": {sid: s.summary() for sid, s in list(self.sessions.items())[:100]},
+                "recently_ended": list(self.ended)[-100:], "control_loop": self.loop.stats()}  # fmt: skip

@@ -1,0 +1,254 @@
+"""The ``stealing`` scheduler extension: late-binding load balancing (Nalar Algorithm 1).
+
+Replaces the *policy* of Dask's ``WorkStealing`` and keeps its *protocol*: the stock
+extension's ``balance`` periodic callback is stopped, and every move goes through its
+``move_task_request`` (steal-request to the victim, which gives the task up only if it
+has not started, confirmed by ``steal-response``), the safe migration Dask already has.
+
+Each control interval, for every worker ``i`` with tasks waiting behind its threads,
+from the back of its queue (lowest priority first, they would wait longest), a task
+moves to the compatible worker ``j`` with the smallest expected wait when
+:func:`migration_benefit` says so: the ready queues differ by more than ``alpha`` and
+``W_i - W_j - C_mig > beta``. ``C_mig`` is Dask's own transfer estimate for the inputs
+missing at ``j`` (``Scheduler.get_comm_cost``: bytes over measured bandwidth) plus, for
+inputs that are KV states, the placement extension's cost of serving them at ``j``
+(``min(T_transfer, T_recompute)`` from the measured cost model) less its cost at ``i``.
+
+Kept in place on purpose:
+
+* tasks of components marked ``stateful`` in ``kvstate.scheduling.components`` keep
+  session affinity: at submission they are routed to the worker that ran the
+  session's earlier call to that component, and they are never migrated;
+* tasks with hard worker restrictions (``allow_other_workers=False``).
+
+Queued root-ish tasks (``distributed.scheduler.worker-saturation``) sit in the
+scheduler's ``queued`` heap, not on a worker, so no stealer can take them from one (the
+stock WorkStealing never sees them). They are late-bound by construction: Dask hands
+each to the first worker with a free thread, in priority order (which the priority
+extension keeps current). This extension counts them each pass (``queued`` in its
+stats, and in the ``kvstate-stealing`` events) and leaves their dispatch to that queue.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+
+import dask
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from dask_kvstate import config
+from dask_kvstate.plugins.sessions import PLUGIN_NAME as SESSIONS
+from dask_kvstate.plugins.sessions import component_of
+
+PLUGIN_NAME = "kvstate-stealing"
+EVENT = "kvstate-stealing"
+
+
+def _priority(ts):
+    return ts.priority
+
+
+def migration_benefit(q_src: int, q_dst: int, w_src: float, w_dst: float, c_mig: float, *,
+                      alpha: float = 0.2, beta: float = 1e-3) -> float | None:  # fmt: skip
+    """Nalar's migration test: ``Δ = W_i - W_j - C_mig`` when moving pays, else None.
+
+    ``q_*`` are ready-queue lengths (tasks waiting behind the worker's threads), ``w_*``
+    expected queueing delays in seconds (of the task at ``i``, of a new task at ``j``)
+    and ``c_mig`` the cost of moving it (inputs and KV missing at ``j``). A move is
+    considered only when the queues differ by more than ``alpha`` of the source queue,
+    and done only when the gain beats the cost by more than ``beta`` seconds.
+
+    Examples
+    --------
+    >>> migration_benefit(10, 2, w_src=5.0, w_dst=1.0, c_mig=0.5)        # long queue, cheap move
+    3.5
+    >>> migration_benefit(10, 9, w_src=5.0, w_dst=1.0, c_mig=0.5) is None  # queues within alpha
+    True
+    >>> migration_benefit(10, 2, w_src=5.0, w_dst=1.0, c_mig=4.5) is None  # KV move eats the gain
+    True
+    """
+    if q_src <= 0 or q_src - q_dst <= alpha * q_src:
+        return None
+    delta = w_src - w_dst - c_mig
+    return delta if delta > beta else None
+
+
+class LateBindingStealing(SchedulerPlugin):
+    """Scheduler side of late-binding stealing (installed by ``kvs.install`` when enabled)."""
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self, alpha: float | None = None, beta: str | float | None = None, max_moves: int | None = None,
+                 components: dict | None = None):  # fmt: skip
+        self.alpha = float(config.get("scheduling.stealing.alpha") if alpha is None else alpha)
+        raw_beta = config.get("scheduling.stealing.beta") if beta is None else beta
+        self.max_moves = int(config.get("scheduling.stealing.max-moves") if max_moves is None else max_moves)
+        hints = config.get("scheduling.components") if components is None else components
+        if not 0 <= self.alpha < 1:
+            raise ValueError(f"kvstate.scheduling.stealing.alpha must be in [0, 1), got {self.alpha!r}")
+        try:
+            self.beta = float(dask.utils.parse_timedelta(raw_beta, default="seconds"))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"kvstate.scheduling.stealing.beta must be a duration, got {raw_beta!r}") from e
+        if self.max_moves < 1:
+            raise ValueError(f"kvstate.scheduling.stealing.max-moves must be >= 1, got {self.max_moves!r}")
+        if not isinstance(hints, dict):
+            raise ValueError(f"kvstate.scheduling.components must be a mapping, got {hints!r}")
+        self.stateful = frozenset(name for name, h in hints.items() if (h or {}).get("stateful"))
+
+    async def start(self, scheduler) -> None:
+        from distributed.stealing import WorkStealing
+
+        self.scheduler = scheduler
+        self.tracker = scheduler.plugins.get(SESSIONS)
+        assert self.tracker is not None, "the stealing extension needs the sessions extension registered first"
+        self.counters: Counter[str] = Counter()
+        self.affinity: dict[tuple[str, str], str] = {}  # (session, stateful component) -> worker
+        self.stock = scheduler.extensions.get("stealing")
+        if self.stock is None:  # distributed.scheduler.work-stealing is off: borrow its protocol anyway
+            self.stock = scheduler.extensions["stealing"] = WorkStealing(scheduler)
+        # Stop the stock policy only; its steal-request/steal-response protocol stays.
+        pc = scheduler.periodic_callbacks.pop("stealing", None)
+        if pc is not None:
+            pc.stop()
+        self.tracker.on_end.append(self._forget_session)
+        self.tracker.loop.add("stealing", self.balance)
+
+    async def close(self) -> None:
+        if self._forget_session in getattr(self.tracker, "on_end", []):
+            self.tracker.on_end.remove(self._forget_session)
+
+    # -- session affinity ----------------------------------------------------------------
+    def _stateful_session(self, ts) -> tuple[str, str] | None:
+        if not self.stateful:
+            return None
+        s = self.tracker.session_of(ts.key)
+        comp = component_of(ts)
+        return (s.id, comp) if s is not None and comp in self.stateful else None
+
+    def update_graph(self, scheduler, *, tasks=(), **kwargs) -> None:
+        if not self.stateful:
+            return
+        for key in tasks:
+            ts = scheduler.tasks.get(key)
+            if ts is None or ts.state != "released" or ts.worker_restrictions:
+                continue
+            pair = self._stateful_session(ts)
+            addr = self.affinity.get(pair) if pair else None
+            if addr is not None and addr in scheduler.workers:
+                ts.worker_restrictions = {addr}
+                ts.loose_restrictions = True  # if that worker is gone, any other will do
+                self.counters["affinity_routed"] += 1
+
+    def transition(self, key, start, finish, *args, **kwargs) -> None:
+        if finish != "processing" or not self.stateful:
+            return
+        ts = self.scheduler.tasks.get(key)
+        pair = self._stateful_session(ts) if ts is not None else None
+        if pair is not None and ts.processing_on is not None:
+            self.affinity.setdefault(pair, ts.processing_on.address)
+
+    def _forget_session(self, session) -> None:
+        for pair in [p for p in self.affinity if p[0] == session.id]:
+            del self.affinity[pair]
+
+    # -- the policy ----------------------------------------------------------------------
+    def _move_cost(self, ts, victim, thief) -> float:
+        cost = self.scheduler.get_comm_cost(ts, thief)
+        placement = self.scheduler.plugins.get("kvstate-placement")
+        if placement is not None:
+            for dts in ts.dependencies:
+                ref = placement.refs.get(dts.key)
+                if ref is None:
+                    continue
+                at_j, at_i = placement.estimate(ref, thief.address), placement.estimate(ref, victim.address)
+                if at_j is not None:
+                    kv_j = min(at_j["t_transfer"], at_j["t_recompute"])
+                    kv_i = min(at_i["t_transfer"], at_i["t_recompute"]) if at_i is not None else 0.0
+                    cost += max(kv_j - kv_i, 0.0)
+        return cost
+
+    def _thieves(self, ts, running, cache: dict) -> list:
+        """Running workers that may run ``ts``, cached per restriction signature for one pass."""
+        sig = (frozenset(ts.worker_restrictions or ()), frozenset(ts.host_restrictions or ()),
+               tuple(sorted((ts.resource_restrictions or {}).items())), ts.loose_restrictions)  # fmt: skip
+        thieves = cache.get(sig)
+        if thieves is None:
+            # Loose restrictions (``allow_other_workers``, KV placement) are preferences: any
+            # worker may take the task, the KV part of the move cost prices them. Resource
+            # restrictions (agent roles) always hold.
+            valid = None if ts.loose_restrictions else self.scheduler.valid_workers(ts)
+            thieves = running if valid is None else [ws for ws in running if ws in valid]
+            need = ts.resource_restrictions or {}
+            thieves = cache[sig] = [ws for ws in thieves if all(ws.resources.get(r, 0) >= n for r, n in need.items())]
+        return thieves
+
+    def _may_move(self, ts, victim, q, occ, wait, running, cache) -> bool:
+        """Whether a free move (no cost) of a task like ``ts`` would pass the test at all.
+
+        With 10,000 queued tasks, sorting every queue each pass costs more than the rest
+        of the loop; queues whose sample task has no better place are skipped (a queue
+        mixing restrictions may hide a movable task for one pass, never for good: the
+        sample changes as the queue drains).
+        """
+        thief = min((ws for ws in self._thieves(ts, running, cache) if ws is not victim), key=wait, default=None)
+        if thief is None:
+            return False
+        return migration_benefit(q[victim], q[thief], occ[victim] / victim.nthreads, wait(thief), 0.0,
+                                 alpha=self.alpha, beta=self.beta) is not None  # fmt: skip
+
+    def balance(self) -> None:
+        s = self.scheduler
+        running = [ws for ws in s.running if ws.nthreads]
+        self.counters["passes"] += 1
+        self.counters["queued_seen"] = len(s.queued)  # late-bound by Dask's queue, see the module doc
+        if len(running) < 2:
+            return
+        occ = {ws: ws.occupancy for ws in running}
+        # Tasks beyond the worker's threads wait in its ready heap. (``ws.executing`` comes
+        # with heartbeats and lags; a steal of a task that already started is refused by
+        # the worker, so counting by threads is safe.)
+        q = {ws: max(len(ws.processing) - len(ws.long_running) - ws.nthreads, 0) for ws in running}
+        wait = lambda ws: occ[ws] / ws.nthreads  # noqa: E731
+        thieves_by_sig: dict = {}
+        in_flight = self.stock.in_flight
+        moves = 0
+        for victim in sorted((ws for ws in running if q[ws] > 0), key=q.__getitem__, reverse=True):
+            if moves >= self.max_moves:
+                break
+            def waiting(victim=victim):
+                return (ts for ts in victim.processing
+                        if ts not in victim.executing and ts not in victim.long_running and ts not in in_flight)
+
+            sample = next(waiting(), None)
+            if sample is None or not self._may_move(sample, victim, q, occ, wait, running, thieves_by_sig):
+                continue  # not even a free move of a sample task pays: skip sorting this queue
+            for ts in heapq.nlargest(min(q[victim], self.max_moves - moves), waiting(), key=_priority):
+                if self._stateful_session(ts) is not None:
+                    self.counters["affinity_kept"] += 1
+                    continue
+                thief = min((ws for ws in self._thieves(ts, running, thieves_by_sig) if ws is not victim), key=wait,
+                            default=None)  # fmt: skip
+                if thief is None:
+                    continue
+                duration = s._get_prefix_duration(ts.prefix)  # what WorkStealing uses too
+                w_src = max(occ[victim] - duration, 0.0) / victim.nthreads
+                delta = migration_benefit(q[victim], q[thief], w_src, wait(thief), self._move_cost(ts, victim, thief),
+                                          alpha=self.alpha, beta=self.beta)  # fmt: skip
+                if delta is None:
+                    self.counters["kept"] += 1
+                    break  # the rest of this queue waits no longer than this task: same verdict
+                if self.stock.move_task_request(ts, victim, thief).startswith("steal-"):
+                    occ[victim] -= duration
+                    occ[thief] += duration
+                    q[victim] -= 1
+                    q[thief] += 1
+                    moves += 1
+                    self.counters["moves"] += 1
+                    s.log_event(EVENT, {"kind": "move", "key": str(ts.key), "victim": victim.address,
+                                        "thief": thief.address, "gain": delta})  # fmt: skip
+
+    def stats(self) -> dict:
+        return {**dict(self.counters), "alpha": self.alpha, "beta": self.beta, "affinities": len(self.affinity),
+                "stateful": sorted(self.stateful)}  # fmt: skip
