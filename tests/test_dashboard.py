@@ -182,7 +182,7 @@ def test_page_data_follows_a_workflow(client, workers):
     stats = full.totals
     assert observed == stats
     shown = client.run_on_scheduler(_page_header)
-    assert shown["workers"] == workers and shown["history"] >= 1 and shown["sessions"] is False
+    assert shown["workers"] == workers and shown["history"] >= 1 and shown["sessions"] is True  # the session tracker runs by default
     for key, value in _shown(stats).items():
         assert f"data-kvstate='{key}'" in shown["header"] and f">{value}</b>" in shown["header"], key
     # Each branch's lineage leads back through its fork to the shared context.
@@ -200,21 +200,24 @@ def test_page_data_follows_a_workflow(client, workers):
     del held
 
 
-def test_sessions_panel_appears_only_with_a_sessions_extension(client):
-    from distributed.diagnostics.plugin import SchedulerPlugin
+def _sessions_panel(dask_scheduler) -> str:
+    from dask_kvstate.plugins.dashboard import sessions_html
 
-    class Sessions(SchedulerPlugin):  # the sessions issue's extension, by name and contract only
-        name = "kvstate-sessions"
+    return sessions_html(dask_scheduler.plugins["kvstate-sessions"])
 
-        def progress(self):
-            return {"review-42": {"done": 3, "total": 5}}
 
-    assert client.run_on_scheduler(_page_header)["sessions"] is False
-    client.register_plugin(Sessions())
-    try:
-        assert client.run_on_scheduler(_page_header)["sessions"] is True
-    finally:
-        client.unregister_scheduler_plugin("kvstate-sessions")
+def _inc(x):
+    return x + 1
+
+
+def test_sessions_panel_shows_live_sessions_with_their_progress(client):
+    assert client.run_on_scheduler(_page_header)["sessions"] is True  # the tracker runs by default
+    with kvs.session("review-42") as s:
+        futures = client.map(_inc, range(3), pure=False)
+        wait(futures)
+        panel = client.run_on_scheduler(_sessions_panel)
+    assert s.id in panel and "3/3" in panel
+    del futures
 
 
 def _wait_for(name: str, *_after) -> str:
