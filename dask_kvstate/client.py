@@ -86,15 +86,10 @@ async def _as_cluster_stats(pending) -> ClusterStats:
 
 
 # -- workflow-aware scheduling (Nalar): sessions, priority, stealing, capacity --------------
-def install_scheduling(client: Client) -> list[str]:
-    """Register the scheduling extensions switched on in ``kvstate.scheduling.*``.
-
-    Needs no model: ``kvs.install`` calls it, and workflows of plain Python functions can
-    call it alone. The sessions extension comes first (the others read it); with any
-    extension on, every worker gets the ``kvstate-scheduling`` plugin (re-sorting its
-    ready heap, taking capacity moves). Idempotent. Returns the names registered
-    (an awaitable of them with an asynchronous client).
-    """
+def scheduling_plugins() -> list:
+    """The scheduling extensions ``kvstate.scheduling.*`` switches on, sessions first (the
+    others read it), then the ``kvstate-scheduling`` worker plugin; empty when all are off.
+    Shared by :func:`install_scheduling` and the preload (``dask_kvstate.plugins``)."""
     from dask_kvstate.plugins.capacity import CapacityController
     from dask_kvstate.plugins.priority import ProgressPriority
     from dask_kvstate.plugins.scheduling_worker import SchedulingWorkerPlugin
@@ -105,7 +100,21 @@ def install_scheduling(client: Client) -> list[str]:
                                      ("capacity.enabled", CapacityController)) if config.get(f"scheduling.{key}")]  # fmt: skip
     if not wanted and not config.get("scheduling.sessions"):
         return []
-    plugins = [SessionTracker(), *wanted, SchedulingWorkerPlugin()]
+    return [SessionTracker(), *wanted, SchedulingWorkerPlugin()]
+
+
+def install_scheduling(client: Client) -> list[str]:
+    """Register the scheduling extensions switched on in ``kvstate.scheduling.*``.
+
+    Needs no model: ``kvs.install`` calls it, and workflows of plain Python functions can
+    call it alone. The sessions extension comes first (the others read it); with any
+    extension on, every worker gets the ``kvstate-scheduling`` plugin (re-sorting its
+    ready heap, taking capacity moves). Idempotent. Returns the names registered
+    (an awaitable of them with an asynchronous client).
+    """
+    plugins = scheduling_plugins()
+    if not plugins:
+        return []
     if client.asynchronous:  # an asynchronous client: the caller awaits the registrations
         async def register() -> list[str]:
             for p in plugins:

@@ -18,8 +18,10 @@ async def dask_setup(server) -> None:
 
     On a worker: the ``kvstate`` worker plugin with ``kvstate.model`` (a list of models
     in ``DASK_KVSTATE__MODEL='["a", "b"]'`` loads several) and the budgets and threads of
-    ``kvstate.worker.*``. On a scheduler: the placement extension, unless
-    ``kvstate.placement.enabled`` is false. A bad setting fails the preload with the
+    ``kvstate.worker.*``, and the scheduling worker plugin when ``kvstate.scheduling``
+    switches any extension on. On a scheduler: the placement extension (unless
+    ``kvstate.placement.enabled`` is false), the observe extension (the ``/kvstate``
+    page) and the scheduling extensions: what ``kvs.install`` registers. A bad setting fails the preload with the
     plugin's ValueError, which distributed logs (``Failed to start preload``) and the
     worker then runs without the plugin; ``kvs.install`` from a client still works.
     """
@@ -27,6 +29,10 @@ async def dask_setup(server) -> None:
 
     from dask_kvstate import config
 
+    from dask_kvstate.client import scheduling_plugins
+
+    # The same plugins kvs.install registers, from this process's config.
+    scheduling = scheduling_plugins()  # [scheduler extensions..., worker plugin] or []
     if isinstance(server, Worker):
         from dask_kvstate.plugins.worker import PLUGIN_NAME, KVStateWorkerPlugin
 
@@ -34,13 +40,20 @@ async def dask_setup(server) -> None:
         plugin = KVStateWorkerPlugin(config.get("model"))
         # catch_errors=False: a model that fails to load must fail the preload loudly.
         await server.plugin_add(plugin, name=PLUGIN_NAME, catch_errors=False)
+        if scheduling:
+            await server.plugin_add(scheduling[-1], catch_errors=False)
     elif isinstance(server, Scheduler):
         import dask.config
+
+        from dask_kvstate.plugins.observe import KVObserver
 
         config.check(dask.config.get("kvstate"))
         if config.get("placement.enabled"):
             from dask_kvstate.plugins.placement import KVPlacement
 
             server.add_plugin(KVPlacement())
+        server.add_plugin(KVObserver())
+        for extension in scheduling[:-1]:
+            server.add_plugin(extension)
     else:
         raise TypeError(f"dask_kvstate.plugins preloads a Worker or a Scheduler, not a {type(server).__name__}")

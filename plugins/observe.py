@@ -212,6 +212,8 @@ class StatsReporter:
             hello = await worker.scheduler.kvstate_observe()
         except Exception:  # noqa: BLE001 - no such handler (extension off): stay quiet
             return None
+        if not isinstance(hello, dict) or "interval" not in hello:  # not our extension's answer
+            return None
         self = cls(worker, plugin, float(hello["interval"]))
         self.callback.start()
         self.report()
