@@ -10,7 +10,10 @@ global loop), for each open session:
 * **decide** with :func:`lifecycle_action`: offload the session's KV to host or disk
   when it will idle longer than moving it out and back costs (rates measured on the
   worker per tier), prefetch it back when the prediction drops below restore time +
-  margin; when a worker's device tier has less than the configured reserve free,
+  margin (the configured margin plus one standard deviation of the awaited component's
+  measured durations: a mean alone makes every shorter-than-average run find its KV
+  still out); a session whose KV task already runs with KV out gets it fetched at
+  once; when a worker's device tier has less than the configured reserve free,
   offload the longest-idle suspended sessions first until it has;
 * **act** by stream messages to the worker holding the KV (``kvstate-offload``,
   ``kvstate-prefetch``, see ``lifecycle_worker``), and log each decision with its
@@ -167,7 +170,7 @@ class KVLifecycle(SchedulerPlugin):
         self.workers: set[str] = set()
         self.reports: dict[str, dict] = {}  # worker -> last report
         self.started: dict = {}  # key -> time it went processing
-        self.durations: dict[str, list] = defaultdict(lambda: [0, 0.0])  # component -> [count, total s]
+        self.durations: dict[str, list] = defaultdict(lambda: [0, 0.0, 0.0])  # component -> [n, sum s, sum s^2]
         self.last: dict[tuple[str, str], dict] = {}  # (session, worker) -> last decision sent
         self.counters: Counter[str] = Counter()
         self.ended_bytes: dict[str, dict] = {}  # session -> {worker: invalidate answer}
@@ -211,37 +214,44 @@ class KVLifecycle(SchedulerPlugin):
             t0 = self.started.pop(key, None)
             ts = self.scheduler.tasks.get(key)
             if finish == "memory" and t0 is not None and ts is not None:
-                d = self.durations[component_of(ts)]
+                d, x = self.durations[component_of(ts)], time() - t0
                 d[0] += 1
-                d[1] += time() - t0
+                d[1] += x
+                d[2] += x * x
 
     def mean_duration(self, component: str) -> float | None:
-        n, total = self.durations.get(component, (0, 0.0))
+        n, total, _ = self.durations.get(component, (0, 0.0, 0.0))
         return total / n if n else None
 
+    def spread(self, component: str) -> float:
+        """Standard deviation of the component's durations: how early a prefetch must start
+        to be in time for a run that ends one deviation before its mean."""
+        n, total, sq = self.durations.get(component, (0, 0.0, 0.0))
+        return (max(sq / n - (total / n) ** 2, 0.0)) ** 0.5 if n > 1 else 0.0
+
     # -- the control pass ----------------------------------------------------------------
-    def predict(self, session) -> tuple[float | None, bool]:
-        """(predicted seconds until runnable, whether its KV is in use now).
+    def predict(self, session) -> tuple[float | None, bool, float]:
+        """(predicted seconds until runnable, whether its KV is in use now, the awaited
+        components' largest duration deviation).
 
         The session's KV-using waiting tasks each wait on their unfinished dependencies;
         the soonest of them decides (it is the one that will read the KV first).
         """
         now = time()
-        best = None
+        best, spread = None, 0.0
         for key in list(session.live):
             ts = self.scheduler.tasks.get(key)
             if ts is None:
                 continue
             if ts.state == "processing" and uses_kv(ts):
-                return 0.0, True
+                return 0.0, True, 0.0
             if ts.state != "waiting" or not uses_kv(ts):
                 continue
-            waits = [(self.mean_duration(component_of(d)), now - self.started.get(d.key, now))
-                     for d in ts.dependencies if d.state != "memory"]  # fmt: skip
-            p = predict_idle(waits)
-            if p is not None:
-                best = p if best is None else min(best, p)
-        return best, False
+            awaited = [d for d in ts.dependencies if d.state != "memory"]
+            p = predict_idle([(self.mean_duration(component_of(d)), now - self.started.get(d.key, now)) for d in awaited])
+            if p is not None and (best is None or p < best):
+                best, spread = p, max(self.spread(component_of(d)) for d in awaited)
+        return best, False, spread
 
     def costs(self, worker: str, nbytes: int) -> dict:
         rates = self.reports.get(worker, {}).get("rates", {})
@@ -260,14 +270,19 @@ class KVLifecycle(SchedulerPlugin):
                 if s is None:
                     continue
                 lower = per["host"] + per["disk"]
-                predicted, running = self.predict(s)
+                predicted, running, spread = self.predict(s)
                 if running:
+                    if lower and self.last.get((sid, worker), {}).get("action") != "prefetch":
+                        # Ran before any prediction said so (no history, or early): fetch the
+                        # rest now rather than block by block from its task.
+                        self._send(worker, sid, "prefetch", None, 0.0, self.costs(worker, lower), per, why="running")
                     continue
                 if per["device"]:
                     idle.append((s.last_activity, sid, per["device"]))
                 costs = self.costs(worker, per["device"] or lower)
                 host_room = host["bytes"] + per["device"] <= host["capacity"]
-                action, tier = lifecycle_action(predicted, per["device"], lower, costs, self.margin_s, host_room)
+                action, tier = lifecycle_action(predicted, per["device"], lower, costs, self.margin_s + spread,
+                                                host_room)  # fmt: skip
                 if action is not None:
                     self._send(worker, sid, action, tier, predicted, costs, per, why="prediction")
             # Device pressure: the longest-idle suspended sessions leave first.
