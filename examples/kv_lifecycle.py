@@ -26,7 +26,7 @@ peak device bytes, and the KV bytes left by ended sessions.
 Run::
 
     python examples/kv_lifecycle.py                 # prints a markdown table
-    python examples/kv_lifecycle.py --sessions 8 --live 4 --rounds 3 --out results/lifecycle
+    python examples/kv_lifecycle.py --repeats 3 --out results/lifecycle   # medians of 3 interleaved runs
 """
 from __future__ import annotations
 
@@ -134,6 +134,7 @@ async def run_config(name: str, args) -> dict:
             "peak_device_bytes": stats["tiers"]["device"]["peak_bytes"], "disk_hits": stats["tiers"]["disk"]["hits"],
             "ended_bytes_left": left,
             "offloads": sum(e["kind"] == "offload" and e.get("phase") == "decision" for e in events),
+            "offloads_pressure": sum(e["kind"] == "offload" and e.get("why") == "pressure" for e in events),
             "prefetches": sum(e["kind"] == "prefetch" and e.get("phase") == "decision" for e in events)}  # fmt: skip
 
 
@@ -147,19 +148,31 @@ def _worker_stats(dask_worker) -> dict:
     return plugin.runtime.stats()
 
 
+def merge_runs(runs: list[dict]) -> dict:
+    """One row per config: the median of each number over the repeats."""
+    row = dict(runs[0])
+    for k, v in runs[0].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            vals = [r[k] for r in runs if r[k] is not None]
+            row[k] = statistics.median(vals) if vals else None
+    row["runs"] = runs
+    return row
+
+
 def table(rows: list[dict]) -> str:
     base = next(r for r in rows if r["config"] == "resident")["ttft_p50"]
     fmt = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
-    lines = ["| config | resumes | resume P50 ms | resume P90 ms | P50 vs resident | prefetched resumes | "
-             "prefetched P50 ms | prefetched vs resident | recomputed blocks | recomputed tokens | "
-             "peak device KiB | disk hits | offloads | prefetches | ended sessions' KV left |",
+    lines = [("| config | resumes | resume P50 ms | resume P90 ms | P50 vs resident | prefetched resumes | "
+              "prefetched P50 ms | prefetched vs resident | recomputed blocks | recomputed tokens | "
+              "peak device KiB | disk hits | offloads (pressure) | prefetches | ended sessions' KV left |"),
              "|" + "---|" * 15]  # fmt: skip
     for r in rows:
         pv = f"{r['prefetched_p50'] / base:.2f}x" if r["prefetched_p50"] else "-"
         lines.append(f"| {r['config']} | {r['resumes']} | {fmt(r['ttft_p50'])} | {fmt(r['ttft_p90'])} | "
-                     f"{r['ttft_p50'] / base:.2f}x | {r['prefetched']} | {fmt(r['prefetched_p50'])} | {pv} | "
-                     f"{r['recomputes']} | {r['recompute_tokens']} | {r['peak_device_bytes'] / 1024:.0f} | "
-                     f"{r['disk_hits']} | {r['offloads']} | {r['prefetches']} | {r['ended_bytes_left']} B |")  # fmt: skip
+                     f"{r['ttft_p50'] / base:.2f}x | {r['prefetched']:.0f} | {fmt(r['prefetched_p50'])} | {pv} | "
+                     f"{r['recomputes']:.0f} | {r['recompute_tokens']:.0f} | {r['peak_device_bytes'] / 1024:.0f} | "
+                     f"{r['disk_hits']:.0f} | {r['offloads']:.0f} ({r['offloads_pressure']:.0f}) | {r['prefetches']:.0f} | "
+                     f"{r['ended_bytes_left']:.0f} B |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -176,8 +189,14 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--configs", default="resident,lru,lifecycle")
     p.add_argument("--out", default=None, help="folder for lifecycle.md and lifecycle.json")
+    p.add_argument("--repeats", type=int, default=1, help="runs per config, interleaved; the table shows medians")
     args = p.parse_args(argv)
-    rows = [asyncio.run(run_config(name, args)) for name in args.configs.split(",")]
+    runs: dict[str, list] = {}
+    for rep in range(args.repeats):  # interleaved, so a noisy neighbour hits every config alike
+        for name in args.configs.split(","):
+            runs.setdefault(name, []).append(asyncio.run(run_config(name, argparse.Namespace(**{
+                **vars(args), "seed": args.seed + rep}))))
+    rows = [merge_runs(rs) for rs in runs.values()]
     text = table(rows)
     print(text)
     if args.out:

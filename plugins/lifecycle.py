@@ -32,11 +32,18 @@ import logging
 from collections import Counter, defaultdict
 from time import time
 
+from dask_kvstate.plugins.lifecycle_worker import (
+    DONE,
+    INVALIDATE,
+    OFFLOAD,
+    PREFETCH,
+    REPORT,
+)
+from dask_kvstate.plugins.sessions import PLUGIN_NAME as SESSIONS
+from dask_kvstate.plugins.sessions import component_of
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
-from dask_kvstate.plugins.lifecycle_worker import DONE, INVALIDATE, OFFLOAD, PREFETCH, REPORT
-from dask_kvstate.plugins.sessions import PLUGIN_NAME as SESSIONS, component_of
 
 logger = logging.getLogger("dask_kvstate")
 
@@ -127,6 +134,27 @@ def lifecycle_action(predicted_s: float | None, device_bytes: int, lower_bytes: 
         if predicted_s > offload_s + restore_s + margin_s:
             return "offload", tier
     return None, None
+
+
+def pressure_victims(idle: list[tuple[float, str, int]], need_bytes: float) -> list[str]:
+    """Sessions to offload for device pressure: the longest idle first, until ``need_bytes`` are freed.
+
+    ``idle`` holds ``(last activity time, session, device bytes)`` of suspended sessions.
+
+    Examples
+    --------
+    >>> pressure_victims([(5.0, "b", 300), (1.0, "a", 100), (3.0, "c", 200)], 250)
+    ['a', 'c']
+    >>> pressure_victims([(1.0, "a", 100)], 0)
+    []
+    """
+    out = []
+    for _, sid, nbytes in sorted(idle):
+        if need_bytes <= 0:
+            break
+        out.append(sid)
+        need_bytes -= nbytes
+    return out
 
 
 def uses_kv(ts) -> bool:
@@ -287,17 +315,13 @@ class KVLifecycle(SchedulerPlugin):
                     self._send(worker, sid, action, tier, predicted, costs, per, why="prediction")
             # Device pressure: the longest-idle suspended sessions leave first.
             need = dev["bytes"] - dev["capacity"] * (1 - self.reserve)
-            for _, sid, nbytes in sorted(idle):
-                if need <= 0:
-                    break
+            sizes = {sid: nbytes for _, sid, nbytes in idle}
+            for sid in pressure_victims(idle, need):
                 if self.last.get((sid, worker), {}).get("action") == "offload":
-                    need -= nbytes  # already on its way out
-                    continue
-                host_room = host["bytes"] + nbytes <= host["capacity"]
-                tier = "host" if host_room else "disk"
-                self._send(worker, sid, "offload", tier, None, self.costs(worker, nbytes), report["sessions"][sid],
+                    continue  # already on its way out
+                tier = "host" if host["bytes"] + sizes[sid] <= host["capacity"] else "disk"
+                self._send(worker, sid, "offload", tier, None, self.costs(worker, sizes[sid]), report["sessions"][sid],
                            why="pressure")  # fmt: skip
-                need -= nbytes
 
     def _send(self, worker, sid, action, tier, predicted, costs, per, why) -> None:
         last = self.last.get((sid, worker))

@@ -86,7 +86,6 @@ def probe_rates(block_bytes: int, blocks: int = 4) -> Rates:
     Seeds the rates before the first real move; a real store would need real KV to move.
     """
     import torch
-
     from dask_kvstate.plugins.block_store import TieredBlockStore
 
     rates = Rates()

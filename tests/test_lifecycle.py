@@ -9,10 +9,15 @@ import time
 
 import dask
 import pytest
+from dask_kvstate.plugins.lifecycle import (
+    lifecycle_action,
+    move_seconds,
+    predict_idle,
+    pressure_victims,
+)
 from distributed import Client, LocalCluster
 
 import dask_kvstate as kvs
-from dask_kvstate.plugins.lifecycle import lifecycle_action, move_seconds, predict_idle
 
 from .conftest import CONTEXT, TEST_CONFIG, on
 
@@ -36,11 +41,11 @@ def wait_for(predicate, timeout=20.0, interval=0.05):
 
 @pytest.fixture(scope="module")
 def lc_client():
-    with dask.config.set(LIFECYCLE):
-        with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
-            with Client(cluster) as c:
-                kvs.install(c, "tiny-llama", torch_threads=1)
-                yield c
+    with dask.config.set(LIFECYCLE), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
+            Client(cluster) as c:  # fmt: skip
+        kvs.install(c, "tiny-llama", torch_threads=1)
+        yield c
 
 
 def events(client, kind=None, phase=None, session=None):
@@ -56,7 +61,7 @@ def where(hashes, dask_worker=None):
 
 def test_invalidation_leaves_zero_bytes_and_keeps_shared_blocks(lc_client):
     c = lc_client
-    w = sorted(c.scheduler_info()["workers"])[0]
+    w = min(c.scheduler_info()["workers"])
     with on(w):
         with kvs.session("a") as sa:
             fa = c.compute(kvs.extend(kvs.materialize(CONTEXT), " Session A keeps its own notes here. " * 3))
@@ -93,9 +98,9 @@ def test_invalidation_leaves_zero_bytes_and_keeps_shared_blocks(lc_client):
 
 def test_session_state_survives_between_invocations(lc_client):
     c = lc_client
-    w = sorted(c.scheduler_info()["workers"])[0]
+    w = min(c.scheduler_info()["workers"])
     text = CONTEXT + " The developer's conversation so far. "
-    with on(w), kvs.session("dev") as s:
+    with on(w), kvs.session("dev"):
         f = c.compute(kvs.materialize(text))
         ref = f.result()
         del f  # the first invocation is over: no future holds the state any more
@@ -168,3 +173,11 @@ def test_predict_idle_and_move_seconds():
     assert predict_idle([(1.0, 2.0), (0.5, 0.6)]) == 0.0
     assert move_seconds(0, 1e6, 0.002) == 0.002
     assert move_seconds(2_000_000, 1e6, 0.0) == 2.0
+
+
+def test_pressure_victims_longest_idle_first():
+    idle = [(10.0, "recent", 500), (1.0, "oldest", 100), (4.0, "older", 300)]
+    assert pressure_victims(idle, 50) == ["oldest"]
+    assert pressure_victims(idle, 101) == ["oldest", "older"]
+    assert pressure_victims(idle, 10_000) == ["oldest", "older", "recent"]  # all it can: the rest stays
+    assert pressure_victims(idle, -5) == []  # the reserve is free already
