@@ -305,14 +305,18 @@ class KVLifecycle(SchedulerPlugin):
                         # rest now rather than block by block from its task.
                         self._send(worker, sid, "prefetch", None, 0.0, self.costs(worker, lower), per, why="running")
                     continue
-                if per["device"]:
-                    idle.append((s.last_activity, sid, per["device"]))
                 costs = self.costs(worker, per["device"] or lower)
                 host_room = host["bytes"] + per["device"] <= host["capacity"]
                 action, tier = lifecycle_action(predicted, per["device"], lower, costs, self.margin_s + spread,
                                                 host_room)  # fmt: skip
                 if action is not None:
                     self._send(worker, sid, action, tier, predicted, costs, per, why="prediction")
+                # Pressure never takes a session that is due back (it was just fetched, or is
+                # predicted within restore + margin): that would only move it twice.
+                due = predicted is not None and predicted <= min(c[1] for c in costs.values()) + self.margin_s + spread
+                fetched = self.last.get((sid, worker), {}).get("action") == "prefetch"
+                if per["device"] and not due and not fetched:
+                    idle.append((s.last_activity, sid, per["device"]))
             # Device pressure: the longest-idle suspended sessions leave first.
             need = dev["bytes"] - dev["capacity"] * (1 - self.reserve)
             sizes = {sid: nbytes for _, sid, nbytes in idle}
