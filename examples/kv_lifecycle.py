@@ -184,7 +184,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--tool-seconds", type=float, default=0.8, help="median test-run duration")
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--block-tokens", type=int, default=16)
-    p.add_argument("--device-bytes", type=int, default=768 * 1024, help="device tier budget (small configs)")
+    p.add_argument("--device-bytes", type=int, default=1024 * 1024, help="device tier budget (small configs)")
     p.add_argument("--disk-bytes", type=int, default=1024 * 1024, help="disk tier budget (small configs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--configs", default="resident,lru,lifecycle")

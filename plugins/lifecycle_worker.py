@@ -27,6 +27,7 @@ import shutil
 import tempfile
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 
 from distributed import WorkerPlugin
 from tornado.ioloop import PeriodicCallback
@@ -136,6 +137,7 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         self.rates = Rates()
         self._sent = None
         self._reporter = None
+        self._mover = ThreadPoolExecutor(1, thread_name_prefix="kvstate-offload")
         worker.stream_handlers[OFFLOAD] = self._offload
         worker.stream_handlers[PREFETCH] = self._prefetch
         worker.handlers[INVALIDATE] = self._invalidate
@@ -156,6 +158,7 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         for name in (OFFLOAD, PREFETCH):
             worker.stream_handlers.pop(name, None)
         worker.handlers.pop(INVALIDATE, None)
+        self._mover.shutdown(wait=False)
 
     def _probe(self) -> Rates:
         rt = self.worker.plugins["kvstate"].runtime
@@ -207,6 +210,10 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         if store is None or session not in self.blocks:
             return
         hashes = [h for h in self._own(session) if store.where(h) == "device" or (tier == "disk" and store.where(h) == "host")]
+        # Writing to disk (bytes + checksum) must not stall the event loop: one thread, in order.
+        self._mover.submit(self._offload_now, store, session, hashes, tier, decision)
+
+    def _offload_now(self, store, session, hashes, tier, decision) -> None:
         nbytes = sum(store.size_of(h) for h in hashes)
         t0 = time.perf_counter()
         moved = store.offload(hashes, tier)
@@ -215,7 +222,8 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
             self.rates.add("offload", tier, nbytes, seconds)
         self.counters["offloads"] += 1
         self.counters["offloaded_bytes"] += nbytes
-        self._done("offload", session, decision, tier=tier, blocks=moved, nbytes=nbytes, seconds=seconds)
+        self.worker.loop.add_callback(self._done, "offload", session, decision, tier=tier, blocks=moved,
+                                      nbytes=nbytes, seconds=seconds)  # fmt: skip
 
     def _prefetch(self, session=None, decision=None, **_) -> None:
         store = self.store
