@@ -236,7 +236,8 @@ class KVLifecycle(SchedulerPlugin):
         if finish == "processing":
             self.started[key] = time()
             s = self.tracker.session_of(key)
-            if s is not None:
+            ts = self.scheduler.tasks.get(key)
+            if s is not None and ts is not None and uses_kv(ts):  # its KV is wanted again
                 self._outcomes(s.id)
         elif start == "processing":
             t0 = self.started.pop(key, None)
