@@ -36,6 +36,7 @@ bench: install
 	HF_HUB_OFFLINE=1 $(PY) examples/tree_of_thought.py --branches 8
 	HF_HUB_OFFLINE=1 $(PY) examples/compiler_shapes.py --model smollm2-135m
 	HF_HUB_OFFLINE=1 $(PY) examples/nalar_workflows.py --workflow all --out results/nalar
+	HF_HUB_OFFLINE=1 $(PY) examples/kv_lifecycle.py --repeats 3 --out results/lifecycle
 
 clean:
 	rm -rf $(VENV) build *.egg-info

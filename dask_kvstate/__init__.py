@@ -15,6 +15,7 @@ from dask_kvstate import config  # noqa: F401  (registers the kvstate.* defaults
 from dask_kvstate.backends import KNOWN_MODELS
 from dask_kvstate.client import install, placement_stats, stats
 from dask_kvstate.client import install_scheduling, scheduling_stats
+from dask_kvstate.lifecycle import install_lifecycle, lifecycle_stats
 from dask_kvstate.session import component, current_session, session
 from dask_kvstate.generation import Generation
 from dask_kvstate import tasks  # noqa: F401  (kvs.tasks.*: the operators for client.submit)
@@ -41,7 +42,9 @@ __all__ = [
     "fork",
     "generate",
     "install",
+    "install_lifecycle",
     "install_scheduling",
+    "lifecycle_stats",
     "materialize",
     "merge",
     "optimize",

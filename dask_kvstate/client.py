@@ -38,6 +38,10 @@ def install(client: Client, model: str | list[str] | None = None, *, torch_threa
     if not current or any(s != plugin.settings() for s in current.values()):
         client.register_plugin(plugin, name=PLUGIN_NAME)
         current = client.run(_plugin_settings)
+    if config.get("lifecycle.enabled"):  # after the kvstate plugin: it times moves on its store
+        from dask_kvstate.lifecycle import install_lifecycle
+
+        install_lifecycle(client)
     return current
 
 

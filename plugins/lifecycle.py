@@ -1,0 +1,384 @@
+"""The ``kv-lifecycle`` scheduler extension: offload, prefetch and invalidate KV by workflow progress.
+
+Nalar 4.5 / Algorithm 3, AAFLOW+ 4.4. Every control interval (the sessions extension's
+global loop), for each open session:
+
+* **predict** the time until it is runnable again: over the tasks it waits on (its
+  waiting tasks' unfinished dependencies), ``max(mean duration of that component -
+  elapsed)``, the component means being this extension's own record of how long
+  tasks of that component took on this scheduler (processing -> memory);
+* **decide** with :func:`lifecycle_action`: offload the session's KV to host or disk
+  when it will idle longer than moving it out and back costs (rates measured on the
+  worker per tier), prefetch it back when the prediction drops below restore time +
+  margin (the configured margin plus one standard deviation of the awaited component's
+  measured durations: a mean alone makes every shorter-than-average run find its KV
+  still out); a session whose KV task already runs with KV out gets it fetched at
+  once; when a worker's device tier has less than the configured reserve free,
+  offload the longest-idle suspended sessions first until it has;
+* **act** by stream messages to the worker holding the KV (``kvstate-offload``,
+  ``kvstate-prefetch``, see ``lifecycle_worker``), and log each decision with its
+  prediction, then its outcome (the move's seconds, and the real idle time once the
+  session runs again) to ``scheduler.log_event("kvstate-lifecycle", ...)`` as
+  ``{"kind": "offload"|"prefetch"|"invalidate", "phase": "decision"|"done"|"outcome", ...}``.
+
+When a session ends (the sessions extension's ``on_end`` hook) every worker drops the
+blocks held only for that session (``kvstate_lifecycle_invalidate``), and the bytes
+freed / left / still shared with live sessions are logged.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, defaultdict
+from time import time
+
+from dask_kvstate.plugins.lifecycle_worker import (
+    DONE,
+    INVALIDATE,
+    OFFLOAD,
+    PREFETCH,
+    REPORT,
+)
+from dask_kvstate.plugins.sessions import PLUGIN_NAME as SESSIONS
+from dask_kvstate.plugins.sessions import component_of
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from dask_kvstate import config
+
+logger = logging.getLogger("dask_kvstate")
+
+PLUGIN_NAME = "kvstate-lifecycle"
+EVENT = "kvstate-lifecycle"
+
+
+def move_seconds(nbytes: int, rate: float | None, latency_s: float) -> float:
+    """Seconds to move ``nbytes`` at a measured ``rate`` (bytes/s), plus a message latency.
+
+    An unmeasured move (``rate`` None) is priced infinite: the policy never bets on it.
+
+    Examples
+    --------
+    >>> move_seconds(1_000_000, 1e9, 0.001)
+    0.002
+    >>> move_seconds(10, None, 0.0)
+    inf
+    """
+    return nbytes / rate + latency_s if rate else float("inf")
+
+
+def predict_idle(waits: list[tuple[float | None, float]]) -> float | None:
+    """Predicted seconds until runnable: the max over unresolved dependencies of (mean - elapsed).
+
+    ``waits`` holds, per unresolved dependency, its component's mean duration (None if never
+    seen) and how long it has run so far (0 if not started). None when nothing is awaited
+    or a component was never seen: without history there is no prediction.
+
+    Examples
+    --------
+    >>> predict_idle([(2.0, 0.5), (1.0, 0.0)])
+    1.5
+    >>> predict_idle([(2.0, 3.0)])   # overran its mean: due any moment
+    0.0
+    >>> predict_idle([(2.0, 0.5), (None, 0.0)]) is None
+    True
+    """
+    if not waits or any(mean is None for mean, _ in waits):
+        return None
+    return max(max(mean - elapsed, 0.0) for mean, elapsed in waits)
+
+
+def lifecycle_action(predicted_s: float | None, device_bytes: int, lower_bytes: int, costs: dict,
+                     margin_s: float, host_room: bool = True) -> tuple[str | None, str | None]:  # fmt: skip
+    """The lifecycle rule for one suspended session's KV on one worker (Nalar Algorithm 3).
+
+    Parameters
+    ----------
+    predicted_s : float or None
+        Predicted seconds until the session is runnable (:func:`predict_idle`).
+    device_bytes, lower_bytes : int
+        The session's own KV bytes in the device tier, and in host + disk.
+    costs : dict
+        ``{"host": (offload_s, restore_s), "disk": (offload_s, restore_s)}`` for these bytes.
+    margin_s : float
+        Prefetch this long before the restore would have to start.
+    host_room : bool
+        Whether the host tier can take the bytes; if not, offload goes to disk.
+
+    Returns
+    -------
+    ("offload", tier), ("prefetch", None) or (None, None).
+
+    Examples
+    --------
+    >>> costs = {"host": (0.01, 0.01), "disk": (0.05, 0.1)}
+    >>> lifecycle_action(5.0, 1000, 0, costs, 0.05)            # long idle: out to host
+    ('offload', 'host')
+    >>> lifecycle_action(5.0, 1000, 0, costs, 0.05, host_room=False)
+    ('offload', 'disk')
+    >>> lifecycle_action(0.015, 1000, 0, costs, 0.05)          # back too soon to pay the move
+    (None, None)
+    >>> lifecycle_action(0.1, 0, 1000, costs, 0.05)            # due within restore + margin: fetch
+    ('prefetch', None)
+    >>> lifecycle_action(None, 1000, 0, costs, 0.05)           # no prediction: leave it
+    (None, None)
+    """
+    if predicted_s is None:
+        return None, None
+    if lower_bytes > 0:
+        restore = max(costs[t][1] for t in costs)  # the blocks may lie in either lower tier
+        if predicted_s <= restore + margin_s:
+            return "prefetch", None
+    if device_bytes > 0:
+        tier = "host" if host_room else "disk"
+        offload_s, restore_s = costs[tier]
+        if predicted_s > offload_s + restore_s + margin_s:
+            return "offload", tier
+    return None, None
+
+
+def pressure_victims(idle: list[tuple[float, str, int]], need_bytes: float) -> list[str]:
+    """Sessions to offload for device pressure: the longest idle first, until ``need_bytes`` are freed.
+
+    ``idle`` holds ``(last activity time, session, device bytes)`` of suspended sessions.
+
+    Examples
+    --------
+    >>> pressure_victims([(5.0, "b", 300), (1.0, "a", 100), (3.0, "c", 200)], 250)
+    ['a', 'c']
+    >>> pressure_victims([(1.0, "a", 100)], 0)
+    []
+    """
+    out = []
+    for _, sid, nbytes in sorted(idle):
+        if need_bytes <= 0:
+            break
+        out.append(sid)
+        need_bytes -= nbytes
+    return out
+
+
+def uses_kv(ts) -> bool:
+    """Whether a scheduler task reads or builds KV: an operator task, or one fed a state.
+
+    A session is suspended while only its other tasks (tools, tests) run; those are
+    what its KV waits on.
+    """
+    return str(ts.key).startswith("kvs-") or any("KVStateRef" in (d.type or "") for d in ts.dependencies)
+
+
+class KVLifecycle(SchedulerPlugin):
+    """Scheduler side of the KV lifecycle (installed by ``kvs.install`` when ``kvstate.lifecycle.enabled``)."""
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self, margin: str | float | None = None, reserve: float | None = None,
+                 latency: str | float | None = None):  # fmt: skip
+        import dask
+
+        def seconds(name, raw):
+            try:
+                v = float(dask.utils.parse_timedelta(raw, default="seconds"))
+            except (ValueError, TypeError, KeyError) as e:
+                raise ValueError(f"kvstate.lifecycle.{name} must be a duration like '50ms', got {raw!r}") from e
+            if v < 0:
+                raise ValueError(f"kvstate.lifecycle.{name} must be >= 0, got {raw!r}")
+            return v
+
+        self.margin_s = seconds("prefetch-margin", margin if margin is not None else config.get("lifecycle.prefetch-margin"))
+        self.latency_s = seconds("message-latency", latency if latency is not None else config.get("lifecycle.message-latency"))
+        reserve = reserve if reserve is not None else config.get("lifecycle.device-reserve")
+        if not isinstance(reserve, (int, float)) or not 0 <= reserve < 1:
+            raise ValueError(f"kvstate.lifecycle.device-reserve must be a fraction in [0, 1), got {reserve!r}")
+        self.reserve = float(reserve)
+        self.scheduler = None
+
+    async def start(self, scheduler) -> None:
+        self.scheduler = scheduler
+        self.workers: set[str] = set()
+        self.reports: dict[str, dict] = {}  # worker -> last report
+        self.started: dict = {}  # key -> time it went processing
+        self.durations: dict[str, list] = defaultdict(lambda: [0, 0.0, 0.0])  # component -> [n, sum s, sum s^2]
+        self.last: dict[tuple[str, str], dict] = {}  # (session, worker) -> last decision sent
+        self.counters: Counter[str] = Counter()
+        self.ended_bytes: dict[str, dict] = {}  # session -> {worker: invalidate answer}
+        scheduler.handlers["kvstate_lifecycle_hello"] = self._hello
+        scheduler.stream_handlers.update({REPORT: self._on_report, DONE: self._on_done})
+        tracker = scheduler.plugins.get(SESSIONS)
+        if tracker is None:
+            raise RuntimeError("the kvstate-lifecycle extension needs the kvstate-sessions extension registered first")
+        self.tracker = tracker
+        tracker.on_end.append(self._on_end)
+        tracker.loop.add("lifecycle", self.run_once)
+
+    async def _hello(self, worker: str | None = None) -> bool:
+        if worker is not None:
+            self.workers.add(worker)
+        return True
+
+    def remove_worker(self, scheduler, worker, **kwargs) -> None:
+        self.workers.discard(worker)
+        self.reports.pop(worker, None)
+
+    # -- reports -------------------------------------------------------------------------
+    def _on_report(self, worker=None, **report) -> None:
+        report.pop("op", None)
+        self.reports[worker] = report
+
+    def _on_done(self, worker=None, action=None, session=None, decision=None, **outcome) -> None:
+        outcome.pop("op", None)
+        self.counters[f"{action}_done"] += 1
+        self.scheduler.log_event(EVENT, {"kind": action, "phase": "done", "session": session, "worker": worker,
+                                         "decision": decision, **outcome})  # fmt: skip
+
+    # -- durations, from this scheduler's own task history ------------------------------
+    def transition(self, key, start, finish, *args, **kwargs) -> None:
+        if finish == "processing":
+            self.started[key] = time()
+            s = self.tracker.session_of(key)
+            ts = self.scheduler.tasks.get(key)
+            if s is not None and ts is not None and uses_kv(ts):  # its KV is wanted again
+                self._outcomes(s.id)
+        elif start == "processing":
+            t0 = self.started.pop(key, None)
+            ts = self.scheduler.tasks.get(key)
+            if finish == "memory" and t0 is not None and ts is not None:
+                d, x = self.durations[component_of(ts)], time() - t0
+                d[0] += 1
+                d[1] += x
+                d[2] += x * x
+
+    def mean_duration(self, component: str) -> float | None:
+        n, total, _ = self.durations.get(component, (0, 0.0, 0.0))
+        return total / n if n else None
+
+    def spread(self, component: str) -> float:
+        """Standard deviation of the component's durations: how early a prefetch must start
+        to be in time for a run that ends one deviation before its mean."""
+        n, total, sq = self.durations.get(component, (0, 0.0, 0.0))
+        return (max(sq / n - (total / n) ** 2, 0.0)) ** 0.5 if n > 1 else 0.0
+
+    # -- the control pass ----------------------------------------------------------------
+    def predict(self, session) -> tuple[float | None, bool, float]:
+        """(predicted seconds until runnable, whether its KV is in use now, the awaited
+        components' largest duration deviation).
+
+        The session's KV-using waiting tasks each wait on their unfinished dependencies;
+        the soonest of them decides (it is the one that will read the KV first).
+        """
+        now = time()
+        best, spread = None, 0.0
+        for key in list(session.live):
+            ts = self.scheduler.tasks.get(key)
+            if ts is None:
+                continue
+            if ts.state == "processing" and uses_kv(ts):
+                return 0.0, True, 0.0
+            if ts.state != "waiting" or not uses_kv(ts):
+                continue
+            awaited = [d for d in ts.dependencies if d.state != "memory"]
+            p = predict_idle([(self.mean_duration(component_of(d)), now - self.started.get(d.key, now)) for d in awaited])
+            if p is not None and (best is None or p < best):
+                best, spread = p, max(self.spread(component_of(d)) for d in awaited)
+        return best, False, spread
+
+    def costs(self, worker: str, nbytes: int) -> dict:
+        rates = self.reports.get(worker, {}).get("rates", {})
+        return {t: (move_seconds(nbytes, rates.get(f"offload:{t}"), self.latency_s),
+                    move_seconds(nbytes, rates.get(f"restore:{t}"), self.latency_s)) for t in ("host", "disk")}  # fmt: skip
+
+    def run_once(self) -> None:
+        sessions = self.tracker.sessions
+        for worker, report in list(self.reports.items()):
+            if worker not in self.workers or worker not in self.scheduler.stream_comms:
+                continue
+            dev, host = report["device"], report["host"]
+            idle = []
+            for sid, per in report["sessions"].items():
+                s = sessions.get(sid)
+                if s is None:
+                    continue
+                lower = per["host"] + per["disk"]
+                predicted, running, spread = self.predict(s)
+                if running:
+                    if lower and self.last.get((sid, worker), {}).get("action") != "prefetch":
+                        # Ran before any prediction said so (no history, or early): fetch the
+                        # rest now rather than block by block from its task.
+                        self._send(worker, sid, "prefetch", None, 0.0, self.costs(worker, lower), per, why="running")
+                    continue
+                costs = self.costs(worker, per["device"] or lower)
+                host_room = host["bytes"] + per["device"] <= host["capacity"]
+                action, tier = lifecycle_action(predicted, per["device"], lower, costs, self.margin_s + spread,
+                                                host_room)  # fmt: skip
+                if action is not None:
+                    self._send(worker, sid, action, tier, predicted, costs, per, why="prediction")
+                # Pressure never takes a session that is due back (it was just fetched, or is
+                # predicted within restore + margin): that would only move it twice.
+                due = predicted is not None and predicted <= min(c[1] for c in costs.values()) + self.margin_s + spread
+                fetched = self.last.get((sid, worker), {}).get("action") == "prefetch"
+                if per["device"] and not due and not fetched:
+                    idle.append((s.last_activity, sid, per["device"]))
+            # Device pressure: the longest-idle suspended sessions leave first.
+            need = dev["bytes"] - dev["capacity"] * (1 - self.reserve)
+            sizes = {sid: nbytes for _, sid, nbytes in idle}
+            for sid in pressure_victims(idle, need):
+                if self.last.get((sid, worker), {}).get("action") == "offload":
+                    continue  # already on its way out
+                tier = "host" if host["bytes"] + sizes[sid] <= host["capacity"] else "disk"
+                self._send(worker, sid, "offload", tier, None, self.costs(worker, sizes[sid]), report["sessions"][sid],
+                           why="pressure")  # fmt: skip
+
+    def _send(self, worker, sid, action, tier, predicted, costs, per, why) -> None:
+        last = self.last.get((sid, worker))
+        if last is not None and last["action"] == action and last.get("tier") == tier:
+            return  # already asked; the next report shows whether it happened
+        decision = {"kind": action, "phase": "decision", "session": sid, "worker": worker, "tier": tier,
+                    "predicted_s": predicted, "costs": costs, "bytes": per, "why": why, "at": time()}  # fmt: skip
+        self.last[(sid, worker)] = {"action": action, "tier": tier, "at": decision["at"], "predicted_s": predicted}
+        self.counters[action] += 1
+        self.counters[f"{action}_{why}"] += 1
+        op = OFFLOAD if action == "offload" else PREFETCH
+        self.scheduler.stream_comms[worker].send({"op": op, "session": sid, "tier": tier, "decision": decision["at"]})
+        self.scheduler.log_event(EVENT, decision)
+
+    def _outcomes(self, sid: str) -> None:
+        """The session runs again: log how long it really idled against each prediction."""
+        now = time()
+        for (s, worker), last in list(self.last.items()):
+            if s != sid:
+                continue
+            del self.last[(s, worker)]
+            actual = now - last["at"]
+            self.scheduler.log_event(EVENT, {"kind": last["action"], "phase": "outcome", "session": sid,
+                                             "worker": worker, "predicted_s": last["predicted_s"],
+                                             "actual_s": actual, "decision": last["at"]})  # fmt: skip
+
+    # -- invalidation --------------------------------------------------------------------
+    def _on_end(self, session) -> None:
+        for (s, w) in [k for k in self.last if k[0] == session.id]:
+            del self.last[(s, w)]
+        for worker in list(self.workers):
+            asyncio.ensure_future(self._invalidate(worker, session.id))
+
+    async def _invalidate(self, worker: str, sid: str) -> None:
+        try:
+            res = await getattr(self.scheduler.rpc(worker), INVALIDATE)(session=sid)
+        except Exception as e:  # noqa: BLE001 - a worker that left holds nothing any more
+            logger.info("kvstate lifecycle: invalidating %s on %s failed: %s", sid, worker, e)
+            return
+        if not isinstance(res, dict):  # a closing worker answers nothing useful
+            return
+        self.counters["invalidations"] += 1
+        self.counters["invalidated_bytes"] += res["freed"]
+        self.ended_bytes.setdefault(sid, {})[worker] = res
+        while len(self.ended_bytes) > 1000:
+            self.ended_bytes.pop(next(iter(self.ended_bytes)))
+        self.scheduler.log_event(EVENT, {"kind": "invalidate", "phase": "done", "session": sid, "worker": worker,
+                                         **res})  # fmt: skip
+
+    def stats(self) -> dict:
+        return {**dict(self.counters), "workers": len(self.workers),
+                "components": {c: self.mean_duration(c) for c in self.durations},
+                "ended": dict(list(self.ended_bytes.items())[-100:]),
+                "reports": {w: {"device": r["device"], "host": r["host"], "sessions": r["sessions"],
+                                "rates": r["rates"]} for w, r in self.reports.items()}}  # fmt: skip

@@ -1,0 +1,286 @@
+"""The ``kvstate-lifecycle`` worker plugin: the worker half of the KV lifecycle extension.
+
+It keeps, per session (the ``kvstate-session`` annotation of the task that produced a
+state), the blocks of every state created in that session, and holds them in the block
+store under the owner ``("session", id)``: a hold lets a block spill down a tier but
+never be dropped, so a session's conversation survives between its invocations even
+after Dask forgot the futures that held its refs (the store's own refcounts only cover
+refs still in memory). The scheduler's ``kvstate-lifecycle`` extension then moves those
+blocks by messages:
+
+* ``kvstate-offload`` (stream): move the session's own blocks down to host or disk now;
+* ``kvstate-prefetch`` (stream): bring them back to the device tier in the store's
+  prefetch thread, off the event loop and off the task threads;
+* ``kvstate_lifecycle_invalidate`` (RPC): the session ended: release its hold and drop
+  every block no other session or live ref still holds; answers the bytes freed, left
+  and shared.
+
+Moves are timed per tier (bytes per second, offload and restore apart) and those rates,
+probed once at setup on a scratch store with the model's block size and then updated by
+every real move, are what the scheduler prices moves with. Nothing here is assumed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+from distributed import WorkerPlugin
+from tornado.ioloop import PeriodicCallback
+
+from dask_kvstate.session import ANNOTATION
+from dask_kvstate.state import KVStateRef
+
+logger = logging.getLogger("dask_kvstate")
+
+PLUGIN_NAME = "kvstate-lifecycle"
+OFFLOAD = "kvstate-offload"
+PREFETCH = "kvstate-prefetch"
+INVALIDATE = "kvstate_lifecycle_invalidate"
+REPORT = "kvstate-lifecycle-report"
+DONE = "kvstate-lifecycle-done"
+LOWER = ("host", "disk")
+
+
+def _refs_in(value) -> list[KVStateRef]:
+    if isinstance(value, KVStateRef):
+        return [value]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, KVStateRef) for v in value):
+        return list(value)
+    return []
+
+
+class Rates:
+    """Measured bytes per second of moves between tiers, one exponential average per move.
+
+    Examples
+    --------
+    >>> r = Rates()
+    >>> r.add("offload", "host", 1_000_000, 0.001)
+    >>> r.add("offload", "host", 1_000_000, 0.003)
+    >>> round(r.per_s[("offload", "host")] / 1e6, 1)
+    666.7
+    """
+
+    def __init__(self, alpha: float = 0.5):
+        self.alpha = alpha
+        self.per_s: dict[tuple[str, str], float] = {}
+
+    def add(self, move: str, tier: str, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        old = self.per_s.get((move, tier))
+        self.per_s[(move, tier)] = rate if old is None else (1 - self.alpha) * old + self.alpha * rate
+
+    def as_dict(self) -> dict:
+        return {f"{m}:{t}": r for (m, t), r in self.per_s.items()}
+
+
+def probe_rates(block_bytes: int, blocks: int = 4) -> Rates:
+    """Time offload and restore of a few blocks of ``block_bytes`` per lower tier on a scratch store.
+
+    Seeds the rates before the first real move; a real store would need real KV to move.
+    """
+    import torch
+    from dask_kvstate.plugins.block_store import TieredBlockStore
+
+    rates = Rates()
+    folder = tempfile.mkdtemp(prefix="kvstate-probe-")
+    try:
+        big = 1 << 40
+        store = TieredBlockStore(folder, device_bytes=big, host_bytes=big, disk_bytes=big)
+        n = max(block_bytes // 2, 1)
+        hashes = [bytes([i]) * 32 for i in range(blocks)]
+        for h in hashes:
+            store.put(h, torch.ones(n, dtype=torch.float16))
+        total = sum(store.size_of(h) for h in hashes)
+        for tier in LOWER:
+            t0 = time.perf_counter()
+            store.offload(hashes, tier)
+            rates.add("offload", tier, total, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            store._promote(hashes)
+            rates.add("restore", tier, total, time.perf_counter() - t0)
+        store.close()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return rates
+
+
+class KVLifecycleWorkerPlugin(WorkerPlugin):
+    """Session holds, offload / prefetch / invalidate handlers, and tier-rate reports.
+
+    Parameters
+    ----------
+    report_interval_ms : int
+        How often the per-session byte counts are sent (only when they changed).
+    """
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self, report_interval_ms: int = 200):
+        if not isinstance(report_interval_ms, int) or report_interval_ms <= 0:
+            raise ValueError(f"report_interval_ms must be a positive int, got {report_interval_ms!r}")
+        self.report_interval_ms = report_interval_ms
+        self.worker = None
+
+    async def setup(self, worker) -> None:
+        self.worker = worker
+        self.blocks: dict[str, set[bytes]] = defaultdict(set)  # session -> blocks of its states
+        self.counters: dict[str, int] = defaultdict(int)
+        self.rates = Rates()
+        self._sent = None
+        self._reporter = None
+        self._mover = ThreadPoolExecutor(1, thread_name_prefix="kvstate-offload")
+        worker.stream_handlers[OFFLOAD] = self._offload
+        worker.stream_handlers[PREFETCH] = self._prefetch
+        worker.handlers[INVALIDATE] = self._invalidate
+        if self.store is not None:
+            self.rates = await asyncio.to_thread(self._probe)
+        try:  # report only to a scheduler that runs the lifecycle extension
+            ok = bool(await worker.scheduler.kvstate_lifecycle_hello(worker=worker.address))
+        except Exception as e:  # noqa: BLE001 - extension off: the handlers stay unused
+            logger.info("kvstate lifecycle: scheduler has no lifecycle extension (%s)", e)
+            ok = False
+        if ok:
+            self._reporter = PeriodicCallback(self._report, self.report_interval_ms)
+            self._reporter.start()
+
+    def teardown(self, worker) -> None:
+        if self._reporter is not None:
+            self._reporter.stop()
+        for name in (OFFLOAD, PREFETCH):
+            worker.stream_handlers.pop(name, None)
+        worker.handlers.pop(INVALIDATE, None)
+        self._mover.shutdown(wait=False)
+
+    def _probe(self) -> Rates:
+        rt = self.worker.plugins["kvstate"].runtime
+        return probe_rates(rt.backend.kv_bytes_per_token * rt.block_tokens)
+
+    @property
+    def store(self):
+        plugin = self.worker.plugins.get("kvstate") if self.worker is not None else None
+        return None if plugin is None or plugin.runtime is None else plugin.runtime.store
+
+    # -- session holds ---------------------------------------------------------------
+    def transition(self, key, start, finish, **kwargs) -> None:
+        if finish != "memory" or start != "executing":
+            return
+        ts = self.worker.state.tasks.get(key)
+        sid = (ts.annotations or {}).get(ANNOTATION) if ts is not None else None
+        store = self.store
+        if sid is None or store is None or ts.type not in (KVStateRef, list, tuple) or key not in self.worker.data:
+            return
+        refs = _refs_in(self.worker.data.get(key))
+        if refs:
+            held = self.blocks[sid]
+            for r in refs:
+                held.update(r.blocks)
+            store.hold(("session", sid), held)
+
+    def _own(self, sid: str) -> list[bytes]:
+        """The session's blocks no other session holds (those move with it)."""
+        others = set()
+        for other, hs in self.blocks.items():
+            if other != sid:
+                others |= hs
+        return [h for h in self.blocks.get(sid, ()) if h not in others]
+
+    def session_bytes(self, store) -> dict[str, dict[str, int]]:
+        out = {}
+        for sid in list(self.blocks):
+            per = {"device": 0, "host": 0, "disk": 0}
+            for h in self._own(sid):
+                tier = store.where(h)
+                if tier is not None:
+                    per[tier] += store.size_of(h)
+            out[sid] = per
+        return out
+
+    # -- handlers --------------------------------------------------------------------
+    def _offload(self, session=None, tier="host", decision=None, **_) -> None:
+        store = self.store
+        if store is None or session not in self.blocks:
+            return
+        hashes = [h for h in self._own(session) if store.where(h) == "device" or (tier == "disk" and store.where(h) == "host")]
+        # Writing to disk (bytes + checksum) must not stall the event loop: one thread, in order.
+        self._mover.submit(self._offload_now, store, session, hashes, tier, decision)
+
+    def _offload_now(self, store, session, hashes, tier, decision) -> None:
+        nbytes = sum(store.size_of(h) for h in hashes)
+        t0 = time.perf_counter()
+        moved = store.offload(hashes, tier)
+        seconds = time.perf_counter() - t0
+        if moved:
+            self.rates.add("offload", tier, nbytes, seconds)
+        self.counters["offloads"] += 1
+        self.counters["offloaded_bytes"] += nbytes
+        self.worker.loop.add_callback(self._done, "offload", session, decision, tier=tier, blocks=moved,
+                                      nbytes=nbytes, seconds=seconds)  # fmt: skip
+
+    def _prefetch(self, session=None, decision=None, **_) -> None:
+        store = self.store
+        if store is None or session not in self.blocks:
+            return
+        hashes = [h for h in self._own(session) if store.where(h) in LOWER]
+        tiers = {store.where(h) for h in hashes}
+        tier = "disk" if "disk" in tiers else "host"
+        nbytes = sum(store.size_of(h) for h in hashes)
+        t0 = time.perf_counter()
+        fut = store.prefetch(hashes)
+
+        def finished(f) -> None:  # in the prefetch thread: hop back to the event loop to send
+            seconds = time.perf_counter() - t0
+            moved = f.result() if f.exception() is None else 0
+            if moved:
+                self.rates.add("restore", tier, nbytes, seconds)
+            self.counters["prefetches"] += 1
+            self.counters["prefetched_bytes"] += nbytes
+            self.worker.loop.add_callback(self._done, "prefetch", session, decision, tier=tier, blocks=moved,
+                                          nbytes=nbytes, seconds=seconds)  # fmt: skip
+
+        fut.add_done_callback(finished)
+
+    async def _invalidate(self, session=None) -> dict:
+        """Drop what ``session`` alone kept; never raises for an unknown session."""
+        store = self.store
+        hashes = self.blocks.pop(session, set())
+        if store is None:
+            return {"freed": 0, "left": 0, "shared": 0, "blocks": 0}
+        store.release(("session", session))
+        freed = store.discard(hashes)
+        left = sum(store.size_of(h) for h in hashes if h in store)
+        # What stays is held by a live session or a live ref: shared, not left behind.
+        shared = sum(store.size_of(h) for h in hashes if h in store and h in store.holds)
+        self.counters["invalidations"] += 1
+        self.counters["invalidated_bytes"] += freed
+        return {"freed": freed, "left": left - shared, "shared": shared, "blocks": len(hashes)}
+
+    def _done(self, action: str, session: str, decision, **outcome) -> None:
+        if self._reporter is not None and self.worker.batched_stream is not None:
+            self.worker.batched_stream.send({"op": DONE, "action": action, "session": session,
+                                             "decision": decision, **outcome})  # fmt: skip
+
+    def _report(self) -> None:
+        store = self.store
+        if store is None or self.worker.batched_stream is None or self.worker.batched_stream.comm is None:
+            return
+        if not self.rates.per_s:  # the kvstate plugin came after this one: probe now, once
+            self.rates = self._probe()
+        s = store.stats()["tiers"]
+        msg = {"sessions": self.session_bytes(store), "rates": self.rates.as_dict(),
+               "device": {"bytes": s["device"]["bytes"], "capacity": s["device"]["capacity"]},
+               "host": {"bytes": s["host"]["bytes"], "capacity": s["host"]["capacity"]}}  # fmt: skip
+        if msg != self._sent:
+            self._sent = msg
+            self.worker.batched_stream.send({"op": REPORT, **msg})
+
+    def stats(self) -> dict:
+        return {**dict(self.counters), "sessions": len(self.blocks), "rates": self.rates.as_dict()}

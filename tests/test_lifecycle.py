@@ -1,0 +1,183 @@
+"""KV lifecycle by workflow progress on a real two-process tiny-llama cluster.
+
+Invalidation at session end, session holds across invocations, offload and prefetch of
+a suspended session's KV by the predicted idle time, and the pure rule with cases.
+"""
+from __future__ import annotations
+
+import time
+
+import dask
+import pytest
+from dask_kvstate.plugins.lifecycle import (
+    lifecycle_action,
+    move_seconds,
+    predict_idle,
+    pressure_victims,
+)
+from distributed import Client, LocalCluster
+
+import dask_kvstate as kvs
+
+from .conftest import CONTEXT, TEST_CONFIG, on
+
+LIFECYCLE = {**TEST_CONFIG, "kvstate.lifecycle.enabled": True, "kvstate.scheduling.interval": "50ms",
+             "kvstate.lifecycle.prefetch-margin": "200ms"}  # fmt: skip
+
+
+def run_tests(seconds, report):
+    """A tool call (a test run) of the emulated developer workflow: takes time, no KV."""
+    time.sleep(seconds)
+    return report
+
+
+def wait_for(predicate, timeout=20.0, interval=0.05):
+    """Poll ``predicate`` until true (the client is synchronous: no async_poll_for here)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {predicate}"
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="module")
+def lc_client():
+    with dask.config.set(LIFECYCLE), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
+            Client(cluster) as c:  # fmt: skip
+        kvs.install(c, "tiny-llama", torch_threads=1)
+        yield c
+
+
+def events(client, kind=None, phase=None, session=None):
+    out = [m for _, m in client.get_events("kvstate-lifecycle")]
+    return [m for m in out if (kind is None or m["kind"] == kind) and (phase is None or m.get("phase") == phase)
+            and (session is None or m.get("session") == session)]  # fmt: skip
+
+
+def where(hashes, dask_worker=None):
+    store = dask_worker.plugins["kvstate"].runtime.store
+    return [store.where(h) for h in hashes]
+
+
+def test_invalidation_leaves_zero_bytes_and_keeps_shared_blocks(lc_client):
+    c = lc_client
+    w = min(c.scheduler_info()["workers"])
+    with on(w):
+        with kvs.session("a") as sa:
+            fa = c.compute(kvs.extend(kvs.materialize(CONTEXT), " Session A keeps its own notes here. " * 3))
+            ra = fa.result()
+        with kvs.session("b") as sb:
+            # Same text, another task (a pure task shared by two sessions keeps the first
+            # one live until both are done): the blocks are shared by content, not by key.
+            fb = c.compute(kvs.extend(kvs.materialize(CONTEXT[:50], CONTEXT[50:]), " Session B writes else. " * 3))
+            rb = fb.result()
+    shared = [h for h in ra.blocks if h in set(rb.blocks)]
+    own_a = [h for h in ra.blocks if h not in set(rb.blocks)]
+    assert shared and own_a
+    assert None not in c.run(where, ra.blocks + rb.blocks, workers=[w])[w]
+
+    del fa  # session a ends: its tasks are gone and its block has exited
+    wait_for(lambda: events(c, "invalidate", session=sa.id))
+    (done,) = [e for e in events(c, "invalidate", session=sa.id) if e["worker"] == w]
+    assert done["left"] == 0 and done["freed"] > 0
+    # Shared: the blocks both final states hold, and the materialized context's last partial block.
+    assert done["shared"] >= sum(c.run(lambda dask_worker: [dask_worker.plugins["kvstate"].runtime.store.size_of(h)
+                                                            for h in shared], workers=[w])[w])  # fmt: skip
+    tiers = c.run(where, ra.blocks, workers=[w])[w]
+    assert [tiers[ra.blocks.index(h)] for h in own_a] == [None] * len(own_a)  # a's own KV is gone
+    assert None not in [tiers[ra.blocks.index(h)] for h in shared]  # b still lives and shares these
+
+    del fb
+    wait_for(lambda: [e for e in events(c, "invalidate", session=sb.id) if e["worker"] == w])
+    assert c.run(where, ra.blocks + rb.blocks, workers=[w])[w] == [None] * len(ra.blocks + rb.blocks)
+    left = c.run(lambda dask_worker: dask_worker.plugins["kvstate-lifecycle"].stats()["sessions"])
+    assert left == {addr: 0 for addr in left}
+    stats = kvs.lifecycle_stats(c)
+    assert stats["ended"][sb.id][w]["left"] == 0
+
+
+def test_session_state_survives_between_invocations(lc_client):
+    c = lc_client
+    w = min(c.scheduler_info()["workers"])
+    text = CONTEXT + " The developer's conversation so far. "
+    with on(w), kvs.session("dev"):
+        f = c.compute(kvs.materialize(text))
+        ref = f.result()
+        del f  # the first invocation is over: no future holds the state any more
+        # What a full disk or a cache clean-up does to unreferenced blocks:
+        kept = c.run(lambda dask_worker: dask_worker.plugins["kvstate"].runtime.store.discard(ref.blocks),
+                     workers=[w])[w]  # fmt: skip
+        assert kept == 0  # nothing dropped: the session holds its states
+        before = kvs.stats(c)[w]
+        again = c.compute(kvs.resume(ref, " Try again.", max_new_tokens=4)).result()
+        after = kvs.stats(c)[w]
+    assert after.get("recomputes", 0) == before.get("recomputes", 0)
+    assert after["reused_tokens"] - before.get("reused_tokens", 0) >= ref.num_tokens - 1
+    assert again == c.compute(kvs.generate(text, " Try again.", max_new_tokens=4)).result()
+
+
+def test_suspended_session_is_offloaded_then_prefetched(lc_client):
+    c = lc_client
+    w = sorted(c.scheduler_info()["workers"])[1]
+    with on(w), kvs.component("tester"):  # history: the scheduler learns how long a test run takes
+        c.compute(dask.delayed(run_tests)(0.8, "warm-up", dask_key_name="run_tests-history")).result()
+    with on(w), kvs.session("swe") as s:
+        f = c.compute(kvs.materialize(CONTEXT, " Write the function. "))
+        ref = f.result()
+        with kvs.component("tester"):
+            report = dask.delayed(run_tests)(1.6, " 3 tests failed: fix the edge case.")
+        resumed = c.compute(kvs.resume(ref, report, max_new_tokens=8))
+        out = resumed.result()
+        replay = c.compute(kvs.generate(CONTEXT, " Write the function. ", " 3 tests failed: fix the edge case.",
+                                        max_new_tokens=8)).result()  # fmt: skip
+    assert out == replay  # resuming from offloaded-then-prefetched KV changes nothing
+
+    wait_for(lambda: events(c, "prefetch", "done", s.id) and events(c, "prefetch", "outcome", s.id))
+    (off,) = events(c, "offload", "decision", s.id)
+    assert off["why"] == "prediction" and off["tier"] == "host"
+    assert off["predicted_s"] > sum(off["costs"]["host"])  # it idles longer than moving out and back costs
+    assert events(c, "offload", "done", s.id)[0]["blocks"] == len(ref.blocks)
+    (pre,) = events(c, "prefetch", "decision", s.id)
+    assert pre["predicted_s"] <= pre["costs"]["host"][1] + 0.2 + 1e-9
+    assert events(c, "prefetch", "done", s.id)[0]["blocks"] == len(ref.blocks)
+    tiers = kvs.stats(c)[w]["tiers"]
+    assert tiers["device"]["spills"] >= len(ref.blocks) and tiers["device"]["unspills"] >= len(ref.blocks)
+
+
+# -- the pure rule -------------------------------------------------------------------------
+COSTS = {"host": (0.01, 0.02), "disk": (0.1, 0.2)}
+
+
+@pytest.mark.parametrize(
+    "predicted, device, lower, host_room, expected",
+    [
+        (None, 100, 0, True, (None, None)),  # no history: no bet
+        (1.0, 100, 0, True, ("offload", "host")),
+        (1.0, 100, 0, False, ("offload", "disk")),  # host full
+        (0.25, 100, 0, False, (None, None)),  # disk round trip 0.3 s + margin: not worth it
+        (0.25, 100, 0, True, ("offload", "host")),
+        (0.04, 100, 0, True, (None, None)),  # back before the move would pay
+        (0.1, 0, 100, True, ("prefetch", None)),  # due within restore (0.2 worst tier) + margin
+        (5.0, 0, 100, True, (None, None)),  # still far: stays out
+        (0.0, 50, 50, True, ("prefetch", None)),  # partly out and due now
+        (1.0, 0, 0, True, (None, None)),  # nothing stored
+    ],
+)
+def test_lifecycle_action_cases(predicted, device, lower, host_room, expected):
+    assert lifecycle_action(predicted, device, lower, COSTS, 0.05, host_room) == expected
+
+
+def test_predict_idle_and_move_seconds():
+    assert predict_idle([]) is None
+    assert predict_idle([(1.0, 0.25), (3.0, 2.5), (2.0, 0.0)]) == 2.0
+    assert predict_idle([(1.0, 2.0), (0.5, 0.6)]) == 0.0
+    assert move_seconds(0, 1e6, 0.002) == 0.002
+    assert move_seconds(2_000_000, 1e6, 0.0) == 2.0
+
+
+def test_pressure_victims_longest_idle_first():
+    idle = [(10.0, "recent", 500), (1.0, "oldest", 100), (4.0, "older", 300)]
+    assert pressure_victims(idle, 50) == ["oldest"]
+    assert pressure_victims(idle, 101) == ["oldest", "older"]
+    assert pressure_victims(idle, 10_000) == ["oldest", "older", "recent"]  # all it can: the rest stays
+    assert pressure_victims(idle, -5) == []  # the reserve is free already
