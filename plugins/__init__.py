@@ -21,7 +21,8 @@ async def dask_setup(server) -> None:
     ``kvstate.worker.*``, and the scheduling worker plugin when ``kvstate.scheduling``
     switches any extension on. On a scheduler: the placement extension (unless
     ``kvstate.placement.enabled`` is false), the observe extension (the ``/kvstate``
-    page) and the scheduling extensions: what ``kvs.install`` registers. A bad setting fails the preload with the
+    page), the scheduling extensions and, when ``kvstate.lifecycle.enabled``, the KV
+    lifecycle pair: what ``kvs.install`` registers. A bad setting fails the preload with the
     plugin's ValueError, which distributed logs (``Failed to start preload``) and the
     worker then runs without the plugin; ``kvs.install`` from a client still works.
     """
@@ -42,6 +43,10 @@ async def dask_setup(server) -> None:
         await server.plugin_add(plugin, name=PLUGIN_NAME, catch_errors=False)
         if scheduling:
             await server.plugin_add(scheduling[-1], catch_errors=False)
+        if config.get("lifecycle.enabled"):  # after the kvstate plugin: it times moves on its store
+            from dask_kvstate.plugins.lifecycle_worker import KVLifecycleWorkerPlugin
+
+            await server.plugin_add(KVLifecycleWorkerPlugin(), catch_errors=False)
     elif isinstance(server, Scheduler):
         import dask.config
 
@@ -55,5 +60,12 @@ async def dask_setup(server) -> None:
         server.add_plugin(KVObserver())
         for extension in scheduling[:-1]:
             server.add_plugin(extension)
+        if config.get("lifecycle.enabled"):  # needs the session tracker
+            from dask_kvstate.plugins.lifecycle import KVLifecycle
+            from dask_kvstate.plugins.sessions import PLUGIN_NAME as SESSIONS, SessionTracker
+
+            if SESSIONS not in server.plugins:
+                server.add_plugin(SessionTracker())
+            server.add_plugin(KVLifecycle())
     else:
         raise TypeError(f"dask_kvstate.plugins preloads a Worker or a Scheduler, not a {type(server).__name__}")
