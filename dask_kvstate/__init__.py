@@ -17,6 +17,7 @@ from dask_kvstate.client import install, placement_stats, stats
 from dask_kvstate.generation import Generation
 from dask_kvstate import tasks  # noqa: F401  (kvs.tasks.*: the operators for client.submit)
 from dask_kvstate.operators import evict, extend, fork, generate, materialize, merge, resume, transfer
+from dask_kvstate.operators import resume_many
 from dask_kvstate.errors import MergeError
 from dask_kvstate.graph_opt import StateflowError, explain, optimize, stateflow
 from dask_kvstate.state import KVState, KVStateRef, compatible
@@ -42,6 +43,7 @@ __all__ = [
     "optimize",
     "placement_stats",
     "resume",
+    "resume_many",
     "stateflow",
     "stats",
     "transfer",
