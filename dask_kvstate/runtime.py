@@ -370,9 +370,12 @@ class StateRuntime:
                                      top_p=top_p, started=t0)  # fmt: skip
         self.counters["generations"] += len(rows)
         out = []
+        batch_id = new_state_id()  # rows of one batch share its decode time (decode_s is the batch's)
         for row, res in zip(rows, results):
             self.prefill_meter.add(res.prefill_tokens, res.reused_tokens, res.prefill_s)
-            out.append(Generation.from_result(self.backend, res, row.ids))
+            g = Generation.from_result(self.backend, res, row.ids)
+            g.batch_id, g.batch_rows = batch_id, len(rows)
+            out.append(g)
         return out
 
     @contextlib.contextmanager

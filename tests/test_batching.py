@@ -114,3 +114,25 @@ def test_local_prefix_cache_reuses_blocks_on_its_worker_only(client, workers):
     assert e.reused_tokens == 0  # no transfer between workers
     assert s.token_ids == sr.token_ids and e.token_ids == er.token_ids
     assert stats_of(client, workers[0]).get("prefix_cache_hits", 0) > 0
+
+
+@pytest.mark.slow
+def test_smollm2_batched_siblings_equal_unbatched_on_the_bench_prompts():
+    """16 agents of the bench's workload on SmolLM2, 1,024-token context: batched == unbatched."""
+    from dask_kvstate.backends import load_backend
+    from dask_kvstate.bench import workload
+
+    smol = load_backend("smollm2-135m")
+    lines = 1
+    while len(smol.tokenize(workload.context_text(lines * 2))) <= 1024:
+        lines *= 2
+    context = workload.context_text(lines)
+    prefix = smol.tokenize(context)
+    kv = smol.kv_from_cache(smol.prefill(prefix)[0])
+    rows = []
+    for i in range(16):
+        ids = smol.tokenize(context + workload.suffix(i))
+        rows.append(Row(ids, kv[:, :, :, : min(common_prefix(prefix, ids), len(ids) - 1)]))
+    single = [smol.generate(r.ids, r.past_kv, max_new_tokens=32).token_ids for r in rows]
+    batched = [r.token_ids for r in generate_batch(smol, rows, max_new_tokens=32)]
+    assert batched == single
