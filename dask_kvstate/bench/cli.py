@@ -21,10 +21,10 @@ EXPERIMENTS = {"1": "ttft", "2": "scaling", "3": "crossover", "4": "memory", "5"
 FULL = {"model": "smollm2-135m", "lengths": [512, 1024, 2048, 4096], "agents": 16, "ttft_new_tokens": 4,
         "scaling_context": 4096, "ks": [1, 2, 4, 8, 16], "new_tokens": 64,
         "bandwidths": ["10 Mbit/s", "100 Mbit/s", "1 Gbit/s", "10 Gbit/s"], "contexts": [256, 512, 1024, 2048, 4096],
-        "repeats": 3, "overhead_tasks": 10_000, "overhead_repeats": 5}  # fmt: skip
+        "repeats": 3, "overhead_tasks": 10_000, "overhead_repeats": 2}  # fmt: skip
 QUICK = {"model": "tiny-llama", "lengths": [128, 256, 512], "agents": 16, "ttft_new_tokens": 4,
          "scaling_context": 512, "ks": [1, 4, 16], "new_tokens": 16, "bandwidths": ["100 Mbit/s", "10 Gbit/s"],
-         "contexts": [256, 2048], "repeats": 1, "overhead_tasks": 10_000, "overhead_repeats": 3}  # fmt: skip
+         "contexts": [256, 2048], "repeats": 1, "overhead_tasks": 2_000, "overhead_repeats": 1}  # fmt: skip
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -77,7 +77,6 @@ def _steps(exps, g) -> int:
 
 def main(argv=None) -> dict:
     """Run the chosen experiments and write their results; returns the results dict."""
-    import dask
     from distributed import Client, LocalCluster
 
     import dask_kvstate as kvs
@@ -100,6 +99,12 @@ def main(argv=None) -> dict:
                           "workers": args.workers, "started": f"{stamp:%Y-%m-%d %H:%M} UTC",
                           "scaling_context": g["scaling_context"], "new_tokens": g["new_tokens"]}}  # fmt: skip
     t0 = time.perf_counter()
+
+    def checkpoint():
+        # A long run keeps what it measured so far, whatever happens later.
+        res["meta"]["seconds"] = time.perf_counter() - t0
+        report.write(res, out)
+
     bar = progress.bar(total=_steps(exps, g), desc="bench", unit="run")
     try:
         llm = {"ttft", "scaling", "memory", "throughput"} & set(exps)
@@ -115,6 +120,7 @@ def main(argv=None) -> dict:
                 if "ttft" in exps:
                     res["ttft"] = ex.ttft_vs_context(client, {L: ctx[L] for L in g["lengths"]}, g["agents"],
                                                      g["ttft_new_tokens"], bar)  # fmt: skip
+                    checkpoint()
                 if {"scaling", "memory", "throughput"} & set(exps):
                     rows = ex.scaling(client, ctx[g["scaling_context"]], g["ks"], g["new_tokens"], bar, variants)
                     res["scaling"] = rows
@@ -122,8 +128,10 @@ def main(argv=None) -> dict:
                         res["memory"] = ex.memory(rows, bpt)
                     if "throughput" in exps:
                         res["throughput"] = ex.throughput(rows)
+                    checkpoint()
         if "crossover" in exps:
             res["crossover"] = ex.crossover_sweep(g["model"], g["bandwidths"], g["contexts"], g["repeats"], bar)
+            checkpoint()
         if "throughput" in exps:
             res["overhead"] = ex.overhead(g["model"], g["overhead_tasks"], g["overhead_repeats"], bar)
     finally:
