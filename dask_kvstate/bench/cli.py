@@ -30,7 +30,8 @@ QUICK = {"model": "tiny-llama", "lengths": [128, 256, 512], "agents": 16, "ttft_
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m dask_kvstate.bench", description=__doc__.splitlines()[0])
     ap.add_argument("experiments", nargs="*", metavar="experiment",
-                    help="ttft scaling crossover memory throughput (or 1-5); default: all")  # fmt: skip
+                    help="ttft scaling crossover memory throughput (or 1-5; throughput includes "
+                         "overhead, which also runs alone); default: all")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="tiny-llama and a small grid (a few minutes)")
     ap.add_argument("--model", help="model name or folder (default: smollm2-135m, or tiny-llama with --quick)")
     ap.add_argument("--out", type=Path, help="results folder (default: bench-results/<model>-<time>)")
@@ -45,8 +46,8 @@ def parse(argv=None) -> argparse.Namespace:
     wanted = []
     for e in args.experiments or list(EXPERIMENTS.values()):
         name = EXPERIMENTS.get(e, e)
-        if name not in EXPERIMENTS.values():
-            ap.error(f"unknown experiment {e!r}; choose from {', '.join(EXPERIMENTS.values())} or 1-5")
+        if name not in (*EXPERIMENTS.values(), "overhead"):
+            ap.error(f"unknown experiment {e!r}; choose from {', '.join(EXPERIMENTS.values())}, overhead or 1-5")
         wanted.append(name)
     args.experiments = list(dict.fromkeys(wanted))
     return args
@@ -70,7 +71,7 @@ def _steps(exps, g) -> int:
         n += 4 * len(g["ks"])
     if "crossover" in exps:
         n += len(g["bandwidths"]) * len(g["contexts"])
-    if "throughput" in exps:
+    if {"throughput", "overhead"} & set(exps):
         n += g["overhead_repeats"] + 1
     return n
 
@@ -132,7 +133,7 @@ def main(argv=None) -> dict:
         if "crossover" in exps:
             res["crossover"] = ex.crossover_sweep(g["model"], g["bandwidths"], g["contexts"], g["repeats"], bar)
             checkpoint()
-        if "throughput" in exps:
+        if {"throughput", "overhead"} & set(exps):
             res["overhead"] = ex.overhead(g["model"], g["overhead_tasks"], g["overhead_repeats"], bar)
     finally:
         bar.close()

@@ -131,7 +131,7 @@ def run(client, mode: str, context: str, k: int, new_tokens: int, *, batch: int 
         "ttft_s": [g.ttft for g in results], "prompt_tokens": [g.prompt_tokens for g in results],
         "token_ids": [list(g.token_ids) for g in results],
         "generated_tokens": sum(len(g.token_ids) for g in results),
-        "prefill_s": sum(g.prefill_s for g in results), "model_s": model_s,
+        "prefill_s": sum(g.prefill_s for g in results), "decode_s": sum(decode.values()), "model_s": model_s,
         "kv_peak_bytes": sum(after[w].get("kv_peak_bytes", 0) for w in after),
         "kv_peak_bytes_max_worker": max(after[w].get("kv_peak_bytes", 0) for w in after),
         "workers": n_workers, **delta,
