@@ -74,7 +74,7 @@ def generate_batch(backend, rows: list[Row], *, max_new_tokens: int, temperature
     t0 = time.perf_counter() if started is None else started
     device = backend.device
     outs: list[list[int]] = []
-    firsts, prefill_s, caches, logits_rows, gens = [], [], [], [], []
+    firsts, prefill_s, caches, gens = [], [], [], []
     for n, row in enumerate(rows):
         if not row.ids:
             raise ValueError(f"row {n} has an empty prompt: give at least one token of text")
@@ -86,7 +86,6 @@ def generate_batch(backend, rows: list[Row], *, max_new_tokens: int, temperature
         prefill_s.append(firsts[-1] - p0)
         outs.append([] if tok is None else [tok])
         caches.append(cache)
-        logits_rows.append(logits)
         gens.append(gen)
     d0 = time.perf_counter()
     live = [i for i, o in enumerate(outs) if o and o[-1] not in backend.eos_ids and max_new_tokens > 1]
