@@ -41,6 +41,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--ks", type=int, nargs="+", help="experiment 2's agent counts (also 4's branch factors)")
     ap.add_argument("--scaling-context", type=int, help="experiment 2's context length")
     ap.add_argument("--new-tokens", type=int, help="experiment 2's tokens generated per agent (Y)")
+    ap.add_argument("--overhead-tasks", type=int, help="size of experiment 5's non-LLM graph (default 10,000)")
+    ap.add_argument("--overhead-repeats", type=int, help="measured rounds of the non-LLM graph")
     ap.add_argument("--variants", nargs="+", help="experiment 2's variants (replay prefix kvstate kvstate-unbatched)")
     args = ap.parse_args(argv)
     wanted = []
@@ -57,7 +59,7 @@ def grid(args) -> dict:
     g = dict(QUICK if args.quick else FULL)
     if args.model:
         g["model"] = args.model
-    for name in ("lengths", "agents", "ks", "scaling_context", "new_tokens"):
+    for name in ("lengths", "agents", "ks", "scaling_context", "new_tokens", "overhead_tasks", "overhead_repeats"):
         if getattr(args, name) is not None:
             g[name] = getattr(args, name)
     return g
