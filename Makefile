@@ -32,9 +32,10 @@ test: install
 test-fast: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not slow"
 
+# The AAFLOW+ experiments (python -m dask_kvstate.bench); BENCH_ARGS=--quick for the few-minute run.
 bench: install
-	HF_HUB_OFFLINE=1 $(PY) examples/tree_of_thought.py --branches 8
-	HF_HUB_OFFLINE=1 $(PY) examples/compiler_shapes.py --model smollm2-135m
+	$(PIP) install -e ".[bench]"
+	HF_HUB_OFFLINE=1 $(PY) -m dask_kvstate.bench $(BENCH_ARGS)
 	HF_HUB_OFFLINE=1 $(PY) examples/nalar_workflows.py --workflow all --out results/nalar
 	HF_HUB_OFFLINE=1 $(PY) examples/kv_lifecycle.py --repeats 3 --out results/lifecycle
 

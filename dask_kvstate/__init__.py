@@ -20,6 +20,7 @@ from dask_kvstate.session import component, current_session, session
 from dask_kvstate.generation import Generation
 from dask_kvstate import tasks  # noqa: F401  (kvs.tasks.*: the operators for client.submit)
 from dask_kvstate.operators import evict, extend, fork, generate, materialize, merge, resume, transfer
+from dask_kvstate.operators import resume_many
 from dask_kvstate.errors import MergeError
 from dask_kvstate.graph_opt import StateflowError, explain, optimize, stateflow
 from dask_kvstate.state import KVState, KVStateRef, compatible
@@ -27,8 +28,8 @@ from dask_kvstate.state import KVState, KVStateRef, compatible
 __version__ = "0.1.0"
 
 __all__ = [
-    "KNOWN_MODELS",
     "Generation",
+    "KNOWN_MODELS",
     "KVState",
     "KVStateRef",
     "MergeError",
@@ -50,6 +51,7 @@ __all__ = [
     "optimize",
     "placement_stats",
     "resume",
+    "resume_many",
     "scheduling_stats",
     "session",
     "stateflow",

@@ -83,8 +83,14 @@ def resume(state, *segments, max_new_tokens: int | None = None, temperature: flo
 
 
 def generate(*segments, max_new_tokens: int | None = None, temperature: float | None = None,
-             top_p: float | None = None, seed: int | None = None, model: str | None = None) -> Delayed:  # fmt: skip
+             top_p: float | None = None, seed: int | None = None, model: str | None = None,
+             prefix_cache: bool | None = None) -> Delayed:  # fmt: skip
     """Generate from the prompt ``"".join(segments)`` by text replay: ``Delayed[Generation]``.
+
+    ``prefix_cache=True`` (default ``kvstate.generate.prefix-cache``) reuses prompt
+    blocks already in the running worker's store and leaves its own there: automatic
+    prefix caching inside one worker, as vLLM/SGLang do inside one engine (no transfer
+    between workers, no compiler). Output is the same either way.
 
     Examples
     --------
@@ -93,8 +99,11 @@ def generate(*segments, max_new_tokens: int | None = None, temperature: float | 
     >>> answer.key.startswith("kvs-generate-")
     True
     """
+    # Only passed when set, so graphs (and keys) without it stay as they were.
+    extra = {} if prefix_cache is None else {"prefix_cache": bool(prefix_cache)}
     return _task(tasks.generate, *segments, max_new_tokens=max_new_tokens, temperature=temperature,
-                 top_p=top_p, seed=seed, model=model, unique=_sampling_without_seed(temperature, seed))  # fmt: skip
+                 top_p=top_p, seed=seed, model=model, unique=_sampling_without_seed(temperature, seed),
+                 **extra)  # fmt: skip
 
 
 def merge(*states, policy: str = "concat") -> Delayed:
@@ -128,3 +137,28 @@ def evict(state) -> Delayed:
     works: its blocks are recomputed from its text.
     """
     return _task(tasks.evict, state, unique=True)
+
+
+def resume_many(state, suffixes, *, max_new_tokens: int | None = None, temperature: float | None = None,
+                top_p: float | None = None, seed: int | None = None, model: str | None = None) -> list[Delayed]:  # fmt: skip
+    """Sibling resumes from one state, decoded together: one ``Delayed[Generation]`` per suffix.
+
+    Each result equals ``resume(state, suffix)`` token for token; the siblings run as
+    one task whose decode steps are batched, which on CPU costs far less than one
+    decode per sibling. ``kvs.stateflow()`` emits this for siblings of one fork
+    (``kvstate.compiler.batch-siblings``).
+
+    Examples
+    --------
+    >>> import dask_kvstate as kvs
+    >>> outs = kvs.resume_many(kvs.materialize("shared context"), ["Q1?", "Q2?"], max_new_tokens=8)
+    >>> len(outs)
+    2
+    """
+    suffixes = list(suffixes)
+    if not suffixes:
+        raise ValueError("resume_many needs at least one suffix")
+    batch = _task(tasks.resume_many, state, suffixes, max_new_tokens=max_new_tokens, temperature=temperature,
+                  top_p=top_p, seed=seed, model=model, nout=len(suffixes),
+                  unique=_sampling_without_seed(temperature, seed))  # fmt: skip
+    return list(batch)

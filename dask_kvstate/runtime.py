@@ -13,7 +13,9 @@ every path yields the KV of tokenize(text), so output equals text replay.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Hashable, Sequence
@@ -69,6 +71,8 @@ class StateRuntime:
         self.links = LinkMeter(seed_bandwidth=min(seed, self.emulated_bandwidth or seed),
                                latency=max(getattr(worker, "latency", 0.0) or 0.0, 1e-3))  # fmt: skip
         self.counters: Counter[str] = Counter() if counters is None else counters
+        self._live_bytes = 0  # KV in decode caches now (see live_kv)
+        self._live_lock = threading.Lock()
 
     # -- helpers -------------------------------------------------------------------
     def hashes(self, ids: Sequence[int], namespace: str) -> tuple[bytes, ...]:
@@ -318,7 +322,8 @@ class StateRuntime:
         keep = 0 if past is None else int(past.shape[3])
         self.counters["prefill_tokens"] += len(ids) - keep
         self.counters["reused_tokens"] += keep
-        res = self.backend.generate(ids, past, started=started, **params)
+        with self.live_kv((len(ids) + params["max_new_tokens"]) * self.backend.kv_bytes_per_token):
+            res = self.backend.generate(ids, past, started=started, **params)
         self.counters["generations"] += 1
         self.prefill_meter.add(res.prefill_tokens, res.reused_tokens, res.prefill_s)
         return Generation.from_result(self.backend, res, ids)
@@ -336,6 +341,61 @@ class StateRuntime:
         self.counters["resumes"] += 1
         return self._generate(ids, old.kv[:, :, :, :keep] if keep else None, t0, max_new_tokens=max_new_tokens,
                               temperature=temperature, top_p=top_p, seed=seed)  # fmt: skip
+
+    def resume_many(self, ref: KVStateRef, texts: Sequence[str], *, max_new_tokens: int, temperature: float,
+                    top_p: float, seed: int | None) -> list[Generation]:  # fmt: skip
+        """Sibling resumes from one state, decoded as one batch; one ``Generation`` per text.
+
+        Each equals ``resume(ref, text)``: the state is resolved once, each sibling's
+        suffix is prefilled on its own, then the decode steps run batched
+        (``backends/batch.py``).
+        """
+        from dask_kvstate.backends.batch import Row, generate_batch
+
+        t0 = time.perf_counter()
+        old = self.resolve(ref)
+        rows = []
+        for text in texts:
+            ids = self.backend.tokenize(ref.text + text)
+            keep = min(common_prefix(old.token_ids, ids), len(ids) - 1) if old.usable else 0
+            rows.append(Row(ids, old.kv[:, :, :, :keep] if keep else None, seed))
+            self.counters["prefill_tokens"] += len(ids) - keep
+            self.counters["reused_tokens"] += keep
+        self.counters["resumes"] += len(rows)
+        self.counters["batched_resumes"] += len(rows)
+        self.counters["resume_batches"] += 1
+        live = sum(len(r.ids) + max_new_tokens for r in rows) * self.backend.kv_bytes_per_token
+        with self.live_kv(live):
+            results = generate_batch(self.backend, rows, max_new_tokens=max_new_tokens, temperature=temperature,
+                                     top_p=top_p, started=t0)  # fmt: skip
+        self.counters["generations"] += len(rows)
+        out = []
+        batch_id = new_state_id()  # rows of one batch share its decode time (decode_s is the batch's)
+        for row, res in zip(rows, results):
+            self.prefill_meter.add(res.prefill_tokens, res.reused_tokens, res.prefill_s)
+            g = Generation.from_result(self.backend, res, row.ids)
+            g.batch_id, g.batch_rows = batch_id, len(rows)
+            out.append(g)
+        return out
+
+    @contextlib.contextmanager
+    def live_kv(self, nbytes: int):
+        """Count ``nbytes`` of decode-time KV (caches outside the store) while inside.
+
+        ``kv_peak_bytes`` is the most KV this worker held at once: the store's device
+        tier plus the caches of generations running then (each at its final size, an
+        upper bound when a row stops early at EOS). The benchmarks compare it across
+        text replay, the prefix cache and kvstate.
+        """
+        with self._live_lock:
+            self._live_bytes += nbytes
+            now = self.store.device.total_weight + self._live_bytes
+            self.counters["kv_peak_bytes"] = max(self.counters["kv_peak_bytes"], now)
+        try:
+            yield
+        finally:
+            with self._live_lock:
+                self._live_bytes -= nbytes
 
     def fork(self, ref: KVStateRef, k: int) -> list[KVStateRef]:
         """``k`` new states sharing ``ref``'s blocks: O(1), nothing is copied."""

@@ -93,9 +93,31 @@ def extend(state: KVStateRef, *segments: str, model: str | None = None) -> KVSta
 
 
 def generate(*segments: str, max_new_tokens: int | None = None, temperature: float | None = None,
-             top_p: float | None = None, seed: int | None = None, model: str | None = None) -> Generation:  # fmt: skip
-    """Text replay: generate from the whole joined prompt."""
-    return runtime(model).generate(join_segments(segments), **_gen_params(max_new_tokens, temperature, top_p, seed))
+             top_p: float | None = None, seed: int | None = None, model: str | None = None,
+             prefix_cache: bool | None = None) -> Generation:  # fmt: skip
+    """Text replay: generate from the whole joined prompt (with ``prefix_cache``, reusing
+    this worker's cached prompt blocks: the local prefix cache baseline)."""
+    params = _gen_params(max_new_tokens, temperature, top_p, seed)
+    if prefix_cache if prefix_cache is not None else config.get("generate.prefix-cache", False):
+        from dask_kvstate import prefix_cache as pc
+
+        return pc.generate(runtime(model), join_segments(segments), config.get("namespace"), **params)
+    return runtime(model).generate(join_segments(segments), **params)
+
+
+def resume_many(state: KVStateRef, suffixes: list, *, max_new_tokens: int | None = None,
+                temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
+                model: str | None = None) -> list[Generation]:  # fmt: skip
+    """Sibling resumes from one state decoded as one batch: one ``Generation`` per suffix.
+
+    ``suffixes`` is a list whose items are each a str or a list of str segments.
+    """
+    if not isinstance(suffixes, (list, tuple)) or not suffixes:
+        raise ValueError(f"resume_many needs a non-empty list of suffixes, got {suffixes!r:.80}")
+    texts = [join_segments(s if isinstance(s, (list, tuple)) else [s]) for s in suffixes]
+    return _runtime_for_state(_check_state(state), model).resume_many(
+        state, texts, **_gen_params(max_new_tokens, temperature, top_p, seed)
+    )
 
 
 def resume(state: KVStateRef, *segments: str, max_new_tokens: int | None = None, temperature: float | None = None,

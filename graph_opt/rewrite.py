@@ -13,7 +13,8 @@ from __future__ import annotations
 from dask._task_spec import Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
-from dask_kvstate import tasks
+from dask_kvstate import config, tasks
+from dask_kvstate.graph_opt.batch import apply_batches
 from dask_kvstate.graph_opt.plan import Plan
 
 
@@ -36,7 +37,9 @@ def state_task(st) -> Task:
 
 
 def resume_task(call, state_key, remaining) -> Task:
-    return Task(call.key, tasks.resume, TaskRef(state_key), *[s.arg() for s in remaining], **call.gen_kwargs)
+    # prefix_cache is text replay's own switch; a resume reuses its state instead.
+    kwargs = {k: v for k, v in call.gen_kwargs.items() if k != "prefix_cache"}
+    return Task(call.key, tasks.resume, TaskRef(state_key), *[s.arg() for s in remaining], **kwargs)
 
 
 def per_key_annotations(hlg: HighLevelGraph) -> dict[str, dict]:
@@ -67,12 +70,21 @@ def apply_plan(hlg: HighLevelGraph, plan: Plan) -> HighLevelGraph:
         assert st.key not in hlg, f"inserted state key {st.key} collides with a task of the graph"
         dsk[st.key] = state_task(st)
 
+    batches = apply_batches(dsk, plan, by_key, int(config.get("compiler.batch-siblings", 1)))
+    in_batch = {k: b for b, keys in batches.items() for k in keys}
+
     per_key = per_key_annotations(hlg)
     _inherit(plan, per_key)
+    for b, keys in batches.items():  # a batch runs where all its calls may run
+        for values in per_key.values():
+            got = [values.get(k) for k in keys]
+            if got[0] is not None and all(g == got[0] for g in got):
+                values[b] = got[0]
     annotations = {name: KeyAnnotation(values) for name, values in per_key.items()}
     annotations["kvstate"] = KeyAnnotation(
         {
-            st.key: {"op": st.op, "state_input": st.parent, "consumers": sorted(map(str, st.consumers + st.children))}
+            st.key: {"op": st.op, "state_input": st.parent,
+                     "consumers": sorted({str(in_batch.get(k, k)) for k in st.consumers + st.children})}
             for st in plan.states.values()
         }
     )

@@ -1,0 +1,216 @@
+"""The AAFLOW+ section 6 experiments, each baseline really run in the same session.
+
+Every function takes a connected client with the model installed (except the
+crossover and overhead ones, which start their own clusters because what they vary is
+the cluster itself) and returns plain dicts for :mod:`dask_kvstate.bench.report`.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import dask
+
+from dask_kvstate import progress
+from dask_kvstate.bench import workload
+
+# name -> (mode, batch): batch None = siblings split evenly over workers, 1 = no batching
+VARIANTS = {
+    "replay": ("replay", None),
+    "prefix": ("prefix", None),
+    "kvstate": ("kvstate", None),
+    "kvstate-unbatched": ("kvstate", 1),
+}
+
+
+def _run(client, variant, context, k, new_tokens, bar) -> dict:
+    mode, batch = VARIANTS[variant]
+    bar.set_postfix_str(f"{variant} k={k}")
+    r = workload.run(client, mode, context, k, new_tokens, batch=batch)
+    bar.update()
+    return {"variant": variant, **r}
+
+
+def _identical(runs: list[dict]) -> bool:
+    ids = [r["token_ids"] for r in runs]
+    return all(x == ids[0] for x in ids)
+
+
+def ttft_vs_context(client, contexts: dict[int, str], agents: int, new_tokens: int, bar) -> list[dict]:
+    """Experiment 1: per-agent TTFT (median over agents) vs context length, each mode.
+
+    kvstate runs unbatched here: TTFT is a per-request latency, and a batch prefills
+    its rows one after the other before decoding (experiment 2 shows what batching buys).
+    """
+    rows = []
+    for L, ctx in contexts.items():
+        runs = [_run(client, v, ctx, agents, new_tokens, bar) for v in ("replay", "prefix", "kvstate-unbatched")]
+        med = {r["variant"]: statistics.median(r["ttft_s"]) for r in runs}
+        rows.append({
+            "L": L, "context_tokens": min(runs[0]["prompt_tokens"]) , "agents": agents,
+            "ttft_replay_s": med["replay"], "ttft_prefix_s": med["prefix"], "ttft_kvstate_s": med["kvstate-unbatched"],
+            "speedup_vs_replay": med["replay"] / med["kvstate-unbatched"],
+            "speedup_vs_prefix": med["prefix"] / med["kvstate-unbatched"],
+            "fork_ms": fork_ms(client, ctx), "identical": _identical(runs), "runs": runs,
+        })  # fmt: skip
+        progress.write(f"exp1 L={L}: TTFT replay {med['replay']:.3f} s, prefix {med['prefix']:.3f} s, kvstate "
+                       f"{med['kvstate-unbatched']:.3f} s -> {rows[-1]['speedup_vs_replay']:.1f}x / "
+                       f"{rows[-1]['speedup_vs_prefix']:.1f}x; fork {rows[-1]['fork_ms']:.3f} ms")  # fmt: skip
+    return rows
+
+
+def _time_fork(ref, k: int, repeats: int, dask_worker=None) -> float:
+    rt = dask_worker.plugins["kvstate"].runtime
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        rt.fork(ref, k)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def fork_ms(client, context: str, k: int = 16, repeats: int = 50) -> float:
+    """Milliseconds for one ``fork(state, k)`` on the state's holder (best of ``repeats``)."""
+    from dask_kvstate import tasks
+
+    ref = client.submit(tasks.materialize, context, pure=False).result()
+    holder = ref.placement.worker
+    return client.run(_time_fork, ref, k, repeats, workers=[holder])[holder] * 1e3
+
+
+def scaling(client, context: str, ks, new_tokens: int, bar, variants=tuple(VARIANTS)) -> list[dict]:
+    """Experiment 2 (and the runs experiments 4 and 5 read): k agents, aggregate wall time."""
+    rows = []
+    for k in ks:
+        runs = [_run(client, v, context, k, new_tokens, bar) for v in variants]
+        by = {r["variant"]: r for r in runs}
+        rows.append({"k": k, "identical": _identical(runs), "runs": runs,
+                     **{f"wall_{v}_s": by[v]["wall_s"] for v in by},
+                     "speedup_vs_replay": by["replay"]["wall_s"] / by["kvstate"]["wall_s"],
+                     "speedup_vs_prefix": by["prefix"]["wall_s"] / by["kvstate"]["wall_s"]})  # fmt: skip
+        progress.write("exp2 k={}: ".format(k) + ", ".join(f"{v} {by[v]['wall_s']:.2f} s" for v in by) +
+                       f" -> {rows[-1]['speedup_vs_replay']:.2f}x vs replay")  # fmt: skip
+    return rows
+
+
+def memory(scaling_rows: list[dict], bytes_per_token: int) -> list[dict]:
+    """Experiment 4 from experiment 2's runs: peak KV held at once, and KV computed, per branch factor."""
+    rows = []
+    for row in scaling_rows:
+        by = {r["variant"]: r for r in row["runs"]}
+        out = {"branches": row["k"]}
+        for v, r in by.items():
+            out[f"peak_{v}_bytes"] = r["kv_peak_bytes"]
+            out[f"computed_{v}_bytes"] = r["prefill_tokens"] * bytes_per_token
+        out["peak_ratio_vs_replay"] = by["replay"]["kv_peak_bytes"] / max(by["kvstate"]["kv_peak_bytes"], 1)
+        out["peak_ratio_vs_prefix"] = by["prefix"]["kv_peak_bytes"] / max(by["kvstate"]["kv_peak_bytes"], 1)
+        out["computed_ratio_vs_replay"] = by["replay"]["prefill_tokens"] / max(by["kvstate"]["prefill_tokens"], 1)
+        out["computed_ratio_vs_prefix"] = by["prefix"]["prefill_tokens"] / max(by["kvstate"]["prefill_tokens"], 1)
+        rows.append(out)
+    return rows
+
+
+def throughput(scaling_rows: list[dict]) -> list[dict]:
+    """Experiment 5 from the largest-k runs: tokens/s and Omega = busy time - (prefill + decode)."""
+    row = max(scaling_rows, key=lambda r: r["k"])
+    out = []
+    for r in row["runs"]:
+        busy = r["wall_s"] * r["workers"]  # every worker runs one task at a time
+        omega = busy - r["model_s"]
+        out.append({"variant": r["variant"], "k": r["k"] if "k" in r else row["k"], "wall_s": r["wall_s"],
+                    "generated_tokens": r["generated_tokens"], "tokens_per_s": r["generated_tokens"] / r["wall_s"],
+                    "model_s": r["model_s"], "omega_s": omega, "omega_pct": 100 * omega / busy})  # fmt: skip
+    return out
+
+
+def _examples():
+    here = Path(__file__).resolve().parents[2] / "examples"
+    if not (here / "crossover.py").exists():
+        raise RuntimeError(f"experiment 3 needs the repository's examples/crossover.py (looked in {here})")
+    if str(here) not in sys.path:
+        sys.path.insert(0, str(here))
+    import crossover
+
+    return crossover
+
+
+def crossover_sweep(model: str, bandwidths, contexts, repeats: int, bar) -> list[dict]:
+    """Experiment 3: the placement issue's sweep (``examples/crossover.py``'s ``sweep_cell``)."""
+    from distributed import Client, LocalCluster
+
+    import dask_kvstate as kvs
+
+    xo = _examples()
+    cells = []
+    for bw in bandwidths:
+        with dask.config.set({"kvstate.transport.emulated-bandwidth": bw}), \
+                LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
+                Client(cluster) as client:  # fmt: skip
+            kvs.install(client, model, torch_threads=1)
+            a, b = sorted(client.scheduler_info()["workers"])
+            for n in contexts:
+                bar.set_postfix_str(f"crossover {bw} {n}")
+                cell = xo.sweep_cell(client, a, b, n, f"bench {bw} {n}", repeats)
+                cells.append({"bandwidth": bw, **cell})
+                bar.update()
+    return cells
+
+
+def _inc(x):
+    return x + 1
+
+
+def _add(a, b):
+    return a + b
+
+
+def non_llm_graph(tasks: int, salt: str = ""):
+    """A ``tasks``-task delayed graph of tiny Python tasks: a map, then a pairwise reduction.
+
+    ``salt`` goes into every key, so a repeated run recomputes instead of finding results.
+    """
+    leaves = [dask.delayed(_inc, pure=True)(i, dask_key_name=f"inc-{salt}-{i}") for i in range(tasks // 2)]
+    level = 0
+    while len(leaves) > 1:
+        level += 1
+        leaves = [dask.delayed(_add, pure=True)(*leaves[i : i + 2], dask_key_name=f"add-{salt}-{level}-{i}")
+                  if i + 1 < len(leaves) else leaves[i] for i in range(0, len(leaves), 2)]  # fmt: skip
+    return leaves[0]
+
+
+def overhead(model: str, tasks: int, repeats: int, bar) -> dict:
+    """Experiment 5b: the same non-LLM graph on a plain cluster and on one with the plugins.
+
+    Runs alternate between the two clusters (both up at once, same shape), so load
+    drifts on this shared machine hit both alike; medians are compared. The third
+    column also turns the compiler on (its pass then runs on every compute).
+    """
+    from distributed import Client, LocalCluster
+
+    import dask_kvstate as kvs
+
+    expected = sum(range(1, tasks // 2 + 1))
+    opts = dict(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0")
+    times = {"plain": [], "plugins": [], "plugins+compiler": []}
+    with LocalCluster(**opts) as c1, Client(c1, set_as_default=False) as plain, \
+            LocalCluster(**opts) as c2, Client(c2, set_as_default=False) as ours:  # fmt: skip
+        kvs.install(ours, model, torch_threads=1)
+        n_tasks = len(non_llm_graph(tasks).__dask_graph__())
+        for i in range(repeats + 1):  # the first round warms both up and is not counted
+            for name, client in (("plain", plain), ("plugins", ours), ("plugins+compiler", ours)):
+                bar.set_postfix_str(f"overhead {name}")
+                graph = non_llm_graph(tasks, f"{name}-{i}")
+                with kvs.stateflow() if name.endswith("compiler") else dask.config.set({}):
+                    t0 = time.perf_counter()
+                    got = client.compute(graph).result()
+                    dt = time.perf_counter() - t0
+                assert got == expected, f"the {name} run returned {got}, expected {expected}"
+                if i:
+                    times[name].append(dt)
+            bar.update()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"tasks": n_tasks, "repeats": repeats, "times_s": times, "median_s": med,
+            "overhead_pct": 100 * (med["plugins"] / med["plain"] - 1),
+            "overhead_with_compiler_pct": 100 * (med["plugins+compiler"] / med["plain"] - 1)}  # fmt: skip

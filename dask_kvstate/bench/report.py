@@ -1,0 +1,149 @@
+"""Write a bench run: ``results.json``, ``report.md`` (markdown tables) and PNG plots."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MIB = 2**20
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    def fmt(x):
+        if isinstance(x, bool):
+            return "yes" if x else "NO"
+        if isinstance(x, float):
+            return f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
+        return str(x)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(fmt(x) for x in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def markdown(res: dict) -> str:
+    meta = res["meta"]
+    out = [f"# dask-kvstate bench: {meta['model']}{' (quick)' if meta['quick'] else ''}", "",
+           f"`{meta['command']}` on {meta['machine']}, {meta['workers']} workers x 1 thread, "
+           f"{meta['started']}, {meta['seconds']:.0f} s in all. Every baseline ran in this same session on the same "
+           "cluster and prompts; ratios are side by side measurements.", ""]  # fmt: skip
+    if "ttft" in res:
+        out += ["## 1. TTFT vs context length", "",
+                f"{res['ttft'][0]['agents']} agents, suffix ~32 tokens; median per-agent time to first token "
+                "(kvstate unbatched: TTFT is a per-request latency).", "",
+                _table(["L", "context tok", "replay s", "prefix cache s", "kvstate s", "vs replay", "vs prefix",
+                        "fork ms", "identical"],
+                       [[r["L"], r["context_tokens"], r["ttft_replay_s"], r["ttft_prefix_s"], r["ttft_kvstate_s"],
+                         r["speedup_vs_replay"], r["speedup_vs_prefix"], r["fork_ms"], r["identical"]]
+                        for r in res["ttft"]]), ""]  # fmt: skip
+    if "scaling" in res:
+        variants = [r["variant"] for r in res["scaling"][0]["runs"]]
+        out += ["## 2. Multi-agent scaling", "",
+                f"L = {meta['scaling_context']} tokens, Y = {meta['new_tokens']}; aggregate wall time (s).", "",
+                _table(["k", *variants, "kvstate vs replay", "kvstate vs prefix", "identical"],
+                       [[r["k"], *[r[f"wall_{v}_s"] for v in variants], r["speedup_vs_replay"], r["speedup_vs_prefix"],
+                         r["identical"]] for r in res["scaling"]]), ""]  # fmt: skip
+    if "crossover" in res:
+        out += ["## 3. Transfer vs recompute crossover", "",
+                "examples/crossover.py's `sweep_cell`: the rule's choice vs both options measured.", "",
+                _table(["bandwidth", "tokens", "MiB", "rule", "pull s", "recompute s", "right"],
+                       [[c["bandwidth"], c["tokens"], c["mib"], c["choice"], c["t_pull"], c["t_recompute"], c["right"]]
+                        for c in res["crossover"]]), ""]  # fmt: skip
+    if "memory" in res:
+        out += ["## 4. KV memory vs branch factor", "",
+                "Peak: most KV held at once (block store device tier + live decode caches, summed over workers). "
+                "Computed: KV bytes prefilled.", "",
+                _table(["branches", "peak replay MiB", "peak prefix MiB", "peak kvstate MiB", "replay/kvstate",
+                        "prefix/kvstate", "computed replay MiB", "computed kvstate MiB", "computed ratio"],
+                       [[r["branches"], r["peak_replay_bytes"] / MIB, r["peak_prefix_bytes"] / MIB,
+                         r["peak_kvstate_bytes"] / MIB, r["peak_ratio_vs_replay"], r["peak_ratio_vs_prefix"],
+                         r["computed_replay_bytes"] / MIB, r["computed_kvstate_bytes"] / MIB,
+                         r["computed_ratio_vs_replay"]] for r in res["memory"]]), ""]  # fmt: skip
+    if "throughput" in res:
+        out += ["## 5. Throughput and framework overhead", "",
+                "Omega = worker busy time (wall x workers) - (prefill + decode time inside the model).", "",
+                _table(["variant", "k", "wall s", "tokens", "tokens/s", "model s", "Omega s", "Omega %"],
+                       [[r["variant"], r["k"], r["wall_s"], r["generated_tokens"], r["tokens_per_s"], r["model_s"],
+                         r["omega_s"], r["omega_pct"]] for r in res["throughput"]]), ""]  # fmt: skip
+    if "overhead" in res:
+        o = res["overhead"]
+        out += [f"Plugins on a {o['tasks']}-task non-LLM graph (median of {o['repeats']}): plain Dask "
+                f"{o['median_s']['plain']:.2f} s, with the kvstate plugins {o['median_s']['plugins']:.2f} s "
+                f"({o['overhead_pct']:+.1f}%), plugins + compiler pass {o['median_s']['plugins+compiler']:.2f} s "
+                f"({o['overhead_with_compiler_pct']:+.1f}%).", ""]  # fmt: skip
+    return "\n".join(out)
+
+
+def plots(res: dict, out: Path) -> list[str]:
+    """PNG plots of what ran; returns the file names written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        made.append(name)
+
+    if "ttft" in res:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        xs = [r["L"] for r in res["ttft"]]
+        for key, label in (("ttft_replay_s", "text replay"), ("ttft_prefix_s", "local prefix cache"),
+                           ("ttft_kvstate_s", "kvstate")):  # fmt: skip
+            ax.plot(xs, [r[key] for r in res["ttft"]], marker="o", label=label)
+        ax.set(xscale="log", yscale="log", xlabel="context tokens L", ylabel="median TTFT (s)",
+               title="Exp 1: TTFT vs context")  # fmt: skip
+        ax.legend()
+        save(fig, "exp1_ttft.png")
+    if "scaling" in res:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ks = [r["k"] for r in res["scaling"]]
+        for v in [r["variant"] for r in res["scaling"][0]["runs"]]:
+            ax.plot(ks, [r[f"wall_{v}_s"] for r in res["scaling"]], marker="o", label=v)
+        ax.set(xscale="log", xlabel="agents k", ylabel="aggregate wall time (s)", title="Exp 2: multi-agent scaling")
+        ax.set_xticks(ks, [str(k) for k in ks])
+        ax.legend()
+        save(fig, "exp2_scaling.png")
+    if "crossover" in res:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for bw in dict.fromkeys(c["bandwidth"] for c in res["crossover"]):
+            cells = [c for c in res["crossover"] if c["bandwidth"] == bw]
+            ax.plot([c["tokens"] for c in cells], [c["t_pull"] for c in cells], marker="o", label=f"pull @ {bw}")
+        cells = [c for c in res["crossover"] if c["bandwidth"] == res["crossover"][0]["bandwidth"]]
+        ax.plot([c["tokens"] for c in cells], [c["t_recompute"] for c in cells], "k--", marker="s", label="recompute")
+        ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="seconds", title="Exp 3: transfer vs recompute")
+        ax.legend(fontsize=8)
+        save(fig, "exp3_crossover.png")
+    if "memory" in res:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        bs = [r["branches"] for r in res["memory"]]
+        for v in ("replay", "prefix", "kvstate"):
+            ax.plot(bs, [r[f"peak_{v}_bytes"] / MIB for r in res["memory"]], marker="o", label=f"peak {v}")
+            ax.plot(bs, [r[f"computed_{v}_bytes"] / MIB for r in res["memory"]], ls=":", marker=".",
+                    label=f"computed {v}")  # fmt: skip
+        ax.set(xscale="log", xlabel="branch factor", ylabel="KV MiB", title="Exp 4: KV memory vs branches")
+        ax.set_xticks(bs, [str(b) for b in bs])
+        ax.legend(fontsize=8)
+        save(fig, "exp4_memory.png")
+    if "throughput" in res:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        rows = res["throughput"]
+        ax.bar([r["variant"] for r in rows], [r["tokens_per_s"] for r in rows])
+        ax.set(ylabel="generated tokens/s", title=f"Exp 5: throughput at k={rows[0]['k']}")
+        save(fig, "exp5_throughput.png")
+    return made
+
+
+def write(res: dict, out: Path) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=1, default=str))
+    files = {"json": out / "results.json"}
+    res["meta"]["plots"] = plots(res, out)
+    md = markdown(res) + "\n" + "\n".join(f"![{p}]({p})" for p in res["meta"]["plots"]) + "\n"
+    (out / "report.md").write_text(md)
+    files["markdown"] = out / "report.md"
+    files.update({p: out / p for p in res["meta"]["plots"]})
+    return files

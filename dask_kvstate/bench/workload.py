@@ -1,0 +1,138 @@
+"""The benchmark workload: prompts, the three baselines, and one measured run of them.
+
+One *run* is ``k`` agents that share an ``L``-token context, each with its own suffix
+(~32 tokens), each generating ``Y`` tokens, computed on the cluster in one of three
+modes, all from the same ``kvs.generate`` code:
+
+* ``replay``: plain ``dask.delayed`` text replay, every agent prefills the whole prompt;
+* ``prefix``: the same calls with ``prefix_cache=True``: each worker reuses blocks it
+  already holds (per-worker automatic prefix caching), Dask's default scheduling;
+* ``kvstate``: the same calls under ``kvs.stateflow()``: compiler, block stores,
+  placement, batched siblings (``kvstate.compiler.batch-siblings``).
+
+Between runs every worker's store is emptied, so no mode profits from another's blocks.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import dask
+
+import dask_kvstate as kvs
+
+MODES = ("replay", "prefix", "kvstate")
+
+SYSTEM = "You are one agent of a team reviewing an incident. Read the report and answer briefly."
+QUESTIONS = [
+    "What is the most likely root cause?",
+    "Which single metric would have caught this earliest?",
+    "Propose one immediate mitigation the on-call engineer can apply now.",
+    "Write a one-line title for the postmortem.",
+    "Which team should own the follow-up action?",
+    "Was the pod restart a good idea?",
+    "What should the alert threshold be for pool wait time?",
+    "Name one test that would have prevented this change from shipping.",
+]
+
+
+def log_line(i: int) -> str:
+    worker, wait = i % 7, (i * 37) % 900 + 12
+    status = "TIMEOUT" if i % 9 == 4 else "ok"
+    return f"09:{12 + i // 60 % 48:02d}:{i % 60:02d} checkout-{worker} pool_wait={wait}ms orders_query {status}\n"
+
+
+def context_text(lines: int) -> str:
+    body = "".join(log_line(i) for i in range(lines))
+    return f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nIncident report INC-2291, log lines:\n{body}"
+
+
+def suffix(i: int) -> str:
+    """Agent ``i``'s own part of the prompt (about 32 tokens)."""
+    q = QUESTIONS[i % len(QUESTIONS)]
+    return f"\nYou are agent {i} of the review team. {q} Answer in one short sentence.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _fit_lines(tokens: int, dask_worker=None) -> int:
+    """Most log lines whose context stays within ``tokens`` tokens (run on a worker: it has the tokenizer)."""
+    tok = dask_worker.plugins["kvstate"].runtime.backend.tokenize
+    lo, hi = 0, 1
+    while len(tok(context_text(hi))) <= tokens:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if len(tok(context_text(mid))) <= tokens else (lo, mid)
+    return lo
+
+
+def contexts(client, lengths) -> dict[int, str]:
+    """A context of at most ``L`` tokens for every ``L``, measured with the cluster's tokenizer."""
+    w = sorted(client.scheduler_info()["workers"])[0]
+    return {L: context_text(client.run(_fit_lines, L, workers=[w])[w]) for L in lengths}
+
+
+# -- worker-side helpers -------------------------------------------------------------
+def _reset(dask_worker) -> None:
+    """Empty the store (unheld blocks) and start the peak counters afresh."""
+    plugin = dask_worker.plugins["kvstate"]
+    for rt in plugin.runtimes.values():
+        rt.store.discard(list(rt.store))
+        rt.store.device_peak = rt.store.device.total_weight
+        rt.counters["kv_peak_bytes"] = rt.store.device.total_weight
+
+
+def _warm_up(dask_worker) -> None:
+    dask_worker.plugins["kvstate"].runtime.backend.generate([1, 2, 3], max_new_tokens=2)
+
+
+def kv_bytes_per_token(client) -> int:
+    return next(iter(client.run(lambda dask_worker: dask_worker.plugins["kvstate"].runtime.backend.kv_bytes_per_token).values()))
+
+
+def _counters(client) -> dict:
+    return {w: dict(s) for w, s in kvs.stats(client).items()}
+
+
+def build(mode: str, context: str, k: int, new_tokens: int) -> list:
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+    extra = {"prefix_cache": True} if mode == "prefix" else {}
+    return [kvs.generate(context, suffix(i), max_new_tokens=new_tokens, **extra) for i in range(k)]
+
+
+def run(client, mode: str, context: str, k: int, new_tokens: int, *, batch: int | None = None) -> dict:
+    """One measured run: ``k`` agents in ``mode``; returns wall time, per-agent results and counters.
+
+    ``batch``: most siblings per batched resume (kvstate only); default: the agents
+    split evenly over the workers, so every worker decodes one batch.
+    """
+    client.run(_reset)
+    n_workers = len(client.scheduler_info()["workers"])
+    batch = batch or max(1, -(-k // n_workers))
+    outs = build(mode, context, k, new_tokens)
+    before = _counters(client)
+    compiled = kvs.stateflow() if mode == "kvstate" else contextlib.nullcontext()
+    with compiled, dask.config.set({"kvstate.compiler.batch-siblings": batch}):
+        t0 = time.perf_counter()
+        futures = client.compute(outs)
+        results = client.gather(futures)
+        wall = time.perf_counter() - t0
+    after = _counters(client)
+    del futures
+    delta = {c: sum(after[w].get(c, 0) - before.get(w, {}).get(c, 0) for w in after)
+             for c in ("prefill_tokens", "reused_tokens", "transfer_bytes", "transfers", "resume_batches")}  # fmt: skip
+    # Model time: prefill per agent, decode once per batch (rows of a batch share its steps).
+    decode = {}
+    for g in results:
+        decode[getattr(g, "batch_id", id(g))] = g.decode_s
+    model_s = sum(g.prefill_s for g in results) + sum(decode.values())
+    return {
+        "mode": mode, "agents": k, "new_tokens": new_tokens, "wall_s": wall, "batch": batch if mode == "kvstate" else 1,
+        "ttft_s": [g.ttft for g in results], "prompt_tokens": [g.prompt_tokens for g in results],
+        "token_ids": [list(g.token_ids) for g in results],
+        "generated_tokens": sum(len(g.token_ids) for g in results),
+        "prefill_s": sum(g.prefill_s for g in results), "decode_s": sum(decode.values()), "model_s": model_s,
+        "kv_peak_bytes": sum(after[w].get("kv_peak_bytes", 0) for w in after),
+        "kv_peak_bytes_max_worker": max(after[w].get("kv_peak_bytes", 0) for w in after),
+        "workers": n_workers, **delta,
+    }  # fmt: skip

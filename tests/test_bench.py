@@ -1,0 +1,40 @@
+"""The bench command end to end on tiny-llama: result files written, baselines token-identical."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dask_kvstate.bench import cli
+from dask_kvstate.bench.experiments import non_llm_graph
+
+
+def test_bench_scaling_and_memory_end_to_end(tmp_path):
+    out = tmp_path / "bench"
+    res = cli.main(["scaling", "memory", "--quick", "--ks", "3", "--scaling-context", "128", "--new-tokens", "4",
+                    "--variants", "replay", "prefix", "kvstate", "--out", str(out)])  # fmt: skip
+    for name in ("results.json", "report.md", "exp2_scaling.png", "exp4_memory.png"):
+        assert (out / name).stat().st_size > 0, name
+    row = res["scaling"][0]
+    runs = {r["variant"]: r for r in row["runs"]}
+    assert row["identical"] and runs["kvstate"]["token_ids"] == runs["replay"]["token_ids"]
+    assert all(len(t) == 4 for t in runs["replay"]["token_ids"])
+    # kvstate prefilled the shared context once, text replay once per agent.
+    assert runs["kvstate"]["prefill_tokens"] < runs["replay"]["prefill_tokens"]
+    assert runs["kvstate"]["resume_batches"] >= 1
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["memory"][0]["branches"] == 3
+    assert "| k |" in (out / "report.md").read_text()
+
+
+def test_bench_rejects_an_unknown_experiment():
+    with pytest.raises(SystemExit):
+        cli.parse(["nonsense"])
+
+
+def test_non_llm_graph_has_the_asked_size():
+    import dask
+
+    g = non_llm_graph(1000, "t")
+    assert 990 <= len(g.__dask_graph__()) <= 1000
+    assert dask.compute(g, scheduler="sync")[0] == sum(range(1, 501))
