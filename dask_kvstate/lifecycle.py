@@ -4,6 +4,16 @@ from __future__ import annotations
 from distributed import Client
 
 
+def lifecycle_plugins() -> list:
+    """The session tracker (the extension needs it), the ``kvstate-lifecycle`` scheduler
+    extension, then its worker plugin: shared by :func:`install_lifecycle` and the preload."""
+    from dask_kvstate.plugins.lifecycle import KVLifecycle
+    from dask_kvstate.plugins.lifecycle_worker import KVLifecycleWorkerPlugin
+    from dask_kvstate.plugins.sessions import SessionTracker
+
+    return [SessionTracker(), KVLifecycle(), KVLifecycleWorkerPlugin()]
+
+
 def install_lifecycle(client: Client) -> list[str]:
     """Register the ``kvstate-lifecycle`` scheduler extension and its worker plugin.
 
@@ -12,11 +22,7 @@ def install_lifecycle(client: Client) -> list[str]:
     It needs the sessions extension and registers it first (idempotent). A synchronous
     client only. Returns the names registered.
     """
-    from dask_kvstate.plugins.lifecycle import KVLifecycle
-    from dask_kvstate.plugins.lifecycle_worker import KVLifecycleWorkerPlugin
-    from dask_kvstate.plugins.sessions import SessionTracker
-
-    plugins = [SessionTracker(), KVLifecycle(), KVLifecycleWorkerPlugin()]
+    plugins = lifecycle_plugins()
     for p in plugins:
         client.register_plugin(p)  # idempotent: a no-op when one of that name is there
     return [p.name for p in plugins]

@@ -31,9 +31,11 @@ async def dask_setup(server) -> None:
     from dask_kvstate import config
 
     from dask_kvstate.client import scheduling_plugins
+    from dask_kvstate.lifecycle import lifecycle_plugins
 
     # The same plugins kvs.install registers, from this process's config.
     scheduling = scheduling_plugins()  # [scheduler extensions..., worker plugin] or []
+    lifecycle = lifecycle_plugins() if config.get("lifecycle.enabled") else []  # the same shape
     if isinstance(server, Worker):
         from dask_kvstate.plugins.worker import PLUGIN_NAME, KVStateWorkerPlugin
 
@@ -43,10 +45,8 @@ async def dask_setup(server) -> None:
         await server.plugin_add(plugin, name=PLUGIN_NAME, catch_errors=False)
         if scheduling:
             await server.plugin_add(scheduling[-1], catch_errors=False)
-        if config.get("lifecycle.enabled"):  # after the kvstate plugin: it times moves on its store
-            from dask_kvstate.plugins.lifecycle_worker import KVLifecycleWorkerPlugin
-
-            await server.plugin_add(KVLifecycleWorkerPlugin(), catch_errors=False)
+        if lifecycle:  # after the kvstate plugin: it times moves on its store
+            await server.plugin_add(lifecycle[-1], catch_errors=False)
     elif isinstance(server, Scheduler):
         import dask.config
 
@@ -60,12 +60,8 @@ async def dask_setup(server) -> None:
         server.add_plugin(KVObserver())
         for extension in scheduling[:-1]:
             server.add_plugin(extension)
-        if config.get("lifecycle.enabled"):  # needs the session tracker
-            from dask_kvstate.plugins.lifecycle import KVLifecycle
-            from dask_kvstate.plugins.sessions import PLUGIN_NAME as SESSIONS, SessionTracker
-
-            if SESSIONS not in server.plugins:
-                server.add_plugin(SessionTracker())
-            server.add_plugin(KVLifecycle())
+        for extension in lifecycle[:-1]:
+            if extension.name not in server.plugins:  # the session tracker may be there already
+                server.add_plugin(extension)
     else:
         raise TypeError(f"dask_kvstate.plugins preloads a Worker or a Scheduler, not a {type(server).__name__}")

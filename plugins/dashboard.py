@@ -133,29 +133,21 @@ def lineage_html(chains: list[list[dict]]) -> str:
 
 
 def sessions_html(plugin) -> str:
-    """The sessions panel, from whatever summary the sessions extension offers.
+    """The sessions panel: live sessions with their progress.
 
-    Contract: ``progress()`` returning ``{session: {"done": int, "total": int, ...}}``
-    (``plugins/sessions.py``), or ``stats()`` returning a dict.
+    Reads ``progress()``, ``{session: {"done": int, "total": int, ...}}``, of the
+    session tracker (``plugins/sessions.py``).
     """
-    rows: dict = {}
-    for attr in ("progress", "stats"):
-        fn = getattr(plugin, attr, None)
-        if callable(fn):
-            try:
-                rows = fn() or {}
-            except Exception as e:  # noqa: BLE001 - a page must render whatever the extension does
-                return f"<h4>Sessions</h4><p>unavailable: {html.escape(repr(e))}</p>"
-            break
+    try:
+        rows = plugin.progress() or {}
+    except Exception as e:  # noqa: BLE001 - a page must render whatever the extension does
+        return f"<h4>Sessions</h4><p>unavailable: {html.escape(repr(e))}</p>"
     if not rows:
         return "<h4>Sessions</h4><p>No live sessions.</p>"
     out = []
     for name, s in rows.items():
-        if isinstance(s, dict) and "total" in s:
-            done, total = s.get("done", 0), max(s.get("total", 0), 1)
-            bar = f"<progress value='{done}' max='{total}'></progress> {done}/{total}"
-        else:
-            bar = html.escape(str(s))
+        done, total = s["done"], max(s["total"], 1)
+        bar = f"<progress value='{done}' max='{total}'></progress> {done}/{total}"
         out.append(f"<tr><td>{html.escape(str(name))}</td><td>{bar}</td></tr>")
     return "<h4>Sessions</h4><table>" + "".join(out) + "</table>"
 

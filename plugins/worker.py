@@ -115,6 +115,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
         self.runtime = self.runtimes[self.models[0]]
         packing = self.config["kvstate"]["transport"].get("packing-bytes", 0)
         self.packing = PackingBuffers(parse_bytes(packing) if isinstance(packing, str) else int(packing or 0))
+        self.inline_copy_bytes = parse_bytes(dask.config.get("distributed.comm.offload"))
         worker.handlers[HANDLER] = self._serve_blocks
         worker.handlers["kvstate_evict"] = self._evict_handler
         if self.config["kvstate"]["worker"].get("memory-monitor", True):
@@ -265,7 +266,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
         # and checked from disk or many small blocks packed (a copy): those go to a thread
         # past Dask's own offload threshold. The thread hop costs a few ms per pull.
         store, packing = self.runtime.store, self.packing if self.packing.keep_bytes else None
-        if serve_inline(store, hashes, parse_bytes(dask.config.get("distributed.comm.offload")), packing is not None):
+        if serve_inline(store, hashes, self.inline_copy_bytes, packing is not None):
             return serve_blocks(store, hashes, packing)
         return await asyncio.to_thread(serve_blocks, store, hashes, packing)
 

@@ -9,10 +9,10 @@ machine without RDMA or GPUs it runs over loopback TCP and shared memory.
 from __future__ import annotations
 
 import os
-import time
 
 import dask
 import pytest
+from distributed.utils_test import poll_for
 
 import dask_kvstate as kvs
 
@@ -79,11 +79,10 @@ def test_placement_decides_with_numbers_measured_on_this_comm(comm_client):
     got = client.compute(out).result()
     want = client.compute(kvs.generate(CONTEXT, f" placed over {protocol}", " Next?", max_new_tokens=8)).result()
     assert got.token_ids == want.token_ids
-    deadline = time.monotonic() + 10  # outcomes reach the scheduler on the workers' next report
-    while not (events := [e for _, e in client.get_events("kvstate-placement")
-                          if e["kind"] == "outcome" and e["worker"] == b]):  # fmt: skip
-        assert time.monotonic() < deadline, "no placement outcome logged for the consumer"
-        time.sleep(0.05)
-    last = events[-1]
+    def outcomes():
+        return [e for _, e in client.get_events("kvstate-placement") if e["kind"] == "outcome" and e["worker"] == b]
+
+    poll_for(outcomes, timeout=10)  # outcomes reach the scheduler on the workers' next report
+    last = outcomes()[-1]
     assert last["action"] == "pull" and last["seconds"] > 0  # the configured rule, carried out
     assert last["t_transfer"] > 0 and last["t_recompute"] > 0  # both estimates, from this comm's measurements

@@ -16,6 +16,7 @@ from dask_kvstate.plugins.lifecycle import (
     pressure_victims,
 )
 from distributed import Client, LocalCluster
+from distributed.utils_test import poll_for
 
 import dask_kvstate as kvs
 
@@ -29,14 +30,6 @@ def run_tests(seconds, report):
     """A tool call (a test run) of the emulated developer workflow: takes time, no KV."""
     time.sleep(seconds)
     return report
-
-
-def wait_for(predicate, timeout=20.0, interval=0.05):
-    """Poll ``predicate`` until true (the client is synchronous: no async_poll_for here)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {predicate}"
-        time.sleep(interval)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +70,7 @@ def test_invalidation_leaves_zero_bytes_and_keeps_shared_blocks(lc_client):
     assert None not in c.run(where, ra.blocks + rb.blocks, workers=[w])[w]
 
     del fa  # session a ends: its tasks are gone and its block has exited
-    wait_for(lambda: events(c, "invalidate", session=sa.id))
+    poll_for(lambda: events(c, "invalidate", session=sa.id), timeout=20)
     (done,) = [e for e in events(c, "invalidate", session=sa.id) if e["worker"] == w]
     assert done["left"] == 0 and done["freed"] > 0
     # Shared: the blocks both final states hold, and the materialized context's last partial block.
@@ -88,7 +81,7 @@ def test_invalidation_leaves_zero_bytes_and_keeps_shared_blocks(lc_client):
     assert None not in [tiers[ra.blocks.index(h)] for h in shared]  # b still lives and shares these
 
     del fb
-    wait_for(lambda: [e for e in events(c, "invalidate", session=sb.id) if e["worker"] == w])
+    poll_for(lambda: [e for e in events(c, "invalidate", session=sb.id) if e["worker"] == w], timeout=20)
     assert c.run(where, ra.blocks + rb.blocks, workers=[w])[w] == [None] * len(ra.blocks + rb.blocks)
     left = c.run(lambda dask_worker: dask_worker.plugins["kvstate-lifecycle"].stats()["sessions"])
     assert left == {addr: 0 for addr in left}
@@ -132,7 +125,7 @@ def test_suspended_session_is_offloaded_then_prefetched(lc_client):
                                         max_new_tokens=8)).result()  # fmt: skip
     assert out == replay  # resuming from offloaded-then-prefetched KV changes nothing
 
-    wait_for(lambda: events(c, "prefetch", "done", s.id) and events(c, "prefetch", "outcome", s.id))
+    poll_for(lambda: events(c, "prefetch", "done", s.id) and events(c, "prefetch", "outcome", s.id), timeout=20)
     (off,) = events(c, "offload", "decision", s.id)
     assert off["why"] == "prediction" and off["tier"] == "host"
     assert off["predicted_s"] > sum(off["costs"]["host"])  # it idles longer than moving out and back costs

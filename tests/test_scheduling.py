@@ -12,7 +12,7 @@ import time
 import dask
 import pytest
 from distributed import Event, worker_client
-from distributed.utils_test import async_poll_for, gen_cluster
+from distributed.utils_test import async_poll_for, gen_cluster, poll_for
 
 import dask_kvstate as kvs
 from dask_kvstate.plugins.capacity import CapacityController, best_move
@@ -91,7 +91,8 @@ async def test_session_end_waits_for_released_futures_and_hook_errors_are_contai
         f = c.submit(nap, 0.0, "x")
         await f
     await async_poll_for(lambda: tracker.sessions[sess.id].closed_at is not None, timeout=5)
-    await __import__("asyncio").sleep(0.1)  # several control passes: still held, so not ended
+    passes = tracker.loop.passes
+    await async_poll_for(lambda: tracker.loop.passes >= passes + 3, timeout=5)  # still held: not ended
     assert not seen
     del f
     await async_poll_for(lambda: seen, timeout=5)
@@ -295,8 +296,7 @@ def test_kv_missing_at_the_thief_is_priced_into_the_move_and_residency_into_prio
             hold = client.submit(blocker, "gate-kv", workers=[a], pure=False)  # a is busy: the consumer queues
             consumer = client.submit(tasks.resume, state, " Next?", max_new_tokens=2, workers=[a],
                                      allow_other_workers=True, pure=False)  # fmt: skip
-            while client.run_on_scheduler(_state_of, consumer.key) != "processing":
-                time.sleep(0.05)
+            poll_for(lambda: client.run_on_scheduler(_state_of, consumer.key) == "processing", timeout=30)
             view = client.run_on_scheduler(_kv_view, consumer.key, a, b)
             Event("gate-kv", client=client).set()
             assert consumer.result().token_ids and hold.result() == "gate-kv"
