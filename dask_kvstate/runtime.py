@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -64,6 +65,7 @@ class StateRuntime:
         self.pull_timeout = config.get_seconds("transport.timeout")
         self.emulated_bandwidth = config.parse_bandwidth(config.get("transport.emulated-bandwidth"))
         self.rule = config.get("placement.rule")
+        self.borrow_min_tokens = int(config.get("worker.borrow-idle-threads"))
         self.prefill_meter = PrefillMeter()
         # Seeded with Dask's own estimate (or the emulated link, when one is configured)
         # until real pulls are measured.
@@ -108,10 +110,47 @@ class StateRuntime:
         past_len = 0 if past is None else past.shape[3]
         self.counters["prefill_tokens"] += len(ids) - past_len
         self.counters["reused_tokens"] += past_len
-        t0 = time.perf_counter()
-        cache, _ = self.backend.prefill(list(ids), past)
-        self.prefill_meter.add(len(ids) - past_len, past_len, time.perf_counter() - t0)
+        with self._borrowed_threads(len(ids) - past_len) as threads:
+            t0 = time.perf_counter()
+            cache, _ = self.backend.prefill(list(ids), past)
+            seconds = time.perf_counter() - t0
+        if threads == torch.get_num_threads():
+            # The meter predicts recompute time at this worker's own thread count.
+            self.prefill_meter.add(len(ids) - past_len, past_len, seconds)
         return self.backend.kv_from_cache(cache)
+
+    @contextlib.contextmanager
+    def _borrowed_threads(self, tokens: int):
+        """Run a long prefill with the idle threads of other workers on this host too.
+
+        A state's prefill is the critical path of every branch that waits on it, and
+        while it runs the workers that will run those branches have nothing to do (on
+        two cores with one single-threaded worker each, a 4,096-token materialize left
+        one core idle for ~18 s). The scheduler's placement extension counts the idle
+        threads; torch's intra-op pool grows by that many for the prefill and shrinks
+        back after. Yields the thread count used. Costs one scheduler round trip, so only
+        prefills of ``kvstate.worker.borrow-idle-threads`` tokens or more ask.
+        """
+        own = torch.get_num_threads()
+        extra = 0
+        if self.worker is not None and self.borrow_min_tokens and tokens >= self.borrow_min_tokens:
+            from distributed.utils import sync
+
+            try:
+                extra = int(sync(self.worker.loop, self.worker.scheduler.kvstate_idle_threads, worker=self.address,
+                                 callback_timeout=self.connect_timeout))  # fmt: skip
+            except Exception as e:  # no placement extension, a scheduler away: just don't borrow
+                logger.debug("kvstate: not borrowing threads (%s)", e)
+        threads = min(own + max(extra, 0), os.cpu_count() or own)
+        if threads <= own:
+            yield own
+            return
+        self.counters["borrowed_threads"] += threads - own
+        torch.set_num_threads(threads)
+        try:
+            yield threads
+        finally:
+            torch.set_num_threads(own)
 
     # -- resolve -------------------------------------------------------------------
     def resolve(self, ref: KVStateRef) -> KVState:
@@ -330,44 +369,51 @@ class StateRuntime:
 
     def resume(self, ref: KVStateRef, text: str, *, max_new_tokens: int, temperature: float, top_p: float,
                seed: int | None) -> Generation:  # fmt: skip
-        """Generate from ``ref`` followed by ``text``; equals ``generate(ref.text + text)``."""
-        t0 = time.perf_counter()
-        old = self.resolve(ref)
-        ids = self.backend.tokenize(ref.text + text)
-        keep = 0
-        if old.usable:
-            # At least the last prompt token is re-run: its logits start decoding.
-            keep = min(common_prefix(old.token_ids, ids), len(ids) - 1)
-        self.counters["resumes"] += 1
-        return self._generate(ids, old.kv[:, :, :, :keep] if keep else None, t0, max_new_tokens=max_new_tokens,
-                              temperature=temperature, top_p=top_p, seed=seed)  # fmt: skip
+        """Generate from ``ref`` followed by ``text``; equals ``generate(ref.text + text)``.
+
+        The state's KV is read in place (shared-prefix attention, ``backends/cascade.py``),
+        not copied into a transformers cache.
+        """
+        return self._resume_rows(ref, [text], max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                 seed=seed)[0]  # fmt: skip
 
     def resume_many(self, ref: KVStateRef, texts: Sequence[str], *, max_new_tokens: int, temperature: float,
                     top_p: float, seed: int | None) -> list[Generation]:  # fmt: skip
         """Sibling resumes from one state, decoded as one batch; one ``Generation`` per text.
 
-        Each equals ``resume(ref, text)``: the state is resolved once, each sibling's
-        suffix is prefilled on its own, then the decode steps run batched
-        (``backends/batch.py``).
+        Each equals ``resume(ref, text)``: the state is resolved once, every sibling's
+        suffix is prefilled by one forward and the decode steps run batched, all rows
+        reading the state's KV in place (``backends/batch.py``).
         """
-        from dask_kvstate.backends.batch import Row, generate_batch
+        self.counters["batched_resumes"] += len(texts)
+        self.counters["resume_batches"] += 1
+        return self._resume_rows(ref, texts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                 seed=seed)  # fmt: skip
+
+    def _resume_rows(self, ref: KVStateRef, texts: Sequence[str], *, max_new_tokens: int, temperature: float,
+                     top_p: float, seed: int | None) -> list[Generation]:  # fmt: skip
+        from dask_kvstate.backends.batch import Row, generate_batch, kv_bytes
 
         t0 = time.perf_counter()
         old = self.resolve(ref)
         rows = []
         for text in texts:
             ids = self.backend.tokenize(ref.text + text)
+            # At least the last prompt token is re-run: its logits start decoding.
             keep = min(common_prefix(old.token_ids, ids), len(ids) - 1) if old.usable else 0
-            rows.append(Row(ids, old.kv[:, :, :, :keep] if keep else None, seed))
+            rows.append(Row(ids, keep, seed))
             self.counters["prefill_tokens"] += len(ids) - keep
             self.counters["reused_tokens"] += keep
         self.counters["resumes"] += len(rows)
-        self.counters["batched_resumes"] += len(rows)
-        self.counters["resume_batches"] += 1
-        live = sum(len(r.ids) + max_new_tokens for r in rows) * self.backend.kv_bytes_per_token
+        prefix = old.kv if old.usable and any(r.keep for r in rows) else None
+        # Held while decoding: the rows' own buffers, plus the state's KV when resolving
+        # joined its blocks into a new tensor (more than one block) rather than a view.
+        live = kv_bytes(self.backend, rows, max_new_tokens)
+        if prefix is not None and len(ref.blocks) > 1:
+            live += prefix.nbytes
         with self.live_kv(live):
-            results = generate_batch(self.backend, rows, max_new_tokens=max_new_tokens, temperature=temperature,
-                                     top_p=top_p, started=t0)  # fmt: skip
+            results = generate_batch(self.backend, rows, prefix, max_new_tokens=max_new_tokens,
+                                     temperature=temperature, top_p=top_p, started=t0)  # fmt: skip
         self.counters["generations"] += len(rows)
         out = []
         batch_id = new_state_id()  # rows of one batch share its decode time (decode_s is the batch's)

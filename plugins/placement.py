@@ -81,6 +81,7 @@ class KVPlacement(SchedulerPlugin):
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
         scheduler.handlers["kvstate_placement"] = self._hello
+        scheduler.handlers["kvstate_idle_threads"] = self._idle_threads
         scheduler.stream_handlers.update({
             "kvstate-ref": self._on_ref, "kvstate-blocks": self._on_blocks,
             "kvstate-metrics": self._on_metrics, "kvstate-outcome": self._on_outcome,
@@ -89,6 +90,14 @@ class KVPlacement(SchedulerPlugin):
     async def _hello(self, comm=None) -> bool:
         """Workers ask before reporting: Dask drops a worker's stream on an unknown op."""
         return True
+
+    def _idle_threads(self, comm=None, worker=None) -> int:
+        """Threads with no task on ``worker``'s host, its own excepted: what a long prefill may borrow."""
+        ws = self.scheduler.workers.get(worker)
+        if ws is None:
+            return 0
+        return sum(max(0, o.nthreads - len(o.processing)) for o in self.scheduler.workers.values()
+                   if o.host == ws.host and o is not ws)  # fmt: skip
 
     # -- reports from workers ------------------------------------------------------
     @_guarded("a ref report")

@@ -15,41 +15,46 @@ SUFFIXES = [f"Question {i}: {'why ' * (i % 5)}is the plan late?" for i in range(
 
 
 def rows_for(backend, suffixes, seed=None):
+    """Rows over the prefill of CONTEXT, and that prefill's KV (the shared prefix)."""
     prefix = backend.tokenize(CONTEXT)
     kv = backend.kv_from_cache(backend.prefill(prefix)[0])
     rows = []
     for s in suffixes:
         ids = backend.tokenize(CONTEXT + s)
-        keep = min(common_prefix(prefix, ids), len(ids) - 1)
-        rows.append(Row(ids, kv[:, :, :, :keep], seed))
-    return rows
+        rows.append(Row(ids, min(common_prefix(prefix, ids), len(ids) - 1), seed))
+    return rows, kv
+
+
+def stock(backend, row, kv, **params):
+    """The same generation through transformers' own cache (DynamicCache, sdpa): the reference."""
+    return backend.generate(row.ids, kv[:, :, :, : row.keep], seed=row.seed, **params).token_ids
 
 
 def test_batched_decode_equals_unbatched_token_for_token(backend):
-    rows = rows_for(backend, SUFFIXES)
+    rows, kv = rows_for(backend, SUFFIXES)
     assert len({len(r.ids) for r in rows}) > 1, "the suffixes should differ in length"
-    single = [backend.generate(r.ids, r.past_kv, max_new_tokens=20).token_ids for r in rows]
-    batched = generate_batch(backend, rows, max_new_tokens=20)
+    single = [stock(backend, r, kv, max_new_tokens=20) for r in rows]
+    batched = generate_batch(backend, rows, kv, max_new_tokens=20)
     assert [b.token_ids for b in batched] == single
     assert all(len(t) == 20 for t in single)
 
 
 def test_batched_sampling_with_seeds_equals_unbatched(backend):
-    rows = rows_for(backend, SUFFIXES[:3], seed=7)
-    single = [backend.generate(r.ids, r.past_kv, max_new_tokens=12, temperature=0.9, seed=7).token_ids for r in rows]
-    batched = generate_batch(backend, rows, max_new_tokens=12, temperature=0.9)
+    rows, kv = rows_for(backend, SUFFIXES[:3], seed=7)
+    single = [stock(backend, r, kv, max_new_tokens=12, temperature=0.9) for r in rows]
+    batched = generate_batch(backend, rows, kv, max_new_tokens=12, temperature=0.9)
     assert [b.token_ids for b in batched] == single
 
 
 def test_rows_that_stop_early_leave_the_batch(backend):
-    rows = rows_for(backend, SUFFIXES[:4])
-    full = [backend.generate(r.ids, r.past_kv, max_new_tokens=10).token_ids for r in rows]
+    rows, kv = rows_for(backend, SUFFIXES[:4])
+    full = [stock(backend, r, kv, max_new_tokens=10) for r in rows]
     # Make one row's 3rd token an end token: that row stops there, the others go on.
     eos = backend.eos_ids
     try:
         backend.eos_ids = frozenset({full[1][2]})
-        batched = generate_batch(backend, rows, max_new_tokens=10)
-        single = [backend.generate(r.ids, r.past_kv, max_new_tokens=10).token_ids for r in rows]
+        batched = generate_batch(backend, rows, kv, max_new_tokens=10)
+        single = [stock(backend, r, kv, max_new_tokens=10) for r in rows]
     finally:
         backend.eos_ids = eos
     assert [b.token_ids for b in batched] == single
@@ -132,7 +137,7 @@ def test_smollm2_batched_siblings_equal_unbatched_on_the_bench_prompts():
     rows = []
     for i in range(16):
         ids = smol.tokenize(context + workload.suffix(i))
-        rows.append(Row(ids, kv[:, :, :, : min(common_prefix(prefix, ids), len(ids) - 1)]))
-    single = [smol.generate(r.ids, r.past_kv, max_new_tokens=32).token_ids for r in rows]
-    batched = [r.token_ids for r in generate_batch(smol, rows, max_new_tokens=32)]
+        rows.append(Row(ids, min(common_prefix(prefix, ids), len(ids) - 1)))
+    single = [stock(smol, r, kv, max_new_tokens=32) for r in rows]
+    batched = [r.token_ids for r in generate_batch(smol, rows, kv, max_new_tokens=32)]
     assert batched == single

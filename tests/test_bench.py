@@ -12,7 +12,7 @@ from dask_kvstate.bench.experiments import non_llm_graph
 def test_bench_scaling_and_memory_end_to_end(tmp_path):
     out = tmp_path / "bench"
     res = cli.main(["scaling", "memory", "--quick", "--ks", "3", "--scaling-context", "128", "--new-tokens", "4",
-                    "--variants", "replay", "prefix", "kvstate", "--out", str(out)])  # fmt: skip
+                    "--memory-context", "128", "--variants", "replay", "prefix", "kvstate", "--out", str(out)])  # fmt: skip
     for name in ("results.json", "report.md", "exp2_scaling.png", "exp4_memory.png"):
         assert (out / name).stat().st_size > 0, name
     row = res["scaling"][0]
@@ -24,6 +24,11 @@ def test_bench_scaling_and_memory_end_to_end(tmp_path):
     assert runs["kvstate"]["resume_batches"] >= 1
     saved = json.loads((out / "results.json").read_text())
     assert saved["memory"][0]["branches"] == 3
+    # Agents run side by side (two threads a worker): replay held more than one full cache at once.
+    live = saved["memory_live"][0]
+    assert live["branches"] == 3 and live["identical"] and live["threads"] == 2
+    assert live["peak_replay_bytes"] >= 2 * live["context_tokens"] * saved["meta"]["kv_bytes_per_token"]
+    assert live["peak_kvstate_bytes"] > 0
     assert "| k |" in (out / "report.md").read_text()
 
 

@@ -67,3 +67,19 @@ def test_placement_can_be_switched_off():
                 kvs.install(client, "tiny-llama", torch_threads=1)
                 assert kvs.placement_stats(client) == {"installed": False}
                 assert client.compute(kvs.generate("Still works.", max_new_tokens=2)).result().token_ids
+
+
+@pytest.mark.skipif((__import__("os").cpu_count() or 1) < 2, reason="borrowing needs a second core")
+def test_a_long_prefill_borrows_the_idle_workers_threads():
+    """While one worker materializes, the other is idle: the prefill runs with its thread too."""
+    with kv_cluster({**AUTO, "kvstate.worker.borrow-idle-threads": 16}) as client:
+        a, b = sorted(client.scheduler_info()["workers"])
+        with on(a):
+            state = kvs.materialize(CONTEXT)
+            outs = [kvs.resume(state, f" Question {i}?", max_new_tokens=8) for i in range(2)]
+        got = dask.compute(*outs)
+        want = dask.compute(*[kvs.generate(CONTEXT, f" Question {i}?", max_new_tokens=8) for i in range(2)])
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        assert kvs.stats(client)[a].get("borrowed_threads", 0) >= 1
+        # and gives them back
+        assert client.run(lambda: __import__("torch").get_num_threads(), workers=[a])[a] == 1

@@ -20,17 +20,18 @@ class SiblingDecode(ModelSuite):
 
         self.setup_model()
         prefix = self.token_ids(context_tokens)
-        kv = self.backend.kv_from_cache(self.backend.prefill(prefix)[0])
-        # Suffixes of different lengths (8..8+siblings tokens): rows need left padding.
-        self.rows = [Row(prefix + self.token_ids(8 + i), kv) for i in range(siblings)]
+        self.kv = self.backend.kv_from_cache(self.backend.prefill(prefix)[0])
+        # Suffixes of different lengths (8..8+siblings tokens): rows need padding.
+        self.rows = [Row(prefix + self.token_ids(8 + i), len(prefix)) for i in range(siblings)]
 
     def _batched(self):
         from dask_kvstate.backends.batch import generate_batch
 
-        return generate_batch(self.backend, self.rows, max_new_tokens=self.new_tokens)
+        return generate_batch(self.backend, self.rows, self.kv, max_new_tokens=self.new_tokens)
 
     def _unbatched(self):
-        return [self.backend.generate(r.ids, r.past_kv, max_new_tokens=self.new_tokens) for r in self.rows]
+        # transformers' own cache, one row after another: what a resume did before batching.
+        return [self.backend.generate(r.ids, self.kv, max_new_tokens=self.new_tokens) for r in self.rows]
 
     def time_batched(self, siblings, context_tokens):
         self._batched()

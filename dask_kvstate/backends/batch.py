@@ -1,20 +1,24 @@
-"""Batched decoding of sibling generations: one forward pass per step for many rows.
+"""Generation for sibling rows that share one prefix state: batched, with the prefix read in place.
 
-Forked branches that resume from one state each have their own suffix, so their
-caches differ in length. Each row is first prefilled on its own, exactly as an
-unbatched resume does (batch 1, the same kernels, so the same first token), then the
-rows' caches are left-padded to one length and decoded together: one model call per
-step for all rows instead of one per row. A decode step of a small model on CPU is
+Forked branches resume from one state, each with its own suffix. All rows run
+together: one forward prefills every row's suffix (right-padded to the longest), then
+one forward per step decodes every row. A decode step of a small model on CPU is
 bound by reading the weights, so B rows cost far less than B steps (SmolLM2 on two
 cores: 69 ms at batch 1, 345 ms at batch 16).
 
-Correctness: left padding is masked out (the attention mask is 0 there) and every row
-gets its true position ids, so each row computes the same function as its unbatched
-run. Floating point is another matter: a batched matmul may round differently in the
-last bits from the batch-1 one, which could flip a greedy argmax on a near-tie.
-Prefilling per row keeps the prompt part bit-identical; the decode steps are checked
-against unbatched output token for token in the tests (tiny-llama, and SmolLM2 on the
-benchmark prompts in a slow test).
+The rows' attention over the shared prefix goes through
+:class:`~dask_kvstate.backends.cascade.SharedPrefixKV`: the prefix's KV is read where
+it lies, once per step for all rows, and never copied per row; each row's own tokens
+go to a preallocated buffer. So the KV a batch holds is one prefix plus B short
+suffixes (not B prefixes), and no step copies the cache (``DynamicCache`` grows by
+``torch.cat``). A single resume is the same code with one row.
+
+Correctness: row b sees the first ``keep_b`` prefix tokens and its own tokens
+causally, at its true positions, so each row computes the same function as text
+replay of its prompt. Floating point may round differently in the last bits (split
+softmax, batched matmuls), which could flip a greedy argmax on a near-tie; outputs are
+checked against unbatched text-replay-equivalent generation token for token in the
+tests (tiny-llama, and SmolLM2 on the benchmark prompts in a slow test).
 """
 from __future__ import annotations
 
@@ -23,15 +27,16 @@ from dataclasses import dataclass
 
 import torch
 
+from dask_kvstate.backends.cascade import SharedPrefixKV
 from dask_kvstate.backends.hf import GenerationResult, _pick
 
 
 @dataclass
 class Row:
-    """One sibling to decode: its prompt ids and the KV of their leading tokens."""
+    """One sibling: its prompt ids, how many leading ones the shared prefix covers, its seed."""
 
     ids: list[int]
-    past_kv: torch.Tensor | None  # [L, 2, H, T, D] of ids[:T], T < len(ids)
+    keep: int = 0  # ids[:keep] are the prefix's first keep tokens; keep < len(ids)
     seed: int | None = None
 
 
@@ -43,90 +48,87 @@ def _generator(device, temperature: float, seed: int | None):
     return gen
 
 
-def _stack_left_padded(backend, caches: list, lengths: list[int]):
-    """One DynamicCache of batch len(caches), each row's KV left-padded to the longest."""
-    from transformers import DynamicCache
-
-    longest = max(lengths)
-    layers = []
-    for i in range(backend.num_layers):
-        ks, vs = [], []
-        for cache, n in zip(caches, lengths):
-            k, v = cache.layers[i].keys, cache.layers[i].values  # [1, H, n, D]
-            if n < longest:
-                pad = k.new_zeros((1, k.shape[1], longest - n, k.shape[3]))
-                k, v = torch.cat((pad, k), dim=2), torch.cat((pad, v), dim=2)
-            ks.append(k)
-            vs.append(v)
-        layers.append((torch.cat(ks), torch.cat(vs)))
-    return DynamicCache(layers, config=backend.model.config)
+def kv_bytes(backend, rows: list[Row], max_new_tokens: int) -> int:
+    """KV bytes :func:`generate_batch` allocates for ``rows`` (the prefix is borrowed)."""
+    width = max((len(r.ids) - r.keep for r in rows), default=0) + max(max_new_tokens, 1)
+    return len(rows) * width * backend.kv_bytes_per_token
 
 
 @torch.inference_mode()
-def generate_batch(backend, rows: list[Row], *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+def generate_batch(backend, rows: list[Row], prefix: torch.Tensor | None = None, *, max_new_tokens: int,
+                   temperature: float = 0.0, top_p: float = 1.0,
                    started: float | None = None) -> list[GenerationResult]:  # fmt: skip
-    """Generate for every row, decoding the rows together; one result per row, in order.
+    """Generate for every row over the shared ``prefix`` KV ([L, 2, H, P, D]); one result per row.
 
-    Each row's tokens equal ``backend.generate(row.ids, row.past_kv, ...)`` (greedy, or
-    sampling with the row's seed). ``ttft`` of a row is from ``started`` to its first
-    token, which comes right after its own prefill. Raises ValueError for an empty row.
+    Each row's tokens equal ``backend.generate(row.ids, prefix[..., :row.keep, :])``
+    (greedy, or sampling with the row's seed). ``ttft`` is from ``started`` (default:
+    now) to the row's first token; all rows' suffixes are prefilled by one forward, so
+    they share it. Raises ValueError for an empty row or a ``keep`` the prefix can't cover.
     """
     t0 = time.perf_counter() if started is None else started
     device = backend.device
-    outs: list[list[int]] = []
-    firsts, prefill_s, caches, gens = [], [], [], []
     for n, row in enumerate(rows):
         if not row.ids:
             raise ValueError(f"row {n} has an empty prompt: give at least one token of text")
-        p0 = time.perf_counter()
-        cache, logits = backend.prefill(row.ids, row.past_kv)
-        gen = _generator(device, temperature, row.seed)
-        tok = _pick(logits, temperature, top_p, gen) if max_new_tokens > 0 else None
-        firsts.append(time.perf_counter())
-        prefill_s.append(firsts[-1] - p0)
-        outs.append([] if tok is None else [tok])
-        caches.append(cache)
-        gens.append(gen)
-    d0 = time.perf_counter()
-    live = [i for i, o in enumerate(outs) if o and o[-1] not in backend.eos_ids and max_new_tokens > 1]
-    if live:
-        lengths = [len(rows[i].ids) for i in live]
-        cache = _stack_left_padded(backend, [caches[i] for i in live], lengths)
-        caches.clear()  # the batched cache holds copies; drop the per-row ones
-        longest = max(lengths)
-        mask = torch.zeros((len(live), longest), dtype=torch.long, device=device)
-        for r, n in enumerate(lengths):
-            mask[r, longest - n :] = 1
-        pos = torch.tensor(lengths, dtype=torch.long, device=device)
-        while live:
-            x = torch.tensor([[outs[i][-1]] for i in live], dtype=torch.long, device=device)
-            mask = torch.cat((mask, mask.new_ones((len(live), 1))), dim=1)
-            res = backend.model(input_ids=x, attention_mask=mask, position_ids=pos[:, None], cache=cache, use_cache=True)
-            cache, logits = res.cache, res.logits[:, -1].float()
-            keep = []
-            for r, i in enumerate(live):
-                tok = _pick(logits[r], temperature, top_p, gens[i])
-                outs[i].append(tok)
-                if tok not in backend.eos_ids and len(outs[i]) < max_new_tokens:
-                    keep.append(r)
-            if len(keep) < len(live):
-                # Finished rows leave the batch, so later steps cost only what is still running.
-                if not keep:
-                    break
-                idx = torch.tensor(keep, dtype=torch.long, device=device)
-                cache.batch_select_indices(idx)
-                mask, pos = mask[idx], pos[idx]
-                live = [live[r] for r in keep]
-            pos = pos + 1
-    decode_s = time.perf_counter() - d0
+        if not 0 <= row.keep < len(row.ids):
+            raise ValueError(f"row {n} keeps {row.keep} prefix tokens of a {len(row.ids)}-token prompt: "
+                             "at least its last token must be computed")  # fmt: skip
+    if not backend.cascade:
+        # A model whose attention can't be routed (not sdpa/eager): one stock resume per row.
+        return [backend.generate(r.ids, prefix[:, :, :, : r.keep] if r.keep else None, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_p=top_p, seed=r.seed, started=t0) for r in rows]
+    if prefix is not None:
+        prefix = prefix.to(device, non_blocking=True)
+    own = [len(r.ids) - r.keep for r in rows]
+    kv = SharedPrefixKV(prefix, [r.keep for r in rows], max(own) + max(max_new_tokens, 1),
+                        num_layers=backend.num_layers, kv_heads=backend.kv_heads, head_dim=backend.head_dim,
+                        dtype=backend.dtype, device=device)  # fmt: skip
+    decoder, head = backend.model.get_decoder(), backend.model.get_output_embeddings()
+    gens = [_generator(device, temperature, r.seed) for r in rows]
+    outs: list[list[int]] = [[] for _ in rows]
+
+    # Prefill: every row's own tokens in one forward, right-padded (a pad sits after a
+    # row's real tokens, so causal masking keeps it out of the real ones).
+    p0 = time.perf_counter()
+    x = torch.zeros((len(rows), max(own)), dtype=torch.long, device=device)
+    for b, r in enumerate(rows):
+        x[b, : own[b]] = torch.tensor(r.ids[r.keep :], dtype=torch.long)
+    kv.begin(x.shape[1])
+    hidden = decoder(input_ids=x, position_ids=kv.position_ids(x.shape[1]), cache=None, use_cache=False,
+                     kvstate_cascade=kv).last_hidden_state  # fmt: skip
+    last = hidden[torch.arange(len(rows), device=device), torch.tensor(own, device=device) - 1]
+    logits = head(last).float()
+    kv.advance(own)
+    live = []
+    if max_new_tokens > 0:
+        for b in range(len(rows)):
+            outs[b].append(_pick(logits[b], temperature, top_p, gens[b]))
+            if outs[b][-1] not in backend.eos_ids and max_new_tokens > 1:
+                live.append(b)
+    first = time.perf_counter()
+    prefill_s = first - p0
+
+    # Decode: one forward per step for the rows still running.
+    while live:
+        x = torch.tensor([[outs[b][-1]] for b in live], dtype=torch.long, device=device)
+        kv.begin(1)
+        res = backend.model(input_ids=x, position_ids=kv.position_ids(1), cache=None, use_cache=False,
+                            kvstate_cascade=kv)  # fmt: skip
+        logits = res.logits[:, -1].float()
+        kv.advance([1] * len(live))
+        keep = []
+        for r, b in enumerate(live):
+            outs[b].append(_pick(logits[r], temperature, top_p, gens[b]))
+            if outs[b][-1] not in backend.eos_ids and len(outs[b]) < max_new_tokens:
+                keep.append(r)
+        if len(keep) < len(live):
+            # Finished rows leave the batch, so later steps cost only what is still running.
+            if keep:
+                kv.select(keep)
+            live = [live[r] for r in keep]
+    decode_s = time.perf_counter() - first
     return [
-        GenerationResult(
-            token_ids=outs[n],
-            ttft=(firsts[n] - t0) if outs[n] else 0.0,
-            prefill_s=prefill_s[n],
-            decode_s=decode_s,
-            prefill_tokens=len(row.ids) - (0 if row.past_kv is None else int(row.past_kv.shape[3])),
-            reused_tokens=0 if row.past_kv is None else int(row.past_kv.shape[3]),
-        )
-        for n, row in enumerate(rows)
+        GenerationResult(token_ids=outs[b], ttft=(first - t0) if outs[b] else 0.0, prefill_s=prefill_s / len(rows),
+                         decode_s=decode_s, prefill_tokens=own[b], reused_tokens=r.keep)  # fmt: skip
+        for b, r in enumerate(rows)
     ]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dask_kvstate.backends import models
+from dask_kvstate.backends import cascade, models
 from dask_kvstate.blocks import kv_identity
 
 
@@ -63,6 +63,8 @@ class HFBackend:
         self.model_fingerprint = self._model_fingerprint()
         self.kv_identity = kv_identity(self.model_fingerprint, self.config_fingerprint)
         self.eos_ids = self._eos_ids()
+        # Shared-prefix (cascade) attention for resumes; False for a model it can't route.
+        self.cascade = cascade.enable(self.model)
         # Tokenizers' Rust core is not re-entrant for one object across threads.
         self._tok_lock = threading.Lock()
 

@@ -21,10 +21,11 @@ EXPERIMENTS = {"1": "ttft", "2": "scaling", "3": "crossover", "4": "memory", "5"
 FULL = {"model": "smollm2-135m", "lengths": [512, 1024, 2048, 4096], "agents": 16, "ttft_new_tokens": 4,
         "scaling_context": 4096, "ks": [1, 2, 4, 8, 16], "new_tokens": 64,
         "bandwidths": ["10 Mbit/s", "100 Mbit/s", "1 Gbit/s", "10 Gbit/s"], "contexts": [256, 512, 1024, 2048, 4096],
-        "repeats": 3, "overhead_tasks": 10_000, "overhead_repeats": 2}  # fmt: skip
+        "repeats": 3, "overhead_tasks": 10_000, "overhead_repeats": 2, "memory_context": 1024}  # fmt: skip
 QUICK = {"model": "tiny-llama", "lengths": [128, 256, 512], "agents": 16, "ttft_new_tokens": 4,
          "scaling_context": 512, "ks": [1, 4, 16], "new_tokens": 16, "bandwidths": ["100 Mbit/s", "10 Gbit/s"],
-         "contexts": [256, 2048], "repeats": 1, "overhead_tasks": 2_000, "overhead_repeats": 1}  # fmt: skip
+         "contexts": [256, 2048], "repeats": 1, "overhead_tasks": 2_000, "overhead_repeats": 1,
+         "memory_context": 256}  # fmt: skip
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -41,6 +42,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--ks", type=int, nargs="+", help="experiment 2's agent counts (also 4's branch factors)")
     ap.add_argument("--scaling-context", type=int, help="experiment 2's context length")
     ap.add_argument("--new-tokens", type=int, help="experiment 2's tokens generated per agent (Y)")
+    ap.add_argument("--memory-context", type=int, help="context length of experiment 4's all-branches-live runs")
     ap.add_argument("--overhead-tasks", type=int, help="size of experiment 5's non-LLM graph (default 10,000)")
     ap.add_argument("--overhead-repeats", type=int, help="measured rounds of the non-LLM graph")
     ap.add_argument("--variants", nargs="+", help="experiment 2's variants (replay prefix kvstate kvstate-unbatched)")
@@ -59,7 +61,8 @@ def grid(args) -> dict:
     g = dict(QUICK if args.quick else FULL)
     if args.model:
         g["model"] = args.model
-    for name in ("lengths", "agents", "ks", "scaling_context", "new_tokens", "overhead_tasks", "overhead_repeats"):
+    for name in ("lengths", "agents", "ks", "scaling_context", "new_tokens", "overhead_tasks", "overhead_repeats",
+                 "memory_context"):
         if getattr(args, name) is not None:
             g[name] = getattr(args, name)
     return g
@@ -73,6 +76,8 @@ def _steps(exps, g) -> int:
         n += 4 * len(g["ks"])
     if "crossover" in exps:
         n += len(g["bandwidths"]) * len(g["contexts"])
+    if "memory" in exps:
+        n += 3 * len(g["ks"])
     if {"throughput", "overhead"} & set(exps):
         n += g["overhead_repeats"] + 1
     return n
@@ -132,6 +137,10 @@ def main(argv=None) -> dict:
                     if "throughput" in exps:
                         res["throughput"] = ex.throughput(rows)
                     checkpoint()
+        if "memory" in exps:
+            res["memory_live"] = ex.memory_live(g["model"], g["memory_context"], g["ks"], g["new_tokens"], args.workers,
+                                                bar)  # fmt: skip
+            checkpoint()
         if "crossover" in exps:
             res["crossover"] = ex.crossover_sweep(g["model"], g["bandwidths"], g["contexts"], g["repeats"], bar)
             checkpoint()

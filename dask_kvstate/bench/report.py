@@ -58,6 +58,16 @@ def markdown(res: dict) -> str:
                          r["peak_kvstate_bytes"] / MIB, r["peak_ratio_vs_replay"], r["peak_ratio_vs_prefix"],
                          r["computed_replay_bytes"] / MIB, r["computed_kvstate_bytes"] / MIB,
                          r["computed_ratio_vs_replay"]] for r in res["memory"]]), ""]  # fmt: skip
+    if "memory_live" in res:
+        live = res["memory_live"]
+        out += ["### 4b. Peak KV with every branch in flight", "",
+                f"A cluster whose workers run {live[0]['threads']} tasks at once, so all k agents of every mode are live "
+                f"together; context {live[0]['context_tokens']} tokens.", "",
+                _table(["branches", "peak replay MiB", "peak prefix MiB", "peak kvstate MiB", "replay/kvstate",
+                        "prefix/kvstate", "identical"],
+                       [[r["branches"], r["peak_replay_bytes"] / MIB, r["peak_prefix_bytes"] / MIB,
+                         r["peak_kvstate_bytes"] / MIB, r["ratio_vs_replay"], r["ratio_vs_prefix"], r["identical"]]
+                        for r in live]), ""]  # fmt: skip
     if "throughput" in res:
         out += ["## 5. Throughput and framework overhead", "",
                 "Omega = worker busy time (wall x workers) - (prefill + decode time inside the model).", "",
@@ -127,6 +137,11 @@ def plots(res: dict, out: Path) -> list[str]:
         ax.set(xscale="log", xlabel="branch factor", ylabel="KV MiB", title="Exp 4: KV memory vs branches")
         ax.set_xticks(bs, [str(b) for b in bs])
         ax.legend(fontsize=8)
+        if "memory_live" in res:
+            live = res["memory_live"]
+            for v in ("replay", "prefix", "kvstate"):
+                ax.plot([r["branches"] for r in live], [r[f"peak_{v}_bytes"] / MIB for r in live], ls="--", marker="^",
+                        label=f"peak {v}, all live")  # fmt: skip
         save(fig, "exp4_memory.png")
     if "throughput" in res:
         fig, ax = plt.subplots(figsize=(6, 4))
