@@ -111,11 +111,34 @@ def split_blocks(kv, hashes: Sequence[bytes], block_tokens: int, first: int = 0)
 
 
 def join_blocks(tensors: Sequence[object]):
-    """Concatenate block tensors along the token axis (``None`` when there are none)."""
+    """Concatenate block tensors along the token axis (``None`` when there are none).
+
+    Blocks that are consecutive token slices of one tensor (see
+    ``TieredBlockStore.adopt``) join as a view of it, without copying.
+    """
     import torch
 
     if not tensors:
         return None
     if len(tensors) == 1:
         return tensors[0]
-    return torch.cat(list(tensors), dim=3)
+    joined = _consecutive_view(tensors)
+    return joined if joined is not None else torch.cat(list(tensors), dim=3)
+
+
+def _consecutive_view(tensors: Sequence[object]):
+    """One view spanning ``tensors`` if each starts where the previous ends in one storage, else None."""
+    first = tensors[0]
+    try:
+        storage = first.untyped_storage().data_ptr()
+    except (AttributeError, RuntimeError):
+        return None
+    stride, dtype, device = first.stride(), first.dtype, first.device
+    offset, tokens = first.storage_offset(), 0
+    for t in tensors:
+        if (t.dtype != dtype or t.device != device or t.stride() != stride or t.shape[:3] != first.shape[:3]
+                or t.shape[4] != first.shape[4] or t.untyped_storage().data_ptr() != storage
+                or t.storage_offset() != offset + tokens * stride[3]):  # fmt: skip
+            return None
+        tokens += t.shape[3]
+    return first.as_strided((*first.shape[:3], tokens, first.shape[4]), stride, first.storage_offset())

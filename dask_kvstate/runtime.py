@@ -197,7 +197,11 @@ class StateRuntime:
         if decision is not None and "seconds" in decision:
             self._outcome(decision)
         device = self.backend.device  # a block read back from a lower tier may sit in host memory
-        return KVState(ref, ids, join_blocks([t.to(device, non_blocking=True) for t in tensors]))
+        kv = join_blocks([t.to(device, non_blocking=True) for t in tensors])
+        if len(tensors) > 1 and not _same_storage(kv, tensors[0]):
+            # Keep the joined copy as the blocks' storage: one copy of the state here, not two.
+            self.counters["adopted_blocks"] += self.store.adopt(ref.blocks, kv, self.block_tokens)
+        return KVState(ref, ids, kv)
 
     # -- transfer or recompute -------------------------------------------------------
     def _decide(self, ref: KVStateRef, tensors: list, holder: str) -> dict:
@@ -406,10 +410,11 @@ class StateRuntime:
             self.counters["reused_tokens"] += keep
         self.counters["resumes"] += len(rows)
         prefix = old.kv if old.usable and any(r.keep for r in rows) else None
-        # Held while decoding: the rows' own buffers, plus the state's KV when resolving
-        # joined its blocks into a new tensor (more than one block) rather than a view.
+        # Held while decoding: the rows' own buffers, plus the state's KV if it is not the
+        # store's own memory (blocks on a lower tier, or not adopted).
         live = kv_bytes(self.backend, rows, max_new_tokens)
-        if prefix is not None and len(ref.blocks) > 1:
+        held = self.store.peek(ref.blocks[0]) if prefix is not None else None
+        if prefix is not None and not _same_storage(prefix, held):
             live += prefix.nbytes
         with self.live_kv(live):
             results = generate_batch(self.backend, rows, prefix, max_new_tokens=max_new_tokens,
@@ -500,3 +505,13 @@ class StateRuntime:
         # Tokens whose KV came from a state (or the prefix cache) instead of a prefill.
         avoided = {"prefill_tokens_avoided": self.counters["reused_tokens"]}
         return {"model": self.backend.name, **self.store.stats(), **dict(self.counters), **avoided}
+
+
+def _same_storage(a, b) -> bool:
+    """Whether tensors ``a`` and ``b`` share memory (one is a view of the other's storage)."""
+    if a is None or b is None:
+        return False
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except (AttributeError, RuntimeError):
+        return False

@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -244,6 +244,27 @@ class TieredBlockStore:
             self.counters[tier]["hits"] += 1
             self._note_peak()
             return value
+
+    def adopt(self, hashes: Sequence[bytes], joined: torch.Tensor, block_tokens: int) -> int:
+        """Make blocks on the device tier views of ``joined``, their concatenation; returns how many.
+
+        A resume reads a state's KV as one tensor, so the first resume on a worker joins
+        the blocks (a copy); adopting that copy as the blocks' storage drops the
+        originals, so the worker holds the state once, and later resumes join to a
+        view (``blocks.join_blocks``). The bytes are the same, so weights don't change.
+        A block that spills later is written from its view; the joined tensor's memory
+        goes when its last block has left the device tier.
+        """
+        done = 0
+        with self._lock:
+            for i, h in enumerate(hashes):
+                old = self.device.d.get(h)
+                view = joined[:, :, :, i * block_tokens : (i + 1) * block_tokens]
+                if old is None or old.shape != view.shape or old.dtype != view.dtype or old.device != view.device:
+                    continue
+                self.device.d[h] = view
+                done += 1
+        return done
 
     def peek(self, h: bytes) -> torch.Tensor | None:
         """The block without counting or moving it between tiers (serving peers). Never raises."""

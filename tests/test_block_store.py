@@ -216,3 +216,24 @@ def test_a_pinned_block_over_the_budget_does_not_stop_eviction(store):
         store.put(h, block())
     assert store.where(b"big") == "device"
     assert all(store.where(h) != "device" for h in (b"a", b"b"))  # the rest still moved down
+
+
+def test_adopted_blocks_join_as_a_view_and_spill_intact(tmp_path):
+    """After a resume joins a state's blocks, the store keeps the joined copy: one copy, views after."""
+    from dask_kvstate.blocks import join_blocks, split_blocks
+
+    kv = torch.randn(2, 2, 2, 40, 4)
+    hashes = [bytes([i]) * 8 for i in range(3)]  # 16 + 16 + 8 tokens
+    s = TieredBlockStore(str(tmp_path / "b"), device_bytes=10**6, host_bytes=0, disk_bytes=10**6)
+    for b in split_blocks(kv, hashes, 16):
+        s.put(b.hash, b.tensor)
+    weight = s.device.total_weight
+    joined = join_blocks([s.get(h) for h in hashes])  # a copy: the blocks are separate tensors
+    assert s.adopt(hashes, joined, 16) == 3 and s.device.total_weight == weight
+    again = join_blocks([s.get(h) for h in hashes])
+    assert again.data_ptr() == joined.data_ptr() and torch.equal(again, kv)
+    assert join_blocks([s.get(hashes[0]), s.get(hashes[2])]).data_ptr() != joined.data_ptr()  # not consecutive
+    # A view spills to disk as its own bytes and comes back equal.
+    s.offload([hashes[1]], tier="disk")
+    assert hashes[1] in s.disk and torch.equal(s.get(hashes[1]), kv[:, :, :, 16:32])
+    s.close()
