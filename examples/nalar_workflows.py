@@ -437,7 +437,7 @@ def main() -> None:
                     f"{f'--roles {args.roles} ' if args.roles else ''}{f'--median {args.median} ' if args.median else ''}"
                     f"--configs {args.configs}; "
                     f"rate {wf.rate}/s; "
-                    f"roles at start {wf.roles}; hints {wf.hints}\n\n{md}\n")
+                    f"roles at start {wf.roles}; hints {wf.hints}; +hints rows add {wf.nalar_hints}\n\n{md}\n")
         with open(os.path.join(args.out, f"{name}.json"), "w") as f:
             json.dump(rows, f, indent=1)
         plot(rows, os.path.join(args.out, f"{name}.png"))

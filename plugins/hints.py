@@ -215,9 +215,10 @@ class ComponentHints(SchedulerPlugin):
         """Re-key the held heaps (priorities may have been revised), repair slots, renew stamps."""
         s = self.scheduler
         recs: dict = {}
+        rekey = "kvstate-priority" in s.plugins  # without it a task's priority never changes once queued
         for comp in self.limits:
             heap = self.held[comp]
-            if heap:
+            if heap and rekey:
                 fresh = _new_heap()
                 for ts in heap:
                     if ts.state == "no-worker" and s.tasks.get(ts.key) is ts:
