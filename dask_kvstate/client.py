@@ -153,7 +153,8 @@ def scheduling_stats(client: Client) -> dict:
 
     ``{"sessions": {open, ended, sessions, recently_ended, control_loop, ...},
     "priority": {...}, "stealing": {moves, kept, affinity_kept, queued_seen, ...},
-    "capacity": {moves, last, latency, ...}}``; ``sessions.control_loop`` holds, per
+    "capacity": {moves, last, latency, ...}, "hints": {limits, running, held, peak, ...}}``;
+    ``sessions.control_loop`` holds, per
     policy and in total, the pass latency (count, mean, p50, p99, max in ms). Never
     raises for an extension that is off: it reads ``{"installed": False}``.
     """

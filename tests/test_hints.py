@@ -139,6 +139,35 @@ async def test_held_tasks_start_in_priority_order(c, s, a, b):
     assert hints.stats()["peak"] == {"tester": 1}
 
 
+@gen_cluster(client=True, nthreads=[("", 1), ("", 1)], config=FAST)
+async def test_held_tasks_follow_revised_workflow_progress(c, s, a, b):
+    from dask_kvstate.plugins.priority import ProgressPriority
+
+    RAN.clear()
+    await c.register_plugin(SessionTracker())
+    await c.register_plugin(ProgressPriority())
+    await c.register_plugin(ComponentHints({"tester": {"max-concurrency": 1}}))
+    hints, tracker = s.plugins["kvstate-hints"], s.plugins["kvstate-sessions"]
+    with kvs.component("tester"):
+        first = c.submit(run_check, "first", "open-progress", key="first")
+        await async_poll_for(lambda: hints.stats()["running"]["tester"] == 1, timeout=10)
+        with kvs.session("older", client=c):
+            older = c.submit(run_check, "older", key="older")
+        with kvs.session("busier", client=c) as busier:
+            held = c.submit(run_check, "busier", key="busier")
+    await async_poll_for(lambda: hints.stats()["held"]["tester"] == 2, timeout=10)
+    assert s.tasks["older"].priority < s.tasks["busier"].priority  # equal progress: arrival order
+    # The busier session completes other work (on the free thread): its progress passes the older one's.
+    with dask.annotate(**{"kvstate-session": busier.id}):
+        assert await c.gather(c.map(plain, range(3))) == [1, 2, 3]
+    await async_poll_for(lambda: s.tasks["busier"].priority < s.tasks["older"].priority, timeout=10)
+    await async_poll_for(lambda: hints.held["tester"].peek().key == "busier", timeout=10)  # re-keyed heap
+    await Event("open-progress").set()
+    await c.gather([first, older, held])
+    assert RAN == ["first", "busier", "older"]
+    assert tracker.sessions[busier.id].progress == 4
+
+
 @gen_cluster(client=True, nthreads=[("", 2)], config=FAST)
 async def test_released_and_failed_tasks_free_their_slots(c, s, a):
     # Two threads: a cancelled task keeps running in its thread until it returns (Dask
