@@ -233,6 +233,17 @@ def summarize(latencies: list[float]) -> dict:
     return {"n": len(xs), "avg": statistics.fmean(xs), "p50": q(0.50), "p95": q(0.95), "p99": q(0.99), "max": xs[-1]}
 
 
+def _steal_outcomes(dask_scheduler) -> dict:
+    """Steal requests by outcome (Dask's WorkStealing logs each to the ``stealing`` topic,
+    whichever policy asked): ``confirm`` moved, ``already-computing`` refused by the victim."""
+    out: dict = {}
+    for _, msg in dask_scheduler.get_events("stealing"):
+        for entry in msg if isinstance(msg, list) and msg and isinstance(msg[0], (list, tuple)) else [msg]:
+            if isinstance(entry, (list, tuple)) and entry and isinstance(entry[0], str):
+                out[entry[0]] = out.get(entry[0], 0) + 1
+    return out
+
+
 def _batching_stats(dask_worker) -> dict:
     plugin = dask_worker.plugins.get("kvstate-batching")
     return plugin.stats() if plugin is not None else {}
@@ -266,8 +277,9 @@ async def run_one(wf: Workflow, config: str, *, duration: float, seed: int, drai
                 j.cancel()
             stats = await c.run_on_scheduler(_scheduling_stats) if config != "default" else {}
             batching = await c.run(_batching_stats) if hinted else {}
+            steals = await c.run_on_scheduler(_steal_outcomes)
     out = {"workflow": wf.name, "config": config, "offered": len(arrivals), "unfinished": len(pending),
-           **summarize(latencies)}  # fmt: skip
+           **summarize(latencies), "steals": steals}  # fmt: skip
     if stats and stats["hints"]["installed"]:
         h = stats["hints"]
         out["hints"] = {"peak": h["peak"], "holds": h.get("holds", 0)}
@@ -426,7 +438,7 @@ def main() -> None:
                 r = asyncio.run(run_one(wf, config, duration=args.duration, seed=args.seed + rep, drain=args.drain))
                 runs[config].append(r)
                 print(f"{name:8s} {config:9s} seed={args.seed + rep} avg={r['avg']:.3f}s p99={r['p99']:.3f}s "
-                      f"max={r['max']:.3f}s unfinished={r['unfinished']} {r.get('moves', '')} "
+                      f"max={r['max']:.3f}s unfinished={r['unfinished']} {r.get('moves', '')} steals={r['steals']} "
                       f"loop={r.get('control_loop_ms', {})} {r.get('hints', '')}", flush=True)  # fmt: skip
         rows = [merge_runs(rs) for rs in runs.values()]
         md = table(rows)

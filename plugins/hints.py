@@ -96,13 +96,24 @@ class ComponentHints(SchedulerPlugin):
 
             plugin = BatchingWorkerPlugin(self.batch, self.batch_window)
             await scheduler.register_worker_plugin(None, dumps(plugin), name=BATCHING, idempotent=False)
-        tracker = scheduler.plugins.get("kvstate-sessions")
-        if tracker is not None and self.limits:
-            tracker.loop.add("hints", self.revise)
+        self._own_loop = None
+        if self.limits:
+            tracker = scheduler.plugins.get("kvstate-sessions")
+            if tracker is not None:  # the one global control loop, after the priority pass
+                tracker.loop.add("hints", self.revise)
+            else:  # registered alone: a loop of its own, same period
+                from dask_kvstate.plugins.control import ControlLoop
+
+                interval = dask.utils.parse_timedelta(config.get("scheduling.interval"), default="seconds")
+                self._own_loop = ControlLoop(float(interval))
+                self._own_loop.add("hints", self.revise)
+                self._own_loop.start()
 
     async def close(self) -> None:
         """Give this scheduler its stock transitions back and let held tasks go."""
         s = self.scheduler
+        if getattr(self, "_own_loop", None) is not None:
+            self._own_loop.stop()
         if getattr(s, "_kvstate_hints_table", False):
             del s._TRANSITIONS_TABLE
             s._kvstate_hints_table = False
