@@ -89,9 +89,10 @@ class ComponentHints(SchedulerPlugin):
         if self.hinted and not getattr(scheduler, "_kvstate_hints_table", False):
             self._install_gate(scheduler)
         if self.batch:
+            from distributed.protocol.pickle import dumps
+
             from dask_kvstate.plugins.batching import PLUGIN_NAME as BATCHING
             from dask_kvstate.plugins.batching import BatchingWorkerPlugin
-            from distributed.protocol.pickle import dumps
 
             plugin = BatchingWorkerPlugin(self.batch, self.batch_window)
             await scheduler.register_worker_plugin(None, dumps(plugin), name=BATCHING, idempotent=False)

@@ -12,15 +12,15 @@ import threading
 
 import dask
 import pytest
-from dask_kvstate.plugins.batching import PLUGIN_NAME as BATCHING
-from dask_kvstate.plugins.hints import ComponentHints
-from dask_kvstate.plugins.sessions import SessionTracker
 from distributed import Client, Event, LocalCluster, Lock, Variable
 from distributed.utils_test import async_poll_for, gen_cluster
 
 import dask_kvstate as kvs
 from dask_kvstate import config
 from dask_kvstate.hints import parse_hints
+from dask_kvstate.plugins.batching import PLUGIN_NAME as BATCHING
+from dask_kvstate.plugins.hints import ComponentHints
+from dask_kvstate.plugins.sessions import SessionTracker
 
 FAST = {"kvstate.scheduling.interval": "20ms"}
 
