@@ -17,6 +17,7 @@ from dask_kvstate.client import install, placement_stats, stats
 from dask_kvstate.client import install_scheduling, scheduling_stats
 from dask_kvstate.lifecycle import install_lifecycle, lifecycle_stats
 from dask_kvstate.session import component, current_session, session
+from dask_kvstate.hints import batchable
 from dask_kvstate.generation import Generation
 from dask_kvstate import tasks  # noqa: F401  (kvs.tasks.*: the operators for client.submit)
 from dask_kvstate.operators import evict, extend, fork, generate, materialize, merge, resume, transfer
@@ -34,6 +35,7 @@ __all__ = [
     "KVStateRef",
     "MergeError",
     "StateflowError",
+    "batchable",
     "compatible",
     "component",
     "current_session",

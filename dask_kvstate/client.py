@@ -102,6 +102,14 @@ def scheduling_plugins() -> list:
 
     wanted = [cls() for key, cls in (("priority.enabled", ProgressPriority), ("stealing.enabled", LateBindingStealing),
                                      ("capacity.enabled", CapacityController)) if config.get(f"scheduling.{key}")]  # fmt: skip
+    # Component hints (max-concurrency, batchable): their extension, whenever a hint asks for it.
+    from dask_kvstate.hints import parse_hints
+
+    hints = parse_hints(config.get("scheduling.components"))
+    if hints.limits or hints.batch:
+        from dask_kvstate.plugins.hints import ComponentHints
+
+        wanted.append(ComponentHints())
     if not wanted and not config.get("scheduling.sessions"):
         return []
     return [SessionTracker(), *wanted, SchedulingWorkerPlugin()]
@@ -133,7 +141,7 @@ def install_scheduling(client: Client) -> list[str]:
 
 def _scheduling_stats(dask_scheduler) -> dict:
     out = {}
-    for name in ("kvstate-sessions", "kvstate-priority", "kvstate-stealing", "kvstate-capacity"):
+    for name in ("kvstate-sessions", "kvstate-priority", "kvstate-stealing", "kvstate-capacity", "kvstate-hints"):
         plugin = dask_scheduler.plugins.get(name)
         out[name.removeprefix("kvstate-")] = {"installed": False} if plugin is None else \
             {"installed": True, **plugin.stats()}  # fmt: skip
@@ -145,7 +153,8 @@ def scheduling_stats(client: Client) -> dict:
 
     ``{"sessions": {open, ended, sessions, recently_ended, control_loop, ...},
     "priority": {...}, "stealing": {moves, kept, affinity_kept, queued_seen, ...},
-    "capacity": {moves, last, latency, ...}}``; ``sessions.control_loop`` holds, per
+    "capacity": {moves, last, latency, ...}, "hints": {limits, running, held, peak, ...}}``;
+    ``sessions.control_loop`` holds, per
     policy and in total, the pass latency (count, mean, p50, p99, max in ms). Never
     raises for an extension that is off: it reads ``{"installed": False}``.
     """

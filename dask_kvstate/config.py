@@ -122,6 +122,10 @@ def _check_node(value, schema: dict, path: str) -> None:
         props = schema.get("properties", {})
         for key, sub in value.items():
             name = str(key).replace("_", "-")  # DASK_KVSTATE__BLOCK_TOKENS arrives as block_tokens
+            if name not in props and isinstance(schema.get("additionalProperties"), dict):
+                # a mapping of user names (components, roles): each value follows one schema
+                _check_node(sub, schema["additionalProperties"], f"{path}{'.' if path else ''}{key}")
+                continue
             if name not in props:
                 raise ValueError(f"unknown config key kvstate.{path}{'.' if path else ''}{key}; known: {', '.join(props)}")
             _check_node(sub, props[name], f"{path}{'.' if path else ''}{name}")

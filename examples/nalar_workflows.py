@@ -24,11 +24,18 @@ outcomes, so the rows of the table differ only in scheduling.
 Configurations: ``default`` (stock Dask, WorkStealing on, nothing of ours), each
 mechanism alone (``priority``, ``stealing``, ``capacity``) and ``all``. Roles start
 evenly split (the allocation one would write without profiling the workflow).
+A ``+hints`` suffix (``default+hints``, ``all+hints``) adds the workflow's Nalar
+component hints (Table 2): in ``router`` the classifier is ``batchable`` (ready
+classifications on a router worker run as one call, which costs its longest element
+plus a quarter of each other one: batched decoding's price, see ``graph_opt/batch.py``);
+in ``swe`` the tester is a pool of 3 sandboxes (``max-concurrency: 3``: at most three
+test runs at once, cluster-wide; the rest wait on the scheduler, holding no thread).
 
 Run::
 
     python examples/nalar_workflows.py --workflow swe --out results/nalar
     python examples/nalar_workflows.py --control-loop 10000   # control loop latency
+    python examples/nalar_workflows.py --workflow router --configs default,default+hints   # batching
 
 It prints a markdown table (avg, P50, P95, P99, max end-to-end latency in seconds)
 and writes ``<out>/<workflow>.md``, ``<out>/<workflow>.json`` and ``<out>/<workflow>.png``.
@@ -101,6 +108,25 @@ def run_tests(seconds: float, passes: bool, *deps) -> bool:
     return passes
 
 
+BATCH_EXTRA = 0.25  # each extra row of a batched call costs this fraction of its own time
+
+
+def _classify_many(calls: list[tuple]) -> list[float]:
+    """The router's classifier, batched: one call for many requests (``kvs.batchable``'s contract).
+
+    Batched LLM decoding is bound by reading the weights, so a batch costs about its
+    longest row plus a little per extra row (SmolLM2 on CPU: 0.12 s a step at batch 1,
+    0.6 s at batch 16, i.e. ~0.25x per extra row); without the hint every call is a
+    batch of one and costs exactly its own time.
+    """
+    ds = [c[0] for c in calls]
+    time.sleep(max(ds) + BATCH_EXTRA * (sum(ds) - max(ds)))
+    return ds
+
+
+classify = kvs.batchable(_classify_many)
+
+
 # -- seeded profiles ---------------------------------------------------------------------------
 @dataclass
 class Workflow:
@@ -110,16 +136,19 @@ class Workflow:
     components: dict = field(default_factory=dict)  # component -> (median seconds, sigma)
     hints: dict = field(default_factory=dict)
     stateful: dict = field(default_factory=dict)  # hints applied only with --stateful
+    nalar_hints: dict = field(default_factory=dict)  # component hints of the "+hints" configs
 
 
 WORKFLOWS = {
     "swe": Workflow("swe", {"planner": 4, "developer": 4, "tester": 4}, rate=7.0,
                     components={"planner": (0.05, 0.8), "developer": (0.10, 0.8), "tester": (0.06, 0.8)},
-                    stateful={"developer": {"stateful": True}}),  # fmt: skip
+                    stateful={"developer": {"stateful": True}},
+                    nalar_hints={"tester": {"max-concurrency": 3}}),  # fmt: skip
     "analyst": Workflow("analyst", {"analyst": 6, "summarizer": 2}, rate=7.0,
                         components={"analyst": (0.08, 1.0), "summarizer": (0.06, 0.8)}),  # fmt: skip
     "router": Workflow("router", {"router": 2, "chat": 5, "code": 5}, rate=20.0,
-                       components={"router": (0.02, 0.8), "chat": (0.12, 0.8), "code": (0.20, 0.8)}),  # fmt: skip
+                       components={"router": (0.02, 0.8), "chat": (0.12, 0.8), "code": (0.20, 0.8)},
+                       nalar_hints={"router": {"batchable": True, "max-batch": 16}}),  # fmt: skip
 }
 
 
@@ -184,7 +213,7 @@ async def router(c: Client, rid: int, d: Draws, t_arr: float, *, shift_until: fl
     with kvs.session(f"router-{rid}"):
         p_code = 0.5 + 0.45 * min(t_arr / shift_until, 1.0)
         branch = "code" if d.chance(p_code) else "chat"
-        label = c.submit(work, d.seconds("router"), key=f"router-{rid}", resources=role("router"))
+        label = c.submit(classify, d.seconds("router"), key=f"router-{rid}", resources=role("router"))
         await c.submit(work, d.seconds(branch), label, key=f"{branch}-{rid}", resources=role(branch))
 
 
@@ -204,9 +233,26 @@ def summarize(latencies: list[float]) -> dict:
     return {"n": len(xs), "avg": statistics.fmean(xs), "p50": q(0.50), "p95": q(0.95), "p99": q(0.99), "max": xs[-1]}
 
 
+def _steal_outcomes(dask_scheduler) -> dict:
+    """Steal requests by outcome (Dask's WorkStealing logs each to the ``stealing`` topic,
+    whichever policy asked): ``confirm`` moved, ``already-computing`` refused by the victim."""
+    out: dict = {}
+    for _, msg in dask_scheduler.get_events("stealing"):
+        for entry in msg if isinstance(msg, list) and msg and isinstance(msg[0], (list, tuple)) else [msg]:
+            if isinstance(entry, (list, tuple)) and entry and isinstance(entry[0], str):
+                out[entry[0]] = out.get(entry[0], 0) + 1
+    return out
+
+
+def _batching_stats(dask_worker) -> dict:
+    plugin = dask_worker.plugins.get("kvstate-batching")
+    return plugin.stats() if plugin is not None else {}
+
+
 async def run_one(wf: Workflow, config: str, *, duration: float, seed: int, drain: float) -> dict:
-    settings = {f"kvstate.scheduling.{k}": v for k, v in CONFIGS[config].items()}
-    settings["kvstate.scheduling.components"] = wf.hints
+    policies, hinted = config.removesuffix("+hints"), config.endswith("+hints")
+    settings = {f"kvstate.scheduling.{k}": v for k, v in CONFIGS[policies].items()}
+    settings["kvstate.scheduling.components"] = {**wf.hints, **(wf.nalar_hints if hinted else {})}
     settings["distributed.scheduler.work-stealing"] = True  # the stock default
     arrivals = np.cumsum(np.random.default_rng([seed, 10**6]).exponential(1 / wf.rate, int(duration * wf.rate * 2)))
     arrivals = arrivals[arrivals < duration]
@@ -230,8 +276,20 @@ async def run_one(wf: Workflow, config: str, *, duration: float, seed: int, drai
             for j in pending:
                 j.cancel()
             stats = await c.run_on_scheduler(_scheduling_stats) if config != "default" else {}
+            batching = await c.run(_batching_stats) if hinted else {}
+            steals = await c.run_on_scheduler(_steal_outcomes)
     out = {"workflow": wf.name, "config": config, "offered": len(arrivals), "unfinished": len(pending),
-           **summarize(latencies)}  # fmt: skip
+           **summarize(latencies), "steals": steals}  # fmt: skip
+    if stats and stats["hints"]["installed"]:
+        h = stats["hints"]
+        out["hints"] = {"peak": h["peak"], "holds": h.get("holds", 0)}
+        sizes: dict = {}
+        for w in batching.values():
+            for size, n in w.get("sizes", {}).items():
+                sizes[size] = sizes.get(size, 0) + n
+        if sizes:
+            out["hints"]["batch_sizes"] = dict(sorted(sizes.items()))
+            out["hints"]["mean_batch"] = sum(k * n for k, n in sizes.items()) / sum(sizes.values())
     if stats:
         out["control_loop_ms"] = stats["sessions"]["control_loop"]["total"]
         out["moves"] = {k: stats[k].get("moves", 0) for k in ("stealing", "capacity") if stats[k]["installed"]}
@@ -334,13 +392,15 @@ async def control_loop(n_futures: int, seconds: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workflow", choices=[*WORKFLOWS, "all"], default="swe")
-    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated, of " + ",".join(CONFIGS))
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS,
+                    help="comma-separated, of " + ",".join(CONFIGS) + "; a +hints suffix adds the component hints")
     ap.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
     ap.add_argument("--drain", type=float, default=120.0, help="seconds allowed after the last arrival")
     ap.add_argument("--rate", type=float, default=None, help="requests per second (default: the workflow's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1, help="seeds seed..seed+repeats-1, interleaved; medians")
     ap.add_argument("--roles", default=None, help="units per role at start, e.g. planner=1,developer=7,tester=4")
+    ap.add_argument("--median", default=None, help="median seconds per component call, e.g. router=0.06")
     ap.add_argument("--stateful", action="store_true",
                     help="mark swe's developer stateful: its retries keep session affinity (Nalar's stateful hint)")
     ap.add_argument("--out", default="results/nalar")
@@ -365,6 +425,11 @@ def main() -> None:
             if set(units) != set(wf.roles):
                 raise ValueError(f"--roles must give every role of {name}: {sorted(wf.roles)}, got {sorted(units)}")
             wf.roles = units
+        if args.median:
+            for comp, sec in (kv.split("=") for kv in args.median.split(",")):
+                if comp not in wf.components:
+                    raise ValueError(f"--median: {name} has no component {comp!r}; it has {sorted(wf.components)}")
+                wf.components[comp] = (float(sec), wf.components[comp][1])
         runs: dict[str, list[dict]] = {c: [] for c in args.configs.split(",")}
         # Repeats are interleaved (every config once, then again), so a change in the
         # machine's load during the experiment hits every config alike.
@@ -373,17 +438,18 @@ def main() -> None:
                 r = asyncio.run(run_one(wf, config, duration=args.duration, seed=args.seed + rep, drain=args.drain))
                 runs[config].append(r)
                 print(f"{name:8s} {config:9s} seed={args.seed + rep} avg={r['avg']:.3f}s p99={r['p99']:.3f}s "
-                      f"max={r['max']:.3f}s unfinished={r['unfinished']} {r.get('moves', '')} "
-                      f"loop={r.get('control_loop_ms', {})}", flush=True)  # fmt: skip
+                      f"max={r['max']:.3f}s unfinished={r['unfinished']} {r.get('moves', '')} steals={r['steals']} "
+                      f"loop={r.get('control_loop_ms', {})} {r.get('hints', '')}", flush=True)  # fmt: skip
         rows = [merge_runs(rs) for rs in runs.values()]
         md = table(rows)
         print(md)
         with open(os.path.join(args.out, f"{name}.md"), "w") as f:
             f.write(f"Command: python examples/nalar_workflows.py --workflow {name} --duration {args.duration} "
                     f"--seed {args.seed} --repeats {args.repeats}{' --stateful' if args.stateful else ''} "
+                    f"{f'--roles {args.roles} ' if args.roles else ''}{f'--median {args.median} ' if args.median else ''}"
                     f"--configs {args.configs}; "
                     f"rate {wf.rate}/s; "
-                    f"roles at start {wf.roles}; hints {wf.hints}\n\n{md}\n")
+                    f"roles at start {wf.roles}; hints {wf.hints}; +hints rows add {wf.nalar_hints}\n\n{md}\n")
         with open(os.path.join(args.out, f"{name}.json"), "w") as f:
             json.dump(rows, f, indent=1)
         plot(rows, os.path.join(args.out, f"{name}.png"))

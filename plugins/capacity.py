@@ -205,9 +205,10 @@ class CapacityController(SchedulerPlugin):
             for r, n in per_role.items():
                 if r not in ws.resources:
                     ready[r] += n
+        held = getattr(s.plugins.get("kvstate-hints"), "held_comp", {})  # held by max-concurrency: not for want of units
         for ts in s.unrunnable:
             r = role_of.get(ts.key)
-            if r is not None:
+            if r is not None and ts.key not in held:
                 ready[r] += 1
         done, busy, visits, sessions = Counter(), Counter(), Counter(), set()
         for d, v, ss in self.history:
