@@ -58,3 +58,19 @@ def test_compiler_still_rewrites_llm_calls_in_a_many_layer_graph():
     out = graph_opt.optimize(graph, keys)
     assert any(str(k).startswith("kvs-materialize-") for k in out.to_dict())
     assert graph.to_dict() == before, "the input graph must not change"
+
+
+def test_overhead_experiment_measures_every_column_on_idle_clusters(tmp_path):
+    # Small graph, one measured round: what matters here is that every column runs on a
+    # cluster the last run left empty, and that CPU per task and load reach the report.
+    from dask_kvstate.bench import cli
+
+    out = tmp_path / "overhead"
+    res = cli.main(["overhead", "--quick", "--overhead-tasks", "200", "--overhead-repeats", "1", "--out", str(out)])
+    o = res["overhead"]
+    assert set(o["times_s"]) == {"plain", "plugins", "plugins+compiler"}
+    assert all(len(v) == 1 for v in o["times_s"].values())
+    for column in o["cpu_s"].values():
+        assert column["scheduler"][0] > 0 and column["workers"][0] > 0
+    assert len(o["load_average"]["start"]) == 3
+    assert "workers CPU us/task" in (out / "report.md").read_text()

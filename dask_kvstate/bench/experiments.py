@@ -216,7 +216,9 @@ def overhead(model: str, tasks: int, repeats: int, bar) -> dict:
     run's keys forgotten), so no column always follows another's clean-up. Besides wall
     time, each run records the CPU seconds the scheduler and the workers spent on it
     (process time, all threads), which another engineer's load on the machine moves
-    much less than the wall clock.
+    much less than the wall clock. A LocalCluster runs its scheduler in the calling
+    process, so "scheduler" CPU is that process: both schedulers (the idle one costs
+    ~0.03 s per second), the clients and the graph's submission, alike for every column.
     """
     from distributed import Client, LocalCluster
 
