@@ -27,14 +27,24 @@ class PrefillMeter:
 
     def __init__(self, window: int = 64):
         self.obs: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._fit: tuple[float, float] | None = None
 
     def add(self, missing: int, cached: int, seconds: float) -> None:
         if missing > 0 and seconds > 0:
             self.obs.append((int(missing), int(cached), float(seconds)))
+            self._fit = None
 
     def coefficients(self) -> tuple[float, float]:
         if not self.obs:
             raise ValueError("no prefill observed yet: the plugin's probe seeds this")
+        # The worker plugin reports these every 200 ms; the fit (numpy arrays and a
+        # least-squares solve) cost ~1 ms of worker CPU each time (issue 8's profile), so
+        # it is redone only after a new observation.
+        if self._fit is None:
+            self._fit = self._solve()
+        return self._fit
+
+    def _solve(self) -> tuple[float, float]:
         m, c, t = (np.array(col, dtype=float) for col in zip(*self.obs))
         x = np.stack([m, m * (c + m / 2)], axis=1)
         (a, b), *_ = np.linalg.lstsq(x, t, rcond=None)

@@ -43,7 +43,12 @@ def optimize(dsk, keys, **kwargs) -> HighLevelGraph:
     it. Raises :class:`StateflowError` naming the task it could not understand.
     """
     hlg = _delayed_optimize(dsk, keys, **kwargs)
-    plan = make_plan(dict(hlg), min_shared_chars=int(config.get("compiler.min-shared-chars")))
+    # hlg.to_dict(), never dict(hlg): dict() looks every key up through
+    # HighLevelGraph.__getitem__, which scans the layers one by one, and a delayed graph
+    # has a layer per task, so dict(hlg) was quadratic (15 s of scheduler CPU for a
+    # 10,000-task graph with no LLM call in it, issue 8). to_dict() is one pass and
+    # caches its dict on the graph, where the scheduler's materialisation finds it again.
+    plan = make_plan(hlg.to_dict(), min_shared_chars=int(config.get("compiler.min-shared-chars")))
     RECENT_PLANS.append(
         {"calls": len(plan.calls), "states": len(plan.states), "resumes": len(plan.resumes),
          "tokens_avoided_estimate": plan.tokens_avoided_estimate()}  # fmt: skip
@@ -80,5 +85,5 @@ def explain(*delayed, min_shared_chars: int | None = None) -> StatePlan:
     graphs = [d.__dask_graph__() for d in delayed]
     keys = [d.key for d in delayed]
     hlg = _delayed_optimize(HighLevelGraph.merge(*graphs), keys)
-    return StatePlan(make_plan(dict(hlg), min_shared_chars=min_shared_chars), keys)
+    return StatePlan(make_plan(hlg.to_dict(), min_shared_chars=min_shared_chars), keys)
 

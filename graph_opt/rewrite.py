@@ -62,7 +62,9 @@ def _inherit(plan: Plan, per_key: dict[str, dict]) -> None:
 
 
 def apply_plan(hlg: HighLevelGraph, plan: Plan) -> HighLevelGraph:
-    dsk = dict(hlg)
+    # A copy of to_dict() (one pass; dict(hlg) is quadratic in the layers), since it is
+    # changed below and to_dict() returns the graph's cached dict.
+    dsk = dict(hlg.to_dict())
     by_key = {c.key: c for c in plan.calls}
     for call_key, (state_key, remaining) in plan.resumes.items():
         dsk[call_key] = resume_task(by_key[call_key], state_key, remaining)

@@ -316,6 +316,11 @@ class TieredBlockStore:
             if self.pins.clear(owner):
                 self._rebalance()
 
+    def pinned_by(self, owner: Hashable) -> bool:
+        """Whether ``owner`` pins any block. No lock: one dict lookup, atomic under the GIL,
+        so the worker plugin can skip :meth:`unpin` for the many tasks that pin nothing."""
+        return owner in self.pins.by_owner
+
     def hold(self, owner: Hashable, hashes: Iterable[bytes]) -> None:
         """Never drop ``hashes`` while ``owner`` (a key holding a ref) exists."""
         with self._lock:

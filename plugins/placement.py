@@ -135,9 +135,16 @@ class KVPlacement(SchedulerPlugin):
         self.scheduler.log_event(EVENT, {"kind": "outcome", "worker": worker, "slower": slower, **outcome})
 
     # -- Dask hooks ----------------------------------------------------------------
-    @_guarded("a transition")
     def transition(self, key, start, finish, *args, **kwargs) -> None:
-        if finish == "memory" and key in self.refs:
+        # Dask calls every scheduler plugin for every transition of every task; only keys
+        # whose value holds a state matter here, so the rest cost one dict lookup, not the
+        # guard's wrapper and try (issue 8).
+        if key in self.refs:
+            self._transition(key, start, finish)
+
+    @_guarded("a transition")
+    def _transition(self, key, start, finish) -> None:
+        if finish == "memory":
             self._place_dependents(key)
         elif finish in ("forgotten", "released") and start == "memory":
             self.refs.pop(key, None)

@@ -210,6 +210,9 @@ class KVStateWorkerPlugin(WorkerPlugin):
 
     # -- refcounts -----------------------------------------------------------------
     def transition(self, key, start, finish, **kwargs) -> None:
+        # Dask calls this for every transition of every task, KV or not (issue 8): each
+        # branch below starts with a check that costs a dict lookup or less, and takes no
+        # lock for a task that holds or pins nothing.
         rt = self.runtime
         if rt is None:
             return
@@ -224,14 +227,15 @@ class KVStateWorkerPlugin(WorkerPlugin):
                 self._send_ref(key, refs[0])
             if refs and start == "executing" and getattr(self, "_observer", None) is not None:
                 self._observer.send_states(key, refs)
-        elif start == "memory":
+        elif start == "memory" and key in self.held:
             with self._lock:
                 for sid in self.held.pop(key, ()):
                     rt.store.release(("ref", key, sid))
         # After the hold above, so a finished task's new blocks are never unprotected.
         # A cancelled task's thread runs on until cancelled -> released; a seceded one
-        # (long-running) still runs: keep their pins until then.
-        if start in _RUNNING and finish not in _RUNNING:
+        # (long-running) still runs: keep their pins until then. Only tasks that pinned
+        # blocks (kvstate operators) have anything to unpin.
+        if start in _RUNNING and finish not in _RUNNING and rt.store.pinned_by(("task", key)):
             rt.store.unpin(("task", key))
 
     def _send_ref(self, key, ref: KVStateRef) -> None:

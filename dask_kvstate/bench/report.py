@@ -80,6 +80,14 @@ def markdown(res: dict) -> str:
                 f"{o['median_s']['plain']:.2f} s, with the kvstate plugins {o['median_s']['plugins']:.2f} s "
                 f"({o['overhead_pct']:+.1f}%), plugins + compiler pass {o['median_s']['plugins+compiler']:.2f} s "
                 f"({o['overhead_with_compiler_pct']:+.1f}%).", ""]  # fmt: skip
+        if "cpu_median_s" in o:  # results written before issue 8's profile lack these
+            out += [_table(["column", "wall median s", "wall min-max s", "scheduler+client CPU us/task",
+                            "workers CPU us/task"],
+                           [[k, o["median_s"][k], "%.2f-%.2f" % tuple(o["spread_s"][k]),
+                             o["scheduler_us_per_task"][k], o["worker_us_per_task"][k]] for k in o["median_s"]]),
+                    "", f"CPU overhead of the plugins: scheduler {o['scheduler_cpu_overhead_pct']:+.1f}%, workers "
+                    f"{o['worker_cpu_overhead_pct']:+.1f}%. Load average (1, 5, 15 min) at start "
+                    f"{o['load_average']['start']}, at end {o['load_average']['end']}.", ""]  # fmt: skip
     return "\n".join(out)
 
 
