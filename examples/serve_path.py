@@ -48,7 +48,7 @@ def median_ms(fn, repeats: int) -> float:
 
 def serve(mib: int, repeats: int) -> dict:
     hashes, blocks = smollm2_blocks(mib)
-    store = TieredBlockStore(device_bytes=2**31, host_bytes=2**31, disk_bytes=2**31)
+    store = TieredBlockStore(device_bytes=2**31, host_bytes=2**31, disk_bytes=2**31, device="cpu")
     for h, t in zip(hashes, blocks):
         store.put(h, t)
     buffers = PackingBuffers(keep_bytes=2 * mib * 2**20)
@@ -58,7 +58,7 @@ def serve(mib: int, repeats: int) -> dict:
     frame = bytearray(reply["frames"][0].data.tobytes())  # as a comm would hand it over
 
     def receive():
-        into = TieredBlockStore(device_bytes=2**31, host_bytes=2**31, disk_bytes=2**31)
+        into = TieredBlockStore(device_bytes=2**31, host_bytes=2**31, disk_bytes=2**31, device="cpu")
         for h, t in unpack_blocks({**reply, "frames": [frame]}, hashes).items():
             into.put(h, t)
         into.close()
@@ -76,7 +76,7 @@ def wire(mib: int, repeats: int) -> dict:
 
     def install(dask_worker, mib=mib):
         hashes, blocks = smollm2_blocks(mib)
-        store = TieredBlockStore(device_bytes=2**31, host_bytes=2**31, disk_bytes=2**31)
+        store = TieredBlockStore(device_bytes=2**31, host_bytes=2**31, disk_bytes=2**31, device="cpu")
         for h, t in zip(hashes, blocks):
             store.put(h, t)
         reply = serve_run(store, hashes)

@@ -13,16 +13,16 @@ import dask_kvstate as kvs
 from .conftest import CONTEXT, on
 
 
-def _arena_store(tokens=70, block_tokens=16):
+def _arena_store(tokens=70, block_tokens=16, device="cpu"):
     import torch
 
     from dask_kvstate.blocks import split_blocks
     from dask_kvstate.plugins.block_store import TieredBlockStore
 
-    kv = torch.randn(3, 2, 2, tokens, 8)
+    kv = torch.randn(3, 2, 2, tokens, 8, device=device)
     hashes = [bytes([i]) * 16 for i in range(-(-tokens // block_tokens))]
     blocks = split_blocks(kv, hashes, block_tokens)
-    store = TieredBlockStore(device_bytes=2**24, host_bytes=2**24, disk_bytes=2**24)
+    store = TieredBlockStore(device_bytes=2**24, host_bytes=2**24, disk_bytes=2**24, device=device)
     for b in blocks:
         store.put(b.hash, b.tensor)
     return kv, hashes, blocks, store
@@ -106,6 +106,24 @@ def test_blocks_that_are_not_one_run_of_memory_are_packed():
         assert list(back) == asked and all(torch.equal(back[h], want[h]) for h in asked), why
     # Switched off, even a run is packed.
     assert "arena" not in serve_blocks(store, hashes, buffers, zero_copy=False)
+    store.close()
+
+
+def test_cuda_blocks_are_staged_through_host_memory_and_packed():
+    import asyncio
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from dask_kvstate.transport import PackingBuffers, serve_blocks, unpack_blocks
+
+    kv, hashes, blocks, store = _arena_store(tokens=70, device="cuda")
+    assert blocks[0].tensor.is_cuda
+    reply = serve_blocks(store, hashes, PackingBuffers(keep_bytes=2**22))
+    assert "arena" not in reply and reply.get("tail")  # the comm sends host frames: one staging copy anyway
+    back = unpack_blocks(asyncio.run(_over_the_wire(reply)), hashes)
+    assert all(torch.equal(back[b.hash], b.tensor.cpu()) for b in blocks)
     store.close()
 
 
