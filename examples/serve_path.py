@@ -9,8 +9,9 @@ Three measurements, each a median of ``--repeats``, both sides interleaved:
 * **receive**: the puller's work on a reply already read: ``unpack_blocks`` plus the
   store inserts.
 * **wire** (``--wire``): a worker RPC between two processes replying with the arena's
-  memory, its small layout either in the message or as a second frame: which one the
-  zero-copy reply should use.
+  memory, its small layout either in the message or as a second frame (which one the
+  zero-copy reply should use), beside Dask's ``get_data`` of a numpy array of the
+  same bytes.
 
 Run: ``python examples/serve_path.py [--repeats 25] [--wire]``.
 """
@@ -106,14 +107,24 @@ def wire(mib: int, repeats: int) -> dict:
 
         return [sync(w.loop, once) for _ in range(repeats)]
 
+    def raw(key, holder):
+        from dask_kvstate.tasks import measure_raw_fetch
+
+        return [measure_raw_fetch(key, holder)]
+
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
             Client(cluster) as client:  # fmt: skip
         a, b = sorted(client.scheduler_info()["workers"])
         client.run(install, workers=[a])
-        times = {"in_message": [], "own_frame": []}
-        for _ in range(repeats):  # interleaved, so both see the same load
-            for op in times:
+        nbytes = client.run(lambda dask_worker: dask_worker._bench_keep.nbytes, workers=[a])[a]
+        arr = client.submit(lambda n: np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8), nbytes,
+                            workers=[a], pure=False)  # fmt: skip
+        arr.result()
+        times = {"in_message": [], "own_frame": [], "dask_fetch": []}
+        for _ in range(repeats):  # interleaved, so all see the same load
+            for op in ("in_message", "own_frame"):
                 times[op] += client.submit(fetch, a, f"bench_{op}", 1, workers=[b], pure=False).result()
+            times["dask_fetch"] += client.submit(raw, arr.key, a, workers=[b], pure=False).result()
     return {op: 1e3 * statistics.median(ts[1:] or ts) for op, ts in times.items()}
 
 
@@ -129,7 +140,8 @@ def main(argv=None) -> dict:
     if args.wire:
         out["wire"] = w = wire(args.mib, args.repeats)
         print(f"wire {args.mib} MiB zero-copy reply: layout in the message {w['in_message']:.1f} ms, "
-              f"as its own frame {w['own_frame']:.1f} ms", flush=True)
+              f"as its own frame {w['own_frame']:.1f} ms; Dask's fetch of a numpy array of the same bytes "
+              f"{w['dask_fetch']:.1f} ms", flush=True)  # fmt: skip
     return out
 
 
