@@ -133,7 +133,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=25)
     ap.add_argument("--wire", action="store_true", help="also time the two reply shapes between two processes")
+    ap.add_argument("--torch-threads", type=int, default=1, help="as the workers run (kvs.install(torch_threads=1))")
     args = ap.parse_args(argv)
+    # A multi-threaded copy on cores other jobs share stalls on the slowest thread
+    # (64 MiB took 100-500 ms with 2 threads under load, 20 ms with one).
+    torch.set_num_threads(args.torch_threads)
     out = serve(args.mib, args.repeats)
     print(f"serve {args.mib} MiB in {out['blocks']} blocks: packing copy {out['pack_ms']:.2f} ms, zero-copy run "
           f"{out['zero_copy_ms']:.3f} ms; receive (unpack + store inserts) {out['receive_ms']:.3f} ms", flush=True)
