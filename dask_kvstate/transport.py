@@ -302,7 +302,7 @@ def unpack_blocks(resp: dict, hashes: Sequence[bytes] | None = None) -> dict:
     import numpy as np
     import torch
 
-    if resp.get("arena") is not None:
+    if "arena" in resp:
         if hashes is None:
             raise ValueError("a zero-copy reply names blocks by their position in the request: pass hashes")
         return _unpack_run(resp, hashes)
@@ -358,4 +358,4 @@ async def pull_blocks(pool, address: str, hashes: Sequence[bytes], *, connect_ti
     nbytes = sum(t.nelement() * t.element_size() for t in blocks.values())
     if emulated_bandwidth:
         await asyncio.sleep(max(0.0, nbytes / emulated_bandwidth - (time.perf_counter() - t0)))
-    return PullResult(blocks, nbytes, time.perf_counter() - t0, zero_copy=resp.get("arena") is not None)
+    return PullResult(blocks, nbytes, time.perf_counter() - t0, zero_copy="arena" in resp)

@@ -184,3 +184,45 @@ def test_an_extended_state_spans_two_arenas_and_falls_back_to_packing(client, wo
     assert after_a["served_packed"] - before_a["served_packed"] == 1
     assert after_a["served_zero_copy"] == before_a["served_zero_copy"]
     assert after_b["pulls_packed"] - before_b["pulls_packed"] == 1
+
+
+def test_fuzz_zero_copy_layouts_raise_only_value_error():
+    """Random damage to a real zero-copy reply's layout: refused with ValueError, or
+    blocks that exactly tile the frame; never another exception, never a read past it."""
+    import copy
+    import random
+
+    import torch
+
+    from dask_kvstate.transport import serve_run, unpack_blocks
+
+    kv, hashes, blocks, store = _arena_store(tokens=70)
+    reply = serve_run(store, hashes)
+    frame = bytearray(reply["frames"][0].data.tobytes())
+    junk = [None, -1, 0, 1, 2, 16, 10**18, 2.5, "16", b"x", [], [0], [[0, 1]], {"a": 1}, True, "float32", "uint8"]
+    rng = random.Random(0)
+    refused = 0
+    for _ in range(1500):
+        layout = copy.deepcopy(reply["arena"])
+        for _ in range(rng.randint(1, 3)):
+            node, path = layout, []
+            while isinstance(node, list) and node and rng.random() < 0.7:
+                i = rng.randrange(len(node))
+                path.append(i)
+                node = node[i]
+            if not path:
+                layout = rng.choice(junk)
+                break
+            parent = layout
+            for i in path[:-1]:
+                parent = parent[i]
+            parent[path[-1]] = rng.choice(junk)
+        try:
+            back = unpack_blocks({"status": "OK", "frames": [frame], "arena": layout}, hashes)
+        except ValueError:
+            refused += 1
+            continue
+        assert sum(t.nelement() * t.element_size() for t in back.values()) == len(frame)
+        assert all(isinstance(t, torch.Tensor) for t in back.values())
+    assert refused > 1000
+    store.close()
