@@ -58,13 +58,16 @@ def serve(mib: int, repeats: int) -> dict:
     reply = serve_run(store, hashes)
     frame = bytearray(reply["frames"][0].data.tobytes())  # as a comm would hand it over
 
-    def receive():
-        into = TieredBlockStore(device_bytes=2**31, host_bytes=2**31, disk_bytes=2**31, device="cpu")
+    into = TieredBlockStore(device_bytes=2**31, host_bytes=2**31, disk_bytes=2**31, device="cpu")
+    times = []
+    for _ in range(repeats + 1):
+        into.discard(hashes)
+        t0 = time.perf_counter()
         for h, t in unpack_blocks({**reply, "frames": [frame]}, hashes).items():
             into.put(h, t)
-        into.close()
-
-    got = median_ms(receive, repeats)
+        times.append(time.perf_counter() - t0)
+    got = 1e3 * statistics.median(times[1:])
+    into.close()
     store.close()
     return {"blocks": len(hashes), "pack_ms": packed, "zero_copy_ms": run, "receive_ms": got}
 
