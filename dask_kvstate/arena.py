@@ -61,7 +61,16 @@ def lay_out(kv, block_tokens: int, first_token: int = 0) -> list:
         return []
     full, rest = divmod(tokens, block_tokens)
     per_token = L * two * H * D
-    arena = torch.empty(tokens * per_token, dtype=kv.dtype, device=kv.device)
+    n = tokens * per_token
+    if kv.device.type == "cpu":
+        # numpy's allocator asks the kernel for transparent huge pages (madvise) on large
+        # buffers, torch's does not: the socket reads a huge-page arena with fewer TLB
+        # misses, as it reads Dask's numpy arrays and the packing buffers.
+        import numpy as np
+
+        arena = torch.from_numpy(np.empty(n * kv.element_size(), dtype=np.uint8)).view(kv.dtype)
+    else:
+        arena = torch.empty(n, dtype=kv.dtype, device=kv.device)
     cut = full * block_tokens * per_token
     if full:
         # One strided copy: [L, 2, H, full, bt, D] -> [full, L, 2, H, bt, D].

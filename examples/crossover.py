@@ -68,9 +68,13 @@ def throughput(client, a, b, nbytes: int, repeats: int = 9, packed: bool = False
                         workers=[a], pure=False)  # fmt: skip
     wait(arr)
     kv, raw, kv_packed = [], [], []
-    for _ in range(repeats):
+    for i in range(repeats):
+        # alternate which goes first: the first transfer of a repeat may find colder caches
+        if i % 2:
+            raw.append(client.submit(tasks.measure_raw_fetch, arr.key, a, workers=[b], pure=False).result())
         kv.append(client.submit(tasks.measure_fill, ref, "pull", workers=[b], pure=False).result())
-        raw.append(client.submit(tasks.measure_raw_fetch, arr.key, a, workers=[b], pure=False).result())
+        if not i % 2:
+            raw.append(client.submit(tasks.measure_raw_fetch, arr.key, a, workers=[b], pure=False).result())
         if packed:
             _holder_zero_copy(client, a, False)
             kv_packed.append(client.submit(tasks.measure_fill, ref, "pull", workers=[b], pure=False).result())
