@@ -98,16 +98,17 @@ class KVBlock:
 def split_blocks(kv, hashes: Sequence[bytes], block_tokens: int, first: int = 0) -> list[KVBlock]:
     """Cut a sequence KV tensor ``[L, 2, H, T, D]`` into blocks ``first, first+1, ...``.
 
-    Each block is a contiguous copy, so it owns exactly its bytes and serializes
-    without gathering.
+    The blocks are contiguous views of one new buffer, laid out block-major
+    (:func:`dask_kvstate.arena.lay_out`): one copy for all of them, and a pull of
+    consecutive blocks is one run of memory the holder sends without packing.
     """
+    from dask_kvstate.arena import lay_out
+
     total = kv.shape[3]
     assert total <= len(hashes) * block_tokens, "more tokens than hashed blocks"
-    blocks = []
-    for i in range(first, len(hashes)):
-        lo, hi = i * block_tokens, min((i + 1) * block_tokens, total)
-        blocks.append(KVBlock(hashes[i], lo, kv[:, :, :, lo:hi, :].contiguous()))
-    return blocks
+    tensors = lay_out(kv, block_tokens, first * block_tokens)
+    assert len(tensors) == len(hashes) - first, f"{len(tensors)} blocks for {len(hashes) - first} hashes"
+    return [KVBlock(hashes[first + i], (first + i) * block_tokens, t) for i, t in enumerate(tensors)]
 
 
 def join_blocks(tensors: Sequence[object]):

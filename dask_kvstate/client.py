@@ -74,7 +74,11 @@ def stats(client: Client) -> ClusterStats:
     counters (``prefill_tokens``, ``reused_tokens``, ``transfers`` (blocks pulled),
     ``transfer_bytes``, ``transfer_seconds``, ``recomputes`` (blocks rebuilt),
     ``recompute_tokens``, ``incompatible``, ``materializations``, ``resumes``, ``forks``,
-    ``evicted_bytes``, ...). Counters never seen are absent; read them with ``.get``.
+    ``evicted_bytes``, ``served_zero_copy`` / ``served_packed`` (pulls this worker
+    served as one run of a block arena's memory / packed into a reply buffer),
+    ``pulls_zero_copy`` / ``pulls_packed`` (the same, seen by the puller), ...), and
+    ``arena_overhang_bytes`` (memory arenas keep alive beyond the blocks the tiers
+    count). Counters never seen are absent; read them with ``.get``.
 
     The result is a dict (:class:`~dask_kvstate.views.ClusterStats`) that prints as a
     table with totals and renders as HTML in Jupyter.

@@ -298,6 +298,7 @@ class StateRuntime:
         for h, t in res.blocks.items():  # the store moves them to its device; resolve to the model's
             self.store.put(h, t)
         self.counters["transfers"] += len(res.blocks)
+        self.counters["pulls_zero_copy" if res.zero_copy else "pulls_packed"] += 1
         self.counters["transfer_bytes"] += res.nbytes
         self.counters["transfer_seconds"] += res.seconds
         self.links.add(holder, res.nbytes, res.seconds)

@@ -75,9 +75,12 @@ class PackingBuffers:
             return sum(b.nbytes for b in self._buffers)
 
 
-def serve_blocks(store, hashes: Sequence[bytes], buffers: PackingBuffers | None = None) -> dict:
+def serve_blocks(store, hashes: Sequence[bytes], buffers: PackingBuffers | None = None, *,
+                 zero_copy: bool = True) -> dict:  # fmt: skip
     """The handler's reply: the present blocks as frames, and the missing hashes.
 
+    First (unless ``zero_copy`` is False: the caller tried already) the present blocks
+    go out as the one run of memory they may form (:func:`serve_run`), with no copy.
     With ``buffers``, a pull of up to ``buffers.keep_bytes`` travels as one frame, copied
     into a reused buffer (see :class:`PackingBuffers`). Otherwise a block of 1 MiB or
     more is its own frame, sent straight from its memory, and smaller blocks are packed
@@ -90,6 +93,9 @@ def serve_blocks(store, hashes: Sequence[bytes], buffers: PackingBuffers | None 
     import numpy as np
     import torch
 
+    reply = serve_run(store, hashes) if zero_copy else None
+    if reply is not None:
+        return reply
     found, missing = [], []
     for h in hashes:
         t = store.peek(h) if store is not None else None
@@ -139,6 +145,70 @@ def serve_blocks(store, hashes: Sequence[bytes], buffers: PackingBuffers | None 
     return {"status": "OK", "frames": frames, "layout": layout, "missing": missing}
 
 
+def serve_run(store, hashes: Sequence[bytes]) -> dict | None:
+    """The zero-copy reply, or None when the present blocks are not one run of memory.
+
+    When every present block sits in a memory tier and together they are one run of
+    one storage (a block arena, or a frame received earlier; see
+    :mod:`dask_kvstate.arena`), the frame is that memory itself: nothing is copied.
+    The layout is small enough to ride in the message (dtype, the block shape without
+    its token axis, and run-lengths of token counts and of request positions: a few
+    dozen bytes), so it needs neither a tail in the frame nor a frame of its own.
+    Otherwise None, and :func:`serve_blocks` packs. Never raises.
+    """
+    from dask_kvstate.arena import span
+
+    if store is None:
+        return None
+    tensors, index = [], []
+    for i, h in enumerate(hashes):
+        if store.where(h) is None:
+            continue
+        t = store.peek_memory(h)
+        if t is None:  # on disk (or changing tier right now): pack from a fresh read
+            return None
+        tensors.append(t)
+        index.append(i)
+    run = span(tensors)
+    if run is None or not all(t.dim() == 5 and t.shape[:3] == tensors[0].shape[:3] and t.shape[4] == tensors[0].shape[4]
+                              for t in tensors):  # fmt: skip
+        return None
+    L, two, H, _, D = tensors[0].shape
+    tokens = _runs([int(t.shape[3]) for t in tensors], step=0)
+    layout = [str(tensors[0].dtype).removeprefix("torch."), [L, two, H, D], tokens, _runs(index, step=1)]
+    return {"status": "OK", "frames": [to_serialize(run.numpy())], "arena": layout}
+
+
+def _runs(values: Sequence[int], step: int) -> list[list[int]]:
+    """Run-length code: ``[[first value, count], ...]`` of runs that grow by ``step``.
+
+    Examples
+    --------
+    >>> _runs([64, 64, 64, 7], step=0), _runs([0, 1, 2, 5], step=1)
+    ([[64, 3], [7, 1]], [[0, 3], [5, 1]])
+    """
+    out: list[list[int]] = []
+    for v in values:
+        if out and v == out[-1][0] + step * out[-1][1]:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    return out
+
+
+def _unruns(runs, step: int, limit: int, what: str) -> list[int]:
+    """Inverse of :func:`_runs` for a peer's runs, at most ``limit`` values; ValueError otherwise."""
+    # lists or tuples: Dask's msgpack reads arrays back as tuples
+    def ok(r) -> bool:
+        return isinstance(r, (list, tuple)) and len(r) == 2 and all(type(x) is int for x in r) and r[0] >= 0 < r[1]
+
+    if not isinstance(runs, (list, tuple)) or not all(ok(r) for r in runs):
+        raise ValueError(f"peer sent a zero-copy reply with malformed {what} runs {runs!r:.200}")
+    if sum(r[1] for r in runs) > limit:
+        raise ValueError(f"peer sent a zero-copy reply with more {what} than the {limit} blocks asked for")
+    return [v + step * k for v, n in runs for k in range(n)]
+
+
 def serve_inline(store, hashes: Sequence[bytes], max_copy_bytes: int, packing: bool = True) -> bool:
     """Whether :func:`serve_blocks` is cheap enough for the event loop: every block in a
     memory tier (no disk read, no checksum) and at most ``max_copy_bytes`` to copy
@@ -181,11 +251,61 @@ def _untail(resp: dict) -> dict:
     return {**resp, "frames": [arr[: arr.nbytes - n]], "layout": meta["layout"], "missing": meta["missing"]}
 
 
-def unpack_blocks(resp: dict) -> dict:
-    """``hash -> tensor`` from a :func:`serve_blocks` reply; each tensor is a view of its frame."""
+def _frame_tensor(raw):
+    """A received frame as a flat uint8 tensor sharing its memory (copied only if read-only)."""
     import numpy as np
     import torch
 
+    arr = raw if isinstance(raw, np.ndarray) else np.frombuffer(raw, dtype=np.uint8)
+    if not arr.flags.writeable:  # torch wants writable memory
+        arr = arr.copy()
+    return torch.from_numpy(arr.reshape(-1).view(np.uint8))
+
+
+def _unpack_run(resp: dict, hashes: Sequence[bytes]) -> dict:
+    """``hash -> tensor`` from a :func:`serve_run` reply: views of the one frame, no copy."""
+    import math
+
+    layout, frames = resp["arena"], resp.get("frames")
+    if not (isinstance(layout, (list, tuple)) and len(layout) == 4 and isinstance(frames, (list, tuple))
+            and len(frames) == 1):  # fmt: skip
+        raise ValueError(f"peer sent a malformed zero-copy reply: layout {layout!r:.200}")
+    dtype_name, shape, token_runs, index_runs = layout
+    dtype = _dtype(dtype_name)
+    if not (isinstance(shape, (list, tuple)) and len(shape) == 4 and all(type(x) is int and x > 0 for x in shape)):
+        raise ValueError(f"peer sent a zero-copy reply with a bad block shape {shape!r:.200}")
+    index = _unruns(index_runs, 1, len(hashes), "positions")
+    tokens = _unruns(token_runs, 0, len(hashes), "token counts")
+    if len(index) != len(tokens) or (index and (max(index) >= len(hashes) or len(set(index)) != len(index))):
+        raise ValueError(f"peer sent a zero-copy reply whose {len(tokens)} blocks do not match positions "
+                         f"{index_runs!r:.200} of the {len(hashes)} blocks asked for")  # fmt: skip
+    flat = _frame_tensor(frames[0])
+    per_token = math.prod(shape) * dtype.itemsize
+    if sum(tokens) * per_token != flat.numel():
+        raise ValueError(f"peer sent a zero-copy frame of {flat.numel()} bytes for {sum(tokens)} tokens of "
+                         f"{per_token} bytes")  # fmt: skip
+    L, two, H, D = shape
+    out, offset = {}, 0
+    for i, t in zip(index, tokens):
+        size = t * per_token
+        out[hashes[i]] = flat[offset : offset + size].view(dtype).view(L, two, H, t, D)
+        offset += size
+    return out
+
+
+def unpack_blocks(resp: dict, hashes: Sequence[bytes] | None = None) -> dict:
+    """``hash -> tensor`` from a :func:`serve_blocks` reply; each tensor is a view of its frame.
+
+    ``hashes`` are the ones asked for: a zero-copy reply names its blocks by position
+    in that request. A malformed reply raises ValueError (the caller recomputes).
+    """
+    import numpy as np
+    import torch
+
+    if "arena" in resp:
+        if hashes is None:
+            raise ValueError("a zero-copy reply names blocks by their position in the request: pass hashes")
+        return _unpack_run(resp, hashes)
     if resp.get("tail"):  # packed: the layout trails the blocks in the one frame
         resp = _untail(resp)
     flats = []
@@ -205,6 +325,7 @@ class PullResult:
     blocks: dict[bytes, object]  # hash -> tensor
     nbytes: int
     seconds: float
+    zero_copy: bool = False  # the holder sent one run of its memory (no packing copy)
 
 
 async def call(pool, address: str, op: str, *, connect_timeout: float, timeout: float, **msg):
@@ -233,8 +354,8 @@ async def pull_blocks(pool, address: str, hashes: Sequence[bytes], *, connect_ti
     """
     t0 = time.perf_counter()
     resp = await call(pool, address, HANDLER, connect_timeout=connect_timeout, timeout=timeout, hashes=list(hashes))
-    blocks = unpack_blocks(resp)
+    blocks = unpack_blocks(resp, hashes)
     nbytes = sum(t.nelement() * t.element_size() for t in blocks.values())
     if emulated_bandwidth:
         await asyncio.sleep(max(0.0, nbytes / emulated_bandwidth - (time.perf_counter() - t0)))
-    return PullResult(blocks, nbytes, time.perf_counter() - t0)
+    return PullResult(blocks, nbytes, time.perf_counter() - t0, zero_copy="arena" in resp)

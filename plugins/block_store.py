@@ -36,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import zict
 
+from dask_kvstate.arena import overhang
 from dask_kvstate.cost import eviction_score
 from dask_kvstate.plugins.disk_format import CorruptBlockError
 from dask_kvstate.plugins.tiers import DiskTier, ScoredBuffer, nbytes
@@ -280,6 +281,12 @@ class TieredBlockStore:
                     self._corrupt(h, e)
             return None
 
+    def peek_memory(self, h: bytes) -> torch.Tensor | None:
+        """The block if it sits in a memory tier (never reads disk), else None; like :meth:`peek`."""
+        with self._lock:
+            v = self.device.d.get(h)
+            return v if v is not None else self.host.d.get(h)
+
     def _corrupt(self, h: bytes, err: Exception) -> None:
         self.counters["disk"]["checksum_failures"] += 1
         logger.warning("kvstate: spilled block %s is damaged (%s); treating it as a miss", h.hex()[:12], err)
@@ -444,6 +451,9 @@ class TieredBlockStore:
                 "misses": self.counters["disk"]["misses"],
                 "evictions": self.counters["device"]["spills"] + self.counters["store"]["dropped"],
                 "dropped": self.counters["store"]["dropped"],
+                # memory held beyond the tiers' weights: arenas (dask_kvstate/arena.py)
+                # kept alive by some of their blocks after others left memory
+                "arena_overhang_bytes": overhang([*self.device.d.values(), *self.host.d.values()]),
                 "tiers": tiers,
             }
 

@@ -27,7 +27,7 @@ from dask_kvstate.backends import check_model_name
 from dask_kvstate.plugins.memory import KVStateSpillData
 from dask_kvstate.plugins.observe import StatsReporter
 from dask_kvstate.state import KVStateRef
-from dask_kvstate.transport import HANDLER, PackingBuffers, serve_blocks, serve_inline
+from dask_kvstate.transport import HANDLER, PackingBuffers, serve_blocks, serve_inline, serve_run
 
 logger = logging.getLogger("dask_kvstate")
 
@@ -116,6 +116,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
         packing = self.config["kvstate"]["transport"].get("packing-bytes", 0)
         self.packing = PackingBuffers(parse_bytes(packing) if isinstance(packing, str) else int(packing or 0))
         self.inline_copy_bytes = parse_bytes(dask.config.get("distributed.comm.offload"))
+        self.zero_copy = bool(self.config["kvstate"]["transport"].get("zero-copy", True))
         worker.handlers[HANDLER] = self._serve_blocks
         worker.handlers["kvstate_evict"] = self._evict_handler
         if self.config["kvstate"]["worker"].get("memory-monitor", True):
@@ -270,9 +271,15 @@ class KVStateWorkerPlugin(WorkerPlugin):
         # and checked from disk or many small blocks packed (a copy): those go to a thread
         # past Dask's own offload threshold. The thread hop costs a few ms per pull.
         store, packing = self.runtime.store, self.packing if self.packing.keep_bytes else None
+        counters = self.runtime.counters
+        reply = serve_run(store, hashes) if self.zero_copy else None  # one run of memory (an arena): no copy
+        if reply is not None:
+            counters["served_zero_copy"] += 1
+            return reply
+        counters["served_packed"] += 1
         if serve_inline(store, hashes, self.inline_copy_bytes, packing is not None):
-            return serve_blocks(store, hashes, packing)
-        return await asyncio.to_thread(serve_blocks, store, hashes, packing)
+            return serve_blocks(store, hashes, packing, zero_copy=False)
+        return await asyncio.to_thread(serve_blocks, store, hashes, packing, zero_copy=False)
 
     async def _evict_handler(self, comm=None, state=None) -> int:
         if self.runtime is None or not isinstance(state, KVStateRef):

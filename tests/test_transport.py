@@ -14,15 +14,16 @@ def test_served_blocks_are_zero_copy_frames_not_pickles():
     store = TieredBlockStore(device_bytes=2**22, host_bytes=2**22, disk_bytes=2**22)
     block = torch.arange(2 * 2 * 2 * 16 * 16 * 64, dtype=torch.float32).reshape(2, 2, 2, 16, 1024)  # 1 MiB: its own frame
     store.put(b"h" * 16, block)
-    reply = serve_blocks(store, [b"h" * 16, b"x" * 16])
-    assert [row[0] for row in reply["layout"]] == [b"h" * 16] and reply["missing"] == [b"x" * 16]
+    asked = [b"h" * 16, b"x" * 16]
+    reply = serve_blocks(store, asked)  # one block is one run of memory: sent as it is
+    assert reply["arena"][3] == [[0, 1]] and len(reply["frames"]) == 1  # present: position 0 of the request
     header, frames = serialize(reply["frames"][0].data)
     assert header["serializer"] == "dask"  # Dask's numpy serializer, not pickle
     data_frame = max(frames, key=lambda f: memoryview(f).nbytes)
     assert memoryview(data_frame).nbytes == block.nelement() * 4
     assert torch.frombuffer(data_frame, dtype=torch.float32).data_ptr() == block.data_ptr()  # no copy
-    back = unpack_blocks({**reply, "frames": [deserialize(header, [bytearray(f) for f in frames])]})
-    assert torch.equal(back[b"h" * 16], block)
+    back = unpack_blocks({**reply, "frames": [deserialize(header, [bytearray(f) for f in frames])]}, asked)
+    assert list(back) == [b"h" * 16] and torch.equal(back[b"h" * 16], block)
     store.close()
 
 

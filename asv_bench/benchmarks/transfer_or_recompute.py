@@ -5,7 +5,9 @@ context length, the rule's choice, the measured pull time and the measured recom
 time, all from one run (``setup_cache``) so every cell is measured under the same
 conditions. ``track_rule_right`` is 1 where the rule picked the faster option; the
 issue's bar is 95% of cells. ``KVThroughput`` sets a KV pull beside Dask's own fetch of
-a numpy array of the same bytes, on the same pair of workers, per comm.
+a numpy array of the same bytes, on the same pair of workers, per comm, and beside the
+same pull with the holder's zero-copy path off (packed). ``ServePath`` times the
+holder's side alone: packing a pull into a reply buffer vs finding its block arena run.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import crossover  # noqa: E402  (examples/crossover.py)
+import serve_path  # noqa: E402  (examples/serve_path.py)
 
 MODEL = "tiny-llama"
 
@@ -67,7 +70,7 @@ class KVThroughput:
         with crossover.two_workers(protocol) as client:
             kvs.install(client, model, torch_threads=1)
             a, b = sorted(client.scheduler_info()["workers"])
-            self.result = crossover.throughput(client, a, b, 64 * 2**20)
+            self.result = crossover.throughput(client, a, b, 64 * 2**20, packed=True)
 
     def track_kv_pull_mib_per_s(self, protocol, model):
         return self.result["mib"] / self.result["kv_s"]
@@ -83,3 +86,35 @@ class KVThroughput:
         return self.result["ratio"]
 
     track_kv_vs_dask_ratio.unit = "KV pull / Dask fetch throughput"
+
+    def track_kv_packed_vs_dask_ratio(self, protocol, model):
+        return self.result["packed_ratio"]
+
+    track_kv_packed_vs_dask_ratio.unit = "KV pull with zero-copy off / Dask fetch throughput"
+
+
+class ServePath:
+    """The holder's work for a 64 MiB pull of SmolLM2-shaped blocks, in one process."""
+
+    def setup(self):
+        from dask_kvstate.plugins.block_store import TieredBlockStore
+        from dask_kvstate.transport import PackingBuffers
+
+        self.hashes, blocks = serve_path.smollm2_blocks(64)
+        self.store = TieredBlockStore(device_bytes=2**31, host_bytes=2**31, disk_bytes=2**31, device="cpu")
+        for h, t in zip(self.hashes, blocks):
+            self.store.put(h, t)
+        self.buffers = PackingBuffers(keep_bytes=2**28)
+
+    def teardown(self):
+        self.store.close()
+
+    def time_serve_packed(self):
+        from dask_kvstate.transport import serve_blocks
+
+        serve_blocks(self.store, self.hashes, self.buffers, zero_copy=False)
+
+    def time_serve_zero_copy(self):
+        from dask_kvstate.transport import serve_run
+
+        serve_run(self.store, self.hashes)

@@ -1,0 +1,134 @@
+"""Block arenas: a prefill's blocks laid out back to back in one buffer.
+
+vLLM keeps KV in a block pool so that a block is a fixed slice of one big tensor. We
+do the same per prefill: :func:`lay_out` copies the ``[L, 2, H, T, D]`` output of a
+prefill once, block-major, into one flat buffer, and every block is a contiguous
+``[L, 2, H, t, D]`` view of it (the last one may be partial: it is just shorter).
+That copy replaces the per-block ``.contiguous()`` copies made before, so building an
+arena costs nothing extra.
+
+Why: a pull of a state's blocks is then one run of memory, and :func:`span` finds it
+by pointer arithmetic (same storage, each block starting where the previous one
+ends), so the holder can hand that memory to the comm as one frame without packing
+it (``transport.serve_blocks``). Blocks received in one frame are views of it in the
+same way, so a puller that serves them on finds one run too.
+
+Costs, by design: a view keeps its whole arena alive. When some blocks of an arena
+spill to disk or are dropped while others stay in memory, the arena's memory is not
+freed until the last of them leaves; the tier budgets (and ``dask.sizeof`` of a ref)
+count each block's own bytes, so they under-count memory by the bytes of blocks that
+left (:func:`overhang` reports it, ``kvs.stats`` shows it as ``arena_overhang_bytes``).
+Blocks of one arena belong to one state, are used together and score alike, so they
+usually spill and drop together.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+def nbytes(t) -> int:
+    return int(t.nelement() * t.element_size())
+
+
+def lay_out(kv, block_tokens: int, first_token: int = 0) -> list:
+    """Views of one new buffer holding ``kv[:, :, :, first_token:]`` block-major.
+
+    ``kv`` is ``[L, 2, H, T, D]``; block ``i`` of the result covers tokens
+    ``first_token + i * block_tokens`` up to ``block_tokens`` more (the last may hold
+    fewer), as a contiguous ``[L, 2, H, t, D]`` tensor on ``kv``'s device and dtype.
+
+    Examples
+    --------
+    >>> import torch
+    >>> kv = torch.arange(2 * 2 * 1 * 5 * 3, dtype=torch.float32).reshape(2, 2, 1, 5, 3)
+    >>> blocks = lay_out(kv, block_tokens=2)
+    >>> [tuple(b.shape) for b in blocks]
+    [(2, 2, 1, 2, 3), (2, 2, 1, 2, 3), (2, 2, 1, 1, 3)]
+    >>> all(torch.equal(b, kv[:, :, :, 2 * i : 2 * i + 2]) for i, b in enumerate(blocks))
+    True
+    >>> span(blocks) is not None   # one run of memory
+    True
+    """
+    import torch
+
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens!r}")
+    if kv.dim() != 5:
+        raise ValueError(f"expected a KV tensor [layers, 2, kv_heads, tokens, head_dim], got shape {tuple(kv.shape)}")
+    L, two, H, T, D = kv.shape
+    tokens = T - first_token
+    if tokens <= 0:
+        return []
+    full, rest = divmod(tokens, block_tokens)
+    per_token = L * two * H * D
+    n = tokens * per_token
+    if kv.device.type == "cpu":
+        # numpy's allocator asks the kernel for transparent huge pages (madvise) on large
+        # buffers, torch's does not: the socket reads a huge-page arena with fewer TLB
+        # misses, as it reads Dask's numpy arrays and the packing buffers.
+        import numpy as np
+
+        arena = torch.from_numpy(np.empty(n * kv.element_size(), dtype=np.uint8)).view(kv.dtype)
+    else:
+        arena = torch.empty(n, dtype=kv.dtype, device=kv.device)
+    cut = full * block_tokens * per_token
+    if full:
+        # One strided copy: [L, 2, H, full, bt, D] -> [full, L, 2, H, bt, D].
+        src = kv[:, :, :, first_token : first_token + full * block_tokens].reshape(L, two, H, full, block_tokens, D)
+        arena[:cut].view(full, L, two, H, block_tokens, D).copy_(src.permute(3, 0, 1, 2, 4, 5))
+    if rest:
+        arena[cut:].view(L, two, H, rest, D).copy_(kv[:, :, :, first_token + full * block_tokens :])
+    size = block_tokens * per_token
+    blocks = [arena[i * size : (i + 1) * size].view(L, two, H, block_tokens, D) for i in range(full)]
+    if rest:
+        blocks.append(arena[cut:].view(L, two, H, rest, D))
+    return blocks
+
+
+def span(tensors: Sequence):
+    """The bytes of ``tensors`` as one flat uint8 CPU tensor sharing their memory, or None.
+
+    Not None only when they are contiguous CPU tensors of one dtype in one storage,
+    each starting where the previous one ends (an arena, or one received frame).
+    CUDA blocks return None: they must be staged through host memory anyway.
+    """
+    import torch
+
+    if not tensors:
+        return None
+    first = tensors[0]
+    if first.device.type != "cpu":
+        return None
+    storage = first.untyped_storage()
+    base = storage.data_ptr()
+    end = first.data_ptr()
+    for t in tensors:
+        if (t.device.type != "cpu" or t.dtype != first.dtype or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != base or t.data_ptr() != end):  # fmt: skip
+            return None
+        end += nbytes(t)
+    out = torch.empty(0, dtype=torch.uint8)
+    out.set_(storage, first.data_ptr() - base, (end - first.data_ptr(),))
+    return out
+
+
+def overhang(tensors: Iterable) -> int:
+    """Bytes held by the storages behind ``tensors`` beyond the tensors' own bytes.
+
+    What the tier budgets do not see: the rest of arenas (or received frames) whose
+    other blocks left memory. Tensors on CUDA count the same way.
+
+    Examples
+    --------
+    >>> import torch
+    >>> blocks = lay_out(torch.zeros(1, 2, 1, 8, 4), block_tokens=2)   # 4 blocks of 64 bytes
+    >>> overhang(blocks), overhang(blocks[:1])
+    (0, 192)
+    """
+    storages: dict[tuple[str, int], int] = {}
+    own = 0
+    for t in tensors:
+        s = t.untyped_storage()
+        storages[(str(t.device), s.data_ptr())] = s.nbytes()
+        own += nbytes(t)
+    return max(0, sum(storages.values()) - own)
