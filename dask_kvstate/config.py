@@ -80,6 +80,27 @@ def get_seconds(key: str) -> float:
     return float(dask.utils.parse_timedelta(get(key), default="seconds"))
 
 
+def seconds(key: str, value=None, *, minimum: float = 0.0, strict: bool = False) -> float:
+    """``value`` (default: the setting ``key``) as seconds, checked; ValueError names ``key``.
+
+    For plugins' arguments that override a setting: ``None`` reads the setting. Must be
+    ``>= minimum`` (``> minimum`` with ``strict``).
+
+    Examples
+    --------
+    >>> seconds("scheduling.interval", "250ms")
+    0.25
+    """
+    raw = get(key) if value is None else value
+    try:
+        v = float(dask.utils.parse_timedelta(raw, default="seconds"))
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"kvstate.{key} must be a duration like '200ms', got {raw!r}") from e
+    if v < minimum or (strict and v == minimum):
+        raise ValueError(f"kvstate.{key} must be {'>' if strict else '>='} {minimum:g} s, got {raw!r}")
+    return v
+
+
 # -- checking a whole kvstate config ----------------------------------------------------
 # Dask validates no config, and jsonschema is not a dependency of distributed, so the
 # few schema keywords kvstate-schema.yaml uses are checked here by hand; values the

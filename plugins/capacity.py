@@ -34,7 +34,6 @@ import math
 from collections import Counter, defaultdict, deque
 from time import perf_counter, time
 
-import dask
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
@@ -106,17 +105,13 @@ class CapacityController(SchedulerPlugin):
 
     def __init__(self, interval=None, persistence: int | None = None, epsilon: float | None = None,
                  prefix: str | None = None, limits: dict | None = None):  # fmt: skip
-        raw = config.get("scheduling.capacity.interval") if interval is None else interval
-        try:
-            self.interval_s = float(dask.utils.parse_timedelta(raw, default="seconds"))
-        except (ValueError, TypeError, KeyError) as e:
-            raise ValueError(f"kvstate.scheduling.capacity.interval must be a duration, got {raw!r}") from e
+        self.interval_s = config.seconds("scheduling.capacity.interval", interval, strict=True)
         self.k = int(config.get("scheduling.capacity.persistence") if persistence is None else persistence)
         self.epsilon = float(config.get("scheduling.capacity.epsilon") if epsilon is None else epsilon)
         self.prefix = config.get("scheduling.capacity.resource-prefix") if prefix is None else prefix
         self.limits = dict(config.get("scheduling.capacity.limits") if limits is None else limits)
-        if self.interval_s <= 0 or self.k < 1 or self.epsilon < 0 or not self.prefix:
-            raise ValueError(f"capacity settings out of range: interval={raw!r} persistence={self.k} "
+        if self.k < 1 or self.epsilon < 0 or not self.prefix:
+            raise ValueError(f"capacity settings out of range: persistence={self.k} "
                              f"epsilon={self.epsilon} resource-prefix={self.prefix!r}")  # fmt: skip
         for role, lim in self.limits.items():
             if not role.startswith(self.prefix):

@@ -42,7 +42,6 @@ import operator
 from collections import Counter
 from time import monotonic, time
 
-import dask
 from distributed.collections import HeapSet
 from distributed.diagnostics.plugin import SchedulerPlugin
 
@@ -69,13 +68,7 @@ class ComponentHints(SchedulerPlugin):
         hints = parse_hints(config.get("scheduling.components") if components is None else components)
         self.limits: dict[str, int] = dict(hints.limits)
         self.batch: dict[str, int | None] = dict(hints.batch)
-        raw = config.get("scheduling.batch-window") if batch_window is None else batch_window
-        try:
-            self.batch_window = float(dask.utils.parse_timedelta(raw, default="seconds"))
-        except (ValueError, TypeError, KeyError) as e:
-            raise ValueError(f"kvstate.scheduling.batch-window must be a duration like '2ms', got {raw!r}") from e
-        if self.batch_window < 0:
-            raise ValueError(f"kvstate.scheduling.batch-window must be >= 0, got {raw!r}")
+        self.batch_window = config.seconds("scheduling.batch-window", batch_window)
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -104,7 +97,7 @@ class ComponentHints(SchedulerPlugin):
             else:  # registered alone: a loop of its own, same period
                 from dask_kvstate.plugins.control import ControlLoop
 
-                interval = dask.utils.parse_timedelta(config.get("scheduling.interval"), default="seconds")
+                interval = config.get_seconds("scheduling.interval")
                 self._own_loop = ControlLoop(float(interval))
                 self._own_loop.add("hints", self.revise)
                 self._own_loop.start()

@@ -174,19 +174,8 @@ class KVLifecycle(SchedulerPlugin):
 
     def __init__(self, margin: str | float | None = None, reserve: float | None = None,
                  latency: str | float | None = None):  # fmt: skip
-        import dask
-
-        def seconds(name, raw):
-            try:
-                v = float(dask.utils.parse_timedelta(raw, default="seconds"))
-            except (ValueError, TypeError, KeyError) as e:
-                raise ValueError(f"kvstate.lifecycle.{name} must be a duration like '50ms', got {raw!r}") from e
-            if v < 0:
-                raise ValueError(f"kvstate.lifecycle.{name} must be >= 0, got {raw!r}")
-            return v
-
-        self.margin_s = seconds("prefetch-margin", margin if margin is not None else config.get("lifecycle.prefetch-margin"))
-        self.latency_s = seconds("message-latency", latency if latency is not None else config.get("lifecycle.message-latency"))
+        self.margin_s = config.seconds("lifecycle.prefetch-margin", margin)
+        self.latency_s = config.seconds("lifecycle.message-latency", latency)
         reserve = reserve if reserve is not None else config.get("lifecycle.device-reserve")
         if not isinstance(reserve, (int, float)) or not 0 <= reserve < 1:
             raise ValueError(f"kvstate.lifecycle.device-reserve must be a fraction in [0, 1), got {reserve!r}")

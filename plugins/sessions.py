@@ -73,13 +73,7 @@ class SessionTracker(SchedulerPlugin):
     idempotent = True
 
     def __init__(self, interval: str | float | None = None):
-        raw = interval if interval is not None else config.get("scheduling.interval")
-        try:
-            self.interval_s = float(__import__("dask").utils.parse_timedelta(raw, default="seconds"))
-        except (ValueError, TypeError, KeyError) as e:
-            raise ValueError(f"kvstate.scheduling.interval must be a duration like '200ms', got {raw!r}") from e
-        if self.interval_s <= 0:
-            raise ValueError(f"kvstate.scheduling.interval must be > 0, got {raw!r}")
+        self.interval_s = config.seconds("scheduling.interval", interval, strict=True)
         self.scheduler = None
 
     async def start(self, scheduler) -> None:

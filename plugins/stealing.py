@@ -33,7 +33,6 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 
-import dask
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
@@ -82,15 +81,11 @@ class LateBindingStealing(SchedulerPlugin):
     def __init__(self, alpha: float | None = None, beta: str | float | None = None, max_moves: int | None = None,
                  components: dict | None = None):  # fmt: skip
         self.alpha = float(config.get("scheduling.stealing.alpha") if alpha is None else alpha)
-        raw_beta = config.get("scheduling.stealing.beta") if beta is None else beta
         self.max_moves = int(config.get("scheduling.stealing.max-moves") if max_moves is None else max_moves)
         hints = config.get("scheduling.components") if components is None else components
         if not 0 <= self.alpha < 1:
             raise ValueError(f"kvstate.scheduling.stealing.alpha must be in [0, 1), got {self.alpha!r}")
-        try:
-            self.beta = float(dask.utils.parse_timedelta(raw_beta, default="seconds"))
-        except (ValueError, TypeError, KeyError) as e:
-            raise ValueError(f"kvstate.scheduling.stealing.beta must be a duration, got {raw_beta!r}") from e
+        self.beta = config.seconds("scheduling.stealing.beta", beta, minimum=float("-inf"))
         if self.max_moves < 1:
             raise ValueError(f"kvstate.scheduling.stealing.max-moves must be >= 1, got {self.max_moves!r}")
         if not isinstance(hints, dict):
