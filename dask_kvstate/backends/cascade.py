@@ -19,6 +19,12 @@ with ``cache=None``: the rows' KV lives in the :class:`SharedPrefixKV`, which wr
 each layer's new keys and values into preallocated per-row buffers (no ``torch.cat``
 per step) and never copies the prefix.
 
+Two kernels: a decode step (one query per row) uses the split softmax above, so the
+prefix is read in place, once for all rows. The suffixes' prefill (many queries per
+row, once per batch) runs torch's fused sdpa over the prefix expanded per row for that
+one forward: there the split softmax's score tensors (B x heads x q x P) made it twice
+as slow as the fused kernel.
+
 Exactness: the result is the same softmax(QK^T)V over the same keys as sdpa over the
 concatenated cache, masked per row (row b sees the first ``p_b`` prefix tokens and its
 own tokens causally). The arithmetic is split differently, so the last bits of a float
@@ -130,6 +136,7 @@ class SharedPrefixKV:
         limit = self.offsets[:, None] + torch.arange(q, device=dev)[None, :]  # [B, q]
         see_o = j_o[None, None, :] <= limit[:, :, None]
         see = torch.cat((see_p, see_o), dim=-1)  # [B, q, P + width]
+        self._see = see[:, None]  # [B, 1, q, P + width] for sdpa (True = attend)
         mask = torch.zeros(see.shape, dtype=torch.float32, device=dev).masked_fill_(~see, float("-inf"))
         self._mask = mask[:, None, None]  # [B, 1, 1, q, P + width]: broadcast over kv heads and groups
         self._q, self._width = q, width
@@ -164,6 +171,8 @@ class SharedPrefixKV:
             ov[:, :, o : o + q] = value
         W = self._width
         scale = scaling if scaling is not None else D**-0.5
+        if q > 1:
+            return self._attend_fused(layer, query, ok[:, :, :W], ov[:, :, :W], scale)
         # Query heads of one group share a kv head (transformers' repeat_kv order): [B, H, g*q, D].
         qh = query.reshape(B, H, g * q, D)
         parts = []
@@ -181,3 +190,23 @@ class SharedPrefixKV:
             pp = probs[..., : self.P].transpose(0, 1).reshape(H, B * g * q, self.P)
             out = out + torch.matmul(pp, vp).reshape(H, B, g * q, D).transpose(0, 1)
         return out.reshape(B, Hq, q, D).transpose(1, 2)
+
+
+    def _attend_fused(self, layer: int, query, own_k, own_v, scale) -> torch.Tensor:
+        """A multi-token forward (the suffixes' prefill): torch's fused sdpa over prefix + own tokens.
+
+        Here every row has many queries, so the split softmax above would build score
+        tensors of B x heads x q x P floats (~43 MB a layer at B = 8, q = 36, P = 4,096)
+        and run unfused softmax, mask and reshapes over them: measured twice as slow as
+        sdpa's fused kernel, which wants each row's keys in one tensor. So the prefix is
+        expanded per row for this one forward (a transient copy of B x P per layer),
+        never for a decode step.
+        """
+        B = query.shape[0]
+        if self.P:
+            kp, vp = self.prefix[layer, 0], self.prefix[layer, 1]  # [H, P, D]
+            own_k = torch.cat((kp[None].expand(B, *kp.shape), own_k), dim=2)
+            own_v = torch.cat((vp[None].expand(B, *vp.shape), own_v), dim=2)
+        out = torch.nn.functional.scaled_dot_product_attention(query, own_k, own_v, attn_mask=self._see, scale=scale,
+                                                               enable_gqa=True)  # fmt: skip
+        return out.transpose(1, 2)
