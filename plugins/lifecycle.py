@@ -300,7 +300,8 @@ class KVLifecycle(SchedulerPlugin):
                 action, tier = lifecycle_action(predicted, per["device"], lower, costs, self.margin_s + spread,
                                                 host_room)  # fmt: skip
                 if action is not None:
-                    self._send(worker, sid, action, tier, predicted, costs, per, why="prediction")
+                    self._send(worker, sid, action, tier, predicted, costs, per, why="prediction",
+                               margin=self.margin_s + spread)  # fmt: skip
                 # Pressure never takes a session that is due back (it was just fetched, or is
                 # predicted within restore + margin): that would only move it twice.
                 due = predicted is not None and predicted <= min(c[1] for c in costs.values()) + self.margin_s + spread
@@ -317,12 +318,14 @@ class KVLifecycle(SchedulerPlugin):
                 self._send(worker, sid, "offload", tier, None, self.costs(worker, sizes[sid]), report["sessions"][sid],
                            why="pressure")  # fmt: skip
 
-    def _send(self, worker, sid, action, tier, predicted, costs, per, why) -> None:
+    def _send(self, worker, sid, action, tier, predicted, costs, per, why, margin=None) -> None:
         last = self.last.get((sid, worker))
         if last is not None and last["action"] == action and last.get("tier") == tier:
             return  # already asked; the next report shows whether it happened
         decision = {"kind": action, "phase": "decision", "session": sid, "worker": worker, "tier": tier,
                     "predicted_s": predicted, "costs": costs, "bytes": per, "why": why, "at": time()}  # fmt: skip
+        if margin is not None:
+            decision["margin_s"] = margin  # the prefetch margin plus the prediction's spread
         self.last[(sid, worker)] = {"action": action, "tier": tier, "at": decision["at"], "predicted_s": predicted}
         self.counters[action] += 1
         self.counters[f"{action}_{why}"] += 1

@@ -131,7 +131,9 @@ def test_suspended_session_is_offloaded_then_prefetched(lc_client):
     assert off["predicted_s"] > sum(off["costs"]["host"])  # it idles longer than moving out and back costs
     assert events(c, "offload", "done", s.id)[0]["blocks"] == len(ref.blocks)
     (pre,) = events(c, "prefetch", "decision", s.id)
-    assert pre["predicted_s"] <= pre["costs"]["host"][1] + 0.2 + 1e-9
+    # Due back within the restore time plus the margin (0.2 s here, widened by the spread of
+    # the tester's past durations, which the policy adds to it).
+    assert pre["margin_s"] >= 0.2 and pre["predicted_s"] <= pre["costs"]["host"][1] + pre["margin_s"] + 1e-9
     assert events(c, "prefetch", "done", s.id)[0]["blocks"] == len(ref.blocks)
     tiers = kvs.stats(c)[w]["tiers"]
     assert tiers["device"]["spills"] >= len(ref.blocks) and tiers["device"]["unspills"] >= len(ref.blocks)
