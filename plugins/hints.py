@@ -118,29 +118,25 @@ class ComponentHints(SchedulerPlugin):
     # -- the gate ---------------------------------------------------------------------
     def _install_gate(self, s) -> None:
         table = dict(s._TRANSITIONS_TABLE)
-        orig_wp, orig_np = table["waiting", "processing"], table["no-worker", "processing"]
-
-        def waiting_processing(sched, key, stimulus_id, **kwargs):
-            ts = sched.tasks[key]
-            comp = self._hinted(ts)
-            if comp is None:
-                return orig_wp(sched, key, stimulus_id, **kwargs)
-            return self._dispatch(ts, comp, stimulus_id, from_waiting=True)
-
-        def no_worker_processing(sched, key, stimulus_id, **kwargs):
-            ts = sched.tasks[key]
-            comp = self._hinted(ts)
-            if comp is None:
-                return orig_np(sched, key, stimulus_id, **kwargs)
-            return self._dispatch(ts, comp, stimulus_id, from_waiting=False)
-
-        table["waiting", "processing"] = waiting_processing
-        table["no-worker", "processing"] = no_worker_processing
+        for start in ("waiting", "no-worker"):
+            table[start, "processing"] = self._enter(table[start, "processing"], from_waiting=start == "waiting")
         if self.limits:
             for edge in _EXITS:
                 table[edge] = self._exit(table[edge])
         s._TRANSITIONS_TABLE = table  # this scheduler only; the class table stays stock
         s._kvstate_hints_table = True
+
+    def _enter(self, orig, from_waiting: bool):
+        """``orig`` (a transition into processing), gated for hinted tasks."""
+
+        def enter_processing(sched, key, stimulus_id, **kwargs):
+            ts = sched.tasks[key]
+            comp = self._hinted(ts)
+            if comp is None:
+                return orig(sched, key, stimulus_id, **kwargs)
+            return self._dispatch(ts, comp, stimulus_id, from_waiting=from_waiting)
+
+        return enter_processing
 
     def _exit(self, orig):
         def leave_processing(sched, key, stimulus_id, **kwargs):

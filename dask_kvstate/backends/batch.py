@@ -48,10 +48,14 @@ def _generator(device, temperature: float, seed: int | None):
     return gen
 
 
+def _capacity(rows: list[Row], max_new_tokens: int) -> int:
+    """Own tokens each row's buffer holds: the longest suffix plus the tokens to generate."""
+    return max((len(r.ids) - r.keep for r in rows), default=0) + max(max_new_tokens, 1)
+
+
 def kv_bytes(backend, rows: list[Row], max_new_tokens: int) -> int:
     """KV bytes :func:`generate_batch` allocates for ``rows`` (the prefix is borrowed)."""
-    width = max((len(r.ids) - r.keep for r in rows), default=0) + max(max_new_tokens, 1)
-    return len(rows) * width * backend.kv_bytes_per_token
+    return len(rows) * _capacity(rows, max_new_tokens) * backend.kv_bytes_per_token
 
 
 @torch.inference_mode()
@@ -80,7 +84,7 @@ def generate_batch(backend, rows: list[Row], prefix: torch.Tensor | None = None,
     if prefix is not None:
         prefix = prefix.to(device, non_blocking=True)
     own = [len(r.ids) - r.keep for r in rows]
-    kv = SharedPrefixKV(prefix, [r.keep for r in rows], max(own) + max(max_new_tokens, 1),
+    kv = SharedPrefixKV(prefix, [r.keep for r in rows], _capacity(rows, max_new_tokens),
                         num_layers=backend.num_layers, kv_heads=backend.kv_heads, head_dim=backend.head_dim,
                         dtype=backend.dtype, device=device)  # fmt: skip
     decoder, head = backend.model.get_decoder(), backend.model.get_output_embeddings()

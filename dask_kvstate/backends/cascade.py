@@ -108,13 +108,8 @@ class SharedPrefixKV:
         self.own_v = torch.zeros_like(self.own_k)
         self.offsets = torch.zeros(rows, dtype=torch.long, device=device)  # own tokens written per row
         self.rows, self.capacity = rows, capacity
-        self._mask = None
+        self._see = self._mask = None
         self._width = 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes this object allocated (the prefix is borrowed, not counted)."""
-        return self.own_k.nbytes + self.own_v.nbytes
 
     def position_ids(self, q: int) -> torch.Tensor:
         """Positions of the next ``q`` tokens of every row: ``p_b + offset_b + i``."""
@@ -123,8 +118,9 @@ class SharedPrefixKV:
     def begin(self, q: int) -> None:
         """Prepare a forward of ``q`` new tokens per row (call before each model call).
 
-        Builds the additive mask shared by all layers: prefix slot j is visible to row b
-        iff ``j < p_b``; own slot j to query i of row b iff ``j <= offset_b + i``.
+        Builds the mask shared by all layers: prefix slot j is visible to row b iff
+        ``j < p_b``; own slot j to query i of row b iff ``j <= offset_b + i``. Boolean for
+        sdpa (a multi-token forward), additive for the split softmax (a decode step).
         """
         width = int(self.offsets.max()) + q
         if width > self.capacity:
@@ -136,10 +132,12 @@ class SharedPrefixKV:
         limit = self.offsets[:, None] + torch.arange(q, device=dev)[None, :]  # [B, q]
         see_o = j_o[None, None, :] <= limit[:, :, None]
         see = torch.cat((see_p, see_o), dim=-1)  # [B, q, P + width]
-        self._see = see[:, None]  # [B, 1, q, P + width] for sdpa (True = attend)
+        self._width = width
+        if q > 1:
+            self._see, self._mask = see[:, None], None  # [B, 1, q, P + width] for sdpa (True = attend)
+            return
         mask = torch.zeros(see.shape, dtype=torch.float32, device=dev).masked_fill_(~see, float("-inf"))
-        self._mask = mask[:, None, None]  # [B, 1, 1, q, P + width]: broadcast over kv heads and groups
-        self._q, self._width = q, width
+        self._see, self._mask = None, mask[:, None, None]  # [B, 1, 1, q, P + width]: over kv heads and groups
 
     def advance(self, counts: torch.Tensor | list[int]) -> None:
         """After a forward: row b keeps ``counts[b]`` of the ``q`` tokens it wrote (padding dropped)."""
@@ -190,7 +188,6 @@ class SharedPrefixKV:
             pp = probs[..., : self.P].transpose(0, 1).reshape(H, B * g * q, self.P)
             out = out + torch.matmul(pp, vp).reshape(H, B, g * q, D).transpose(0, 1)
         return out.reshape(B, Hq, q, D).transpose(1, 2)
-
 
     def _attend_fused(self, layer: int, query, own_k, own_v, scale) -> torch.Tensor:
         """A multi-token forward (the suffixes' prefill): torch's fused sdpa over prefix + own tokens.
