@@ -15,8 +15,8 @@ suffixes (not B prefixes), and no step copies the cache (``DynamicCache`` grows 
 
 Correctness: row b sees the first ``keep_b`` prefix tokens and its own tokens
 causally, at its true positions, so each row computes the same function as text
-replay of its prompt. Floating point may round differently in the last bits (split
-softmax, batched matmuls), which could flip a greedy argmax on a near-tie; outputs are
+replay of its prompt. Floating point may round differently in the last bits (two
+partial attentions merged by their log-sum-exp, batched matmuls), which could flip a greedy argmax on a near-tie; outputs are
 checked against unbatched text-replay-equivalent generation token for token in the
 tests (tiny-llama, and SmolLM2 on the benchmark prompts in a slow test).
 """
