@@ -114,7 +114,7 @@ _JSON_TYPES = {
     "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
 }
-_BYTES = ("worker.device-bytes", "worker.host-bytes", "worker.disk-bytes")
+_BYTES = ("worker.device-bytes", "worker.host-bytes", "worker.disk-bytes", "worker.malloc-retain")
 _SECONDS = ("worker.recency-half-life", "transport.connect-timeout", "transport.timeout")
 
 

@@ -23,6 +23,7 @@ from distributed import WorkerPlugin
 from tornado.ioloop import PeriodicCallback
 
 from dask_kvstate import config
+from dask_kvstate.allocator import retain_freed_memory
 from dask_kvstate.backends import check_model_name
 from dask_kvstate.plugins.memory import KVStateSpillData
 from dask_kvstate.plugins.observe import StatsReporter
@@ -159,6 +160,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         with dask.config.set(self.config):
+            if config.get("worker.malloc-retain") is not None:
+                retain_freed_memory(config.get_bytes("worker.malloc-retain"))
             backends = [load_backend(m) for m in self.models]
             # One store for every model: block hashes carry the model identity.
             store = TieredBlockStore(
