@@ -75,6 +75,8 @@ class StateRuntime:
         self.counters: Counter[str] = Counter() if counters is None else counters
         self._live_bytes = 0  # KV in decode caches now (see live_kv)
         self._live_lock = threading.Lock()
+        self._resolve_guard = threading.Lock()
+        self._resolve_locks: dict[tuple[bytes, ...], tuple[threading.Lock, int]] = {}
 
     # -- helpers -------------------------------------------------------------------
     def hashes(self, ids: Sequence[int], namespace: str) -> tuple[bytes, ...]:
@@ -176,6 +178,32 @@ class StateRuntime:
         if not ids:
             return KVState(ref, ids, None)
         self.store.pin(self._task_owner(), ref.blocks)
+        # One resolve of a block table at a time on this worker: concurrent resumes of one
+        # state (sibling batches on a worker with several threads) would each pull or
+        # recompute the missing blocks and each keep a joined copy; the later ones now
+        # find the first's blocks, adopted, and join them to a view.
+        with self._resolving(ref.blocks):
+            return KVState(ref, ids, self._fill(ref, ids))
+
+    @contextlib.contextmanager
+    def _resolving(self, blocks: tuple[bytes, ...]):
+        with self._resolve_guard:
+            lock, users = self._resolve_locks.get(blocks, (None, 0))
+            lock = lock or threading.Lock()
+            self._resolve_locks[blocks] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._resolve_guard:
+                lock, users = self._resolve_locks[blocks]
+                if users == 1:
+                    del self._resolve_locks[blocks]
+                else:
+                    self._resolve_locks[blocks] = (lock, users - 1)
+
+    def _fill(self, ref: KVStateRef, ids: list[int]) -> torch.Tensor:
+        """The KV of ``ref``'s blocks on this worker as one tensor: held, pulled or recomputed."""
         tensors = [self.store.get(h) for h in ref.blocks]
         missing = [h for h, t in zip(ref.blocks, tensors) if t is None]
         self.counters["block_hits"] += len(tensors) - len(missing)
@@ -201,7 +229,7 @@ class StateRuntime:
         if len(tensors) > 1 and not _same_storage(kv, tensors[0]):
             # Keep the joined copy as the blocks' storage: one copy of the state here, not two.
             self.counters["adopted_blocks"] += self.store.adopt(ref.blocks, kv, self.block_tokens)
-        return KVState(ref, ids, kv)
+        return kv
 
     # -- transfer or recompute -------------------------------------------------------
     def _decide(self, ref: KVStateRef, tensors: list, holder: str) -> dict:

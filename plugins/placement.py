@@ -29,6 +29,7 @@ from collections import Counter
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from dask_kvstate import config
 from dask_kvstate.cost import transfer_or_recompute
 
 logger = logging.getLogger("dask_kvstate")
@@ -165,14 +166,19 @@ class KVPlacement(SchedulerPlugin):
         # of a state would pick the same idle holder and wait there for stealing to move
         # it (measured: the second of two batched resumes on SmolLM2 started 2.6 s late).
         planned: Counter = Counter()
+        cap = config.get("placement.max-copies")
+        copies = self.holders(ref)  # grows as this pass places consumers away from them
         for dts in ts.dependents:
             if dts.state not in ("waiting", "no-worker", "released"):
                 continue
             if dts.worker_restrictions or dts.host_restrictions or dts.resource_restrictions:
                 continue  # the user's restriction wins
-            best = self.choose(ref, planned)
+            capped = cap is not None and len(copies) >= cap
+            best = self.choose(ref, planned, among=copies if capped else None)
             if best is None:
                 continue
+            best["capped"] = capped
+            copies.add(best["worker"])
             if dts.prefix.duration_average > 0 or dts.prefix.max_exec_time > 0:
                 # Only a measured (or configured) duration: Dask's 0.5 s guess for an unseen
                 # prefix would spread trivial tasks (a fork's getitem) for nothing.
@@ -202,14 +208,24 @@ class KVPlacement(SchedulerPlugin):
         )  # fmt: skip
         return {"action": action, "t_transfer": tt, "t_recompute": tr, "missing_tokens": missing_tokens}
 
-    def choose(self, ref: dict, planned: Counter | None = None) -> dict | None:
+    def holders(self, ref: dict) -> set[str]:
+        """Running workers that hold every block of ``ref`` (its holder at least, while it runs)."""
+        blocks = ref["blocks"]
+        running = {ws.address for ws in self.scheduler.running}
+        held = {w for w, have in self.blocks_on.items() if w in running and all(h in have for h in blocks)}
+        return held | ({ref["holder"]} & running)
+
+    def choose(self, ref: dict, planned: Counter | None = None, among: set[str] | None = None) -> dict | None:
         """The running worker with the earliest expected start for a consumer of ``ref``.
 
         ``planned``: seconds per thread already promised to each worker but not yet in
-        its occupancy (earlier consumers placed in the same pass).
+        its occupancy (earlier consumers placed in the same pass). ``among``: only these
+        workers (the state's copies, when ``placement.max-copies`` is reached).
         """
         best = None
         for ws in self.scheduler.running:
+            if among is not None and ws.address not in among:
+                continue
             est = self.estimate(ref, ws.address)
             if est is None:
                 continue

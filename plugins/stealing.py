@@ -19,7 +19,8 @@ Kept in place on purpose:
 * tasks of components marked ``stateful`` in ``kvstate.scheduling.components`` keep
   session affinity: at submission they are routed to the worker that ran the
   session's earlier call to that component, and they are never migrated;
-* tasks with hard worker restrictions (``allow_other_workers=False``).
+* tasks with hard worker restrictions (``allow_other_workers=False``), and consumers
+  of a state the placement extension kept on its holders (``placement.max-copies``).
 
 Queued root-ish tasks (``distributed.scheduler.worker-saturation``) sit in the
 scheduler's ``queued`` heap, not on a worker, so no stealer can take them from one (the
@@ -166,14 +167,16 @@ class LateBindingStealing(SchedulerPlugin):
 
     def _thieves(self, ts, running, cache: dict) -> list:
         """Running workers that may run ``ts``, cached per restriction signature for one pass."""
+        # A placement capped by ``placement.max-copies`` keeps the task on a copy's holder.
+        capped = bool(((ts.annotations or {}).get("kvstate-placement") or {}).get("capped"))
         sig = (frozenset(ts.worker_restrictions or ()), frozenset(ts.host_restrictions or ()),
-               tuple(sorted((ts.resource_restrictions or {}).items())), ts.loose_restrictions)  # fmt: skip
+               tuple(sorted((ts.resource_restrictions or {}).items())), ts.loose_restrictions, capped)  # fmt: skip
         thieves = cache.get(sig)
         if thieves is None:
             # Loose restrictions (``allow_other_workers``, KV placement) are preferences: any
             # worker may take the task, the KV part of the move cost prices them. Resource
             # restrictions (agent roles) always hold.
-            valid = None if ts.loose_restrictions else self.scheduler.valid_workers(ts)
+            valid = None if ts.loose_restrictions and not capped else self.scheduler.valid_workers(ts)
             thieves = running if valid is None else [ws for ws in running if ws in valid]
             need = ts.resource_restrictions or {}
             thieves = cache[sig] = [ws for ws in thieves if all(ws.resources.get(r, 0) >= n for r, n in need.items())]

@@ -108,3 +108,22 @@ def test_consumers_placed_in_one_pass_spread_over_the_workers():
         assert sorted(d["worker"] for d in decisions) == [a, b]
         on_b = next(d for d in decisions if d["worker"] == b)
         assert on_b["action"] in ("pull", "recompute") and on_b["expected_start"] < 60
+
+
+def test_max_copies_keeps_consumers_on_the_holder():
+    """The same two long resumes with ``placement.max-copies: 1``: both stay with the one copy."""
+    cfg = {**AUTO, "kvstate.placement.max-copies": 1,
+           "distributed.scheduler.default-task-durations": {"kvs-resume": "60s"}}  # fmt: skip
+    with kv_cluster(cfg) as client:
+        a, b = sorted(client.scheduler_info()["workers"])
+        text = "Copies test. " + CONTEXT * 2
+        with on(a):
+            state = kvs.materialize(text)
+        outs = [kvs.resume(state, f" Branch {i}:", max_new_tokens=4) for i in range(2)]
+        got = dask.compute(*outs)
+        want = [client.compute(kvs.generate(text, f" Branch {i}:", max_new_tokens=4)).result() for i in range(2)]
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        events = [e for _, e in client.get_events("kvstate-placement") if e["kind"] == "decision"]
+        decisions = [e for e in events if e["key"].startswith("kvs-resume-")]
+        assert [d["worker"] for d in decisions] == [a, a] and all(d["capped"] for d in decisions)
+        assert kvs.stats(client)[b].get("transfers", 0) == 0  # no second copy was made

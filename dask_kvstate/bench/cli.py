@@ -21,7 +21,7 @@ EXPERIMENTS = {"1": "ttft", "2": "scaling", "3": "crossover", "4": "memory", "5"
 FULL = {"model": "smollm2-135m", "lengths": [512, 1024, 2048, 4096], "agents": 16, "ttft_new_tokens": 4,
         "scaling_context": 4096, "ks": [1, 2, 4, 8, 16], "new_tokens": 64,
         "bandwidths": ["10 Mbit/s", "100 Mbit/s", "1 Gbit/s", "10 Gbit/s"], "contexts": [256, 512, 1024, 2048, 4096],
-        "repeats": 3, "overhead_tasks": 10_000, "overhead_repeats": 2, "memory_context": 1024}  # fmt: skip
+        "repeats": 3, "overhead_tasks": 10_000, "overhead_repeats": 2, "memory_context": 4096}  # fmt: skip
 QUICK = {"model": "tiny-llama", "lengths": [128, 256, 512], "agents": 16, "ttft_new_tokens": 4,
          "scaling_context": 512, "ks": [1, 4, 16], "new_tokens": 16, "bandwidths": ["100 Mbit/s", "10 Gbit/s"],
          "contexts": [256, 2048], "repeats": 1, "overhead_tasks": 2_000, "overhead_repeats": 1,
@@ -77,7 +77,7 @@ def _steps(exps, g) -> int:
     if "crossover" in exps:
         n += len(g["bandwidths"]) * len(g["contexts"])
     if "memory" in exps:
-        n += 3 * len(g["ks"])
+        n += 4 * len(g["ks"])
     if {"throughput", "overhead"} & set(exps):
         n += g["overhead_repeats"] + 1
     return n

@@ -120,7 +120,10 @@ def memory_live(model: str, context_tokens: int, ks, new_tokens: int, workers: i
     agent's cache per worker while kvstate decodes its whole batch: their peaks are
     not comparable. Here each worker gets ``ceil(max(ks) / workers)`` threads, so all
     ``k`` agents of every mode are live together, as in a serving engine holding k
-    requests. A cluster of its own (the thread count is the point), a context of
+    requests. kvstate runs twice: with default placement (each worker that runs branches
+    holds a copy of the state) and with ``placement.max-copies: 1`` (one copy; all branches
+    on its holder, the second worker idle), the memory-for-time trade a user may choose.
+    A cluster of its own (the thread count is the point), a context of
     ``context_tokens`` (the ratio barely depends on it; a shorter one keeps k
     concurrent text replays affordable on two cores).
     """
@@ -141,15 +144,27 @@ def memory_live(model: str, context_tokens: int, ks, new_tokens: int, workers: i
                 bar.set_postfix_str(f"memory {mode} k={k}")
                 runs[mode] = workload.run(client, mode, ctx, k, new_tokens)
                 bar.update()
+            # kvstate again with one copy of the state in the cluster (placement.max-copies,
+            # read by the in-process scheduler): every branch on its holder.
+            bar.set_postfix_str(f"memory kvstate, one copy, k={k}")
+            with dask.config.set({"kvstate.placement.max-copies": 1}):
+                runs["kvstate_one_copy"] = workload.run(client, "kvstate", ctx, k, new_tokens)
+            bar.update()
             peak = {m: r["kv_peak_bytes"] for m, r in runs.items()}
             rows.append({"branches": k, "context_tokens": min(runs["replay"]["prompt_tokens"]), "threads": threads,
                          **{f"peak_{m}_bytes": b for m, b in peak.items()},
+                         **{f"wall_{m}_s": r["wall_s"] for m, r in runs.items()},
                          "ratio_vs_replay": peak["replay"] / max(peak["kvstate"], 1),
                          "ratio_vs_prefix": peak["prefix"] / max(peak["kvstate"], 1),
+                         "one_copy_ratio_vs_replay": peak["replay"] / max(peak["kvstate_one_copy"], 1),
+                         "one_copy_ratio_vs_prefix": peak["prefix"] / max(peak["kvstate_one_copy"], 1),
                          "identical": _identical(list(runs.values()))})  # fmt: skip
+            r = rows[-1]
             progress.write(f"exp4 (all live) k={k}: peak replay {peak['replay'] / 2**20:.0f} MiB, prefix "
                            f"{peak['prefix'] / 2**20:.0f} MiB, kvstate {peak['kvstate'] / 2**20:.0f} MiB -> "
-                           f"{rows[-1]['ratio_vs_replay']:.1f}x / {rows[-1]['ratio_vs_prefix']:.1f}x")  # fmt: skip
+                           f"{r['ratio_vs_replay']:.1f}x / {r['ratio_vs_prefix']:.1f}x; one copy "
+                           f"{peak['kvstate_one_copy'] / 2**20:.0f} MiB -> {r['one_copy_ratio_vs_replay']:.1f}x / "
+                           f"{r['one_copy_ratio_vs_prefix']:.1f}x")  # fmt: skip
     return rows
 
 

@@ -68,6 +68,14 @@ def markdown(res: dict) -> str:
                        [[r["branches"], r["peak_replay_bytes"] / MIB, r["peak_prefix_bytes"] / MIB,
                          r["peak_kvstate_bytes"] / MIB, r["ratio_vs_replay"], r["ratio_vs_prefix"], r["identical"]]
                         for r in live]), ""]  # fmt: skip
+        if "peak_kvstate_one_copy_bytes" in live[0]:
+            out += ["kvstate with `placement.max-copies: 1` (one copy of the state; every branch on its holder) against "
+                    "default placement (a copy on each worker that runs branches), and what it costs in time:", "",
+                    _table(["branches", "one copy MiB", "replay/one copy", "prefix/one copy", "kvstate wall s",
+                            "one copy wall s"],
+                           [[r["branches"], r["peak_kvstate_one_copy_bytes"] / MIB, r["one_copy_ratio_vs_replay"],
+                             r["one_copy_ratio_vs_prefix"], r["wall_kvstate_s"], r["wall_kvstate_one_copy_s"]]
+                            for r in live]), ""]  # fmt: skip
     if "throughput" in res:
         out += ["## 5. Throughput and framework overhead", "",
                 "Omega = worker busy time (wall x workers) - (prefill + decode time inside the model).", "",
@@ -147,9 +155,10 @@ def plots(res: dict, out: Path) -> list[str]:
         ax.legend(fontsize=8)
         if "memory_live" in res:
             live = res["memory_live"]
-            for v in ("replay", "prefix", "kvstate"):
-                ax.plot([r["branches"] for r in live], [r[f"peak_{v}_bytes"] / MIB for r in live], ls="--", marker="^",
-                        label=f"peak {v}, all live")  # fmt: skip
+            for v in ("replay", "prefix", "kvstate", "kvstate_one_copy"):
+                if f"peak_{v}_bytes" in live[0]:
+                    ax.plot([r["branches"] for r in live], [r[f"peak_{v}_bytes"] / MIB for r in live], ls="--",
+                            marker="^", label=f"peak {v.replace('_', ' ')}, all live")  # fmt: skip
         save(fig, "exp4_memory.png")
     if "throughput" in res:
         fig, ax = plt.subplots(figsize=(6, 4))

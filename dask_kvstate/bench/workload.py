@@ -79,6 +79,29 @@ def _reset(dask_worker) -> None:
         rt.store.discard(list(rt.store))
         rt.store.device_peak = rt.store.device.total_weight
         rt.counters["kv_peak_bytes"] = rt.store.device.total_weight
+    if getattr(plugin, "placement", False):
+        plugin._report()  # now, not at the next 200 ms tick: placement must not count the dropped blocks
+
+
+def _settle(client, timeout: float = 60.0) -> None:
+    """Wait until the scheduler has forgotten the last run's tasks, then reset the workers.
+
+    The last run's keys are released asynchronously after its results are gathered
+    (scheduler first, then each worker); until a worker has dropped them, the tasks' pins
+    keep their blocks in its store, and a
+    reset then would leave them there: counted in the next run's peak KV, and free hits
+    for its prefill.
+    """
+    deadline = time.monotonic() + timeout
+
+    def busy() -> bool:
+        if client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks)):
+            return True
+        return any(client.run(lambda dask_worker: len(dask_worker.state.tasks)).values())
+
+    while busy() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    client.run(_reset)
 
 
 def _warm_up(dask_worker) -> None:
@@ -106,7 +129,7 @@ def run(client, mode: str, context: str, k: int, new_tokens: int, *, batch: int 
     ``batch``: most siblings per batched resume (kvstate only); default: the agents
     split evenly over the workers, so every worker decodes one batch.
     """
-    client.run(_reset)
+    _settle(client)
     n_workers = len(client.scheduler_info()["workers"])
     batch = batch or max(1, -(-k // n_workers))
     outs = build(mode, context, k, new_tokens)
