@@ -7,7 +7,7 @@ of them again (at L = 4,096 on SmolLM2 that is ~1.5 GB per step for 8 rows). Ser
 engines avoid this with cascade / radix attention (FlashInfer's cascade kernels,
 SGLang's radix attention, vLLM's shared blocks): attention over the shared prefix is
 computed once against the single prefix copy, attention over each row's own tokens
-against that row's buffer, and the two are combined in one softmax.
+against that row's buffer, and the two are merged exactly by their log-sum-exp.
 
 How, within transformers: the model keeps its attention implementation, but under a
 name of ours (:data:`ATTN_NAME`) whose function dispatches: a forward called with the
