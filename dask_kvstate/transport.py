@@ -169,14 +169,43 @@ def serve_run(store, hashes: Sequence[bytes]) -> dict | None:
             return None
         tensors.append(t)
         index.append(i)
-    run = span(tensors)
-    if run is None or not all(t.dim() == 5 and t.shape[:3] == tensors[0].shape[:3] and t.shape[4] == tensors[0].shape[4]
-                              for t in tensors):  # fmt: skip
+    if not tensors or not all(t.dim() == 5 and t.shape[:3] == tensors[0].shape[:3]
+                              and t.shape[4] == tensors[0].shape[4] for t in tensors):  # fmt: skip
         return None
+    order = []
+    run = span(tensors)
+    if run is None:
+        run = _whole_joined(tensors)
+        order = ["layer-major"]
+        if run is None:
+            return None
     L, two, H, _, D = tensors[0].shape
     tokens = _runs([int(t.shape[3]) for t in tensors], step=0)
-    layout = [str(tensors[0].dtype).removeprefix("torch."), [L, two, H, D], tokens, _runs(index, step=1)]
+    layout = [str(tensors[0].dtype).removeprefix("torch."), [L, two, H, D], tokens, _runs(index, step=1), *order]
     return {"status": "OK", "frames": [to_serialize(run.numpy())], "arena": layout}
+
+
+def _whole_joined(tensors: Sequence):
+    """The bytes of a whole joined state as one flat uint8 tensor, when ``tensors`` are its blocks.
+
+    A holder that resumed a state *adopted* the joined copy: its blocks are token slices
+    (views) of one ``[L, 2, H, P, D]`` tensor (layer-major), which :func:`span` does not
+    see as one run. When the blocks asked for are all of that tensor, in order, its
+    memory is still one run: sent as is, the receiver keeps it as the joined tensor, its
+    blocks as the same views, and its own resume joins them without a copy either.
+    Otherwise None. CPU only, as :func:`span`.
+    """
+    import torch
+
+    from dask_kvstate.blocks import _consecutive_view
+
+    joined = _consecutive_view(tensors)
+    if joined is None or joined.device.type != "cpu" or not joined.is_contiguous():
+        return None
+    storage = joined.untyped_storage()
+    if joined.storage_offset() != 0 or joined.numel() * joined.element_size() != storage.nbytes():
+        return None  # part of a larger tensor: its bytes are not the blocks' alone
+    return joined.reshape(-1).view(torch.uint8)
 
 
 def _runs(values: Sequence[int], step: int) -> list[list[int]]:
@@ -267,10 +296,11 @@ def _unpack_run(resp: dict, hashes: Sequence[bytes]) -> dict:
     import math
 
     layout, frames = resp["arena"], resp.get("frames")
-    if not (isinstance(layout, (list, tuple)) and len(layout) == 4 and isinstance(frames, (list, tuple))
-            and len(frames) == 1):  # fmt: skip
+    if not (isinstance(layout, (list, tuple)) and len(layout) in (4, 5) and isinstance(frames, (list, tuple))
+            and len(frames) == 1 and (len(layout) == 4 or layout[4] == "layer-major")):  # fmt: skip
         raise ValueError(f"peer sent a malformed zero-copy reply: layout {layout!r:.200}")
-    dtype_name, shape, token_runs, index_runs = layout
+    dtype_name, shape, token_runs, index_runs = layout[:4]
+    layer_major = len(layout) == 5
     dtype = _dtype(dtype_name)
     if not (isinstance(shape, (list, tuple)) and len(shape) == 4 and all(type(x) is int and x > 0 for x in shape)):
         raise ValueError(f"peer sent a zero-copy reply with a bad block shape {shape!r:.200}")
@@ -286,6 +316,12 @@ def _unpack_run(resp: dict, hashes: Sequence[bytes]) -> dict:
                          f"{per_token} bytes")  # fmt: skip
     L, two, H, D = shape
     out, offset = {}, 0
+    if layer_major:  # one joined [L, 2, H, P, D] tensor: its blocks are token slices of it
+        joined = flat.view(dtype).view(L, two, H, sum(tokens), D)
+        for i, t in zip(index, tokens):
+            out[hashes[i]] = joined[:, :, :, offset : offset + t]
+            offset += t
+        return out
     for i, t in zip(index, tokens):
         size = t * per_token
         out[hashes[i]] = flat[offset : offset + size].view(dtype).view(L, two, H, t, D)

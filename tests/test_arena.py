@@ -82,6 +82,34 @@ def test_a_run_of_arena_blocks_is_sent_as_its_memory_and_received_as_views(tmp_p
     store.close()
 
 
+def test_an_adopted_state_is_sent_as_its_joined_tensor_and_received_without_a_copy():
+    """A holder that resumed a state keeps its blocks as token slices of the joined copy
+    (layer-major). Asked for all of them, it sends that tensor's memory; the receiver's
+    blocks are slices of the received frame, and joining them is a view, not a copy."""
+    import asyncio
+
+    import torch
+
+    from dask_kvstate.blocks import join_blocks
+    from dask_kvstate.transport import PackingBuffers, serve_blocks, unpack_blocks
+
+    kv, hashes, blocks, store = _arena_store(tokens=70)
+    joined = join_blocks([store.get(h) for h in hashes])  # a copy: the arena is block-major
+    assert store.adopt(hashes, joined, 16) == len(hashes)
+    reply = serve_blocks(store, hashes)
+    assert reply["arena"][4:] == ["layer-major"] and "tail" not in reply
+    frame = reply["frames"][0].data
+    assert frame.ctypes.data == joined.data_ptr() and frame.nbytes == joined.nbytes  # the joined copy itself
+    back = unpack_blocks(asyncio.run(_over_the_wire(reply)), hashes)
+    assert list(back) == hashes and all(torch.equal(back[b.hash], b.tensor) for b in blocks)
+    again = join_blocks([back[h] for h in hashes])
+    assert torch.equal(again, kv) and again.data_ptr() == back[hashes[0]].data_ptr()  # a view of the frame
+    # Only part of the joined tensor: its bytes are not one run of the blocks asked for.
+    part = serve_blocks(store, hashes[1:3], PackingBuffers(keep_bytes=2**22))
+    assert "arena" not in part and part.get("tail")
+    store.close()
+
+
 def test_blocks_that_are_not_one_run_of_memory_are_packed():
     import asyncio
 
@@ -164,6 +192,27 @@ def test_a_pull_of_a_prefill_takes_the_zero_copy_path_and_matches_replay(client,
     assert got.token_ids == want.token_ids
     assert after_a["served_zero_copy"] - before_a["served_zero_copy"] == 1
     assert after_a["served_packed"] == before_a["served_packed"]
+    assert after_b["pulls_zero_copy"] - before_b["pulls_zero_copy"] == 1
+
+
+def test_a_pull_from_a_holder_that_resumed_takes_the_zero_copy_path(client, workers):
+    a, b = workers
+    # Blocks hash as a chain from the first token: a text of its own, so b holds none of
+    # them and asks for all (a pull of part of a joined copy is packed).
+    text = "Adopted first. " + CONTEXT
+    with on(a):
+        state = kvs.materialize(text, " resumed at its holder first")
+        first = kvs.resume(state, " Who plans?", max_new_tokens=4)
+    client.compute(first).result()  # the holder adopts its joined copy
+    before_a, before_b = _holder_counters(client, a), _holder_counters(client, b)
+    with on(b):
+        out = kvs.resume(state, " Who tests?", max_new_tokens=12)
+    got = client.compute(out).result()
+    want = client.compute(kvs.generate(text, " resumed at its holder first", " Who tests?",
+                                       max_new_tokens=12)).result()  # fmt: skip
+    after_a, after_b = _holder_counters(client, a), _holder_counters(client, b)
+    assert got.token_ids == want.token_ids
+    assert after_a["served_zero_copy"] - before_a["served_zero_copy"] == 1
     assert after_b["pulls_zero_copy"] - before_b["pulls_zero_copy"] == 1
 
 
