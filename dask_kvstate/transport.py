@@ -149,7 +149,7 @@ def serve_run(store, hashes: Sequence[bytes]) -> dict | None:
     """The zero-copy reply, or None when the present blocks are not one run of memory.
 
     When every present block sits in a memory tier and together they are one run of
-    one storage (a block arena, or a frame received earlier; see
+    one storage (a block arena, a frame received earlier, or all of a joined copy; see
     :mod:`dask_kvstate.arena`), the frame is that memory itself: nothing is copied.
     The layout is small enough to ride in the message (dtype, the block shape without
     its token axis, and run-lengths of token counts and of request positions: a few
