@@ -167,7 +167,8 @@ class KVPlacement(SchedulerPlugin):
         # it (measured: the second of two batched resumes on SmolLM2 started 2.6 s late).
         planned: Counter = Counter()
         cap = config.get("placement.max-copies")
-        copies = self.holders(ref)  # grows as this pass places consumers away from them
+        # Workers with a copy of the state; grows as this pass places consumers away from them.
+        copies = self.holders(ref) if cap is not None else set()
         for dts in ts.dependents:
             if dts.state not in ("waiting", "no-worker", "released"):
                 continue
@@ -178,7 +179,8 @@ class KVPlacement(SchedulerPlugin):
             if best is None:
                 continue
             best["capped"] = capped
-            copies.add(best["worker"])
+            if cap is not None:
+                copies.add(best["worker"])
             if dts.prefix.duration_average > 0 or dts.prefix.max_exec_time > 0:
                 # Only a measured (or configured) duration: Dask's 0.5 s guess for an unseen
                 # prefix would spread trivial tasks (a fork's getitem) for nothing.
