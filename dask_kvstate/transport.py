@@ -172,13 +172,11 @@ def serve_run(store, hashes: Sequence[bytes]) -> dict | None:
     if not tensors or not all(t.dim() == 5 and t.shape[:3] == tensors[0].shape[:3]
                               and t.shape[4] == tensors[0].shape[4] for t in tensors):  # fmt: skip
         return None
-    order = []
-    run = span(tensors)
+    run, order = span(tensors), []
     if run is None:
-        run = _whole_joined(tensors)
-        order = ["layer-major"]
-        if run is None:
-            return None
+        run, order = _whole_joined(tensors), ["layer-major"]
+    if run is None:
+        return None
     L, two, H, _, D = tensors[0].shape
     tokens = _runs([int(t.shape[3]) for t in tensors], step=0)
     layout = [str(tensors[0].dtype).removeprefix("torch."), [L, two, H, D], tokens, _runs(index, step=1), *order]

@@ -224,6 +224,7 @@ class KVPlacement(SchedulerPlugin):
         its occupancy (earlier consumers placed in the same pass). ``among``: only these
         workers (the state's copies, when ``placement.max-copies`` is reached).
         """
+        planned = planned if planned is not None else Counter()
         best = None
         for ws in self.scheduler.running:
             if among is not None and ws.address not in among:
@@ -231,7 +232,7 @@ class KVPlacement(SchedulerPlugin):
             est = self.estimate(ref, ws.address)
             if est is None:
                 continue
-            wait = ws.occupancy / max(ws.nthreads, 1) + (planned or {}).get(ws.address, 0.0)
+            wait = ws.occupancy / max(ws.nthreads, 1) + planned[ws.address]
             start = wait + min(est["t_transfer"], est["t_recompute"])
             if best is None or start < best["expected_start"]:
                 best = {"worker": ws.address, "holder": ref["holder"], "expected_start": start, "occupancy": wait,

@@ -85,26 +85,36 @@ def test_a_long_prefill_borrows_the_idle_workers_threads():
         assert client.run(lambda: __import__("torch").get_num_threads(), workers=[a])[a] == 1
 
 
+def _two_long_resumes(client, tag: str):
+    """Two resumes of one state held by worker a, checked against replay; their placement decisions.
+
+    Both consume the state's own key, so one pass (its transition to memory) places both.
+    """
+    a, _ = sorted(client.scheduler_info()["workers"])
+    text = f"{tag} test. " + CONTEXT * 2
+    with on(a):
+        state = kvs.materialize(text)
+    got = dask.compute(*[kvs.resume(state, f" Branch {i}:", max_new_tokens=4) for i in range(2)])
+    want = [client.compute(kvs.generate(text, f" Branch {i}:", max_new_tokens=4)).result() for i in range(2)]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    events = [e for _, e in client.get_events("kvstate-placement") if e["kind"] == "decision"]
+    return [e for e in events if e["key"].startswith("kvs-resume-")]
+
+
+# A prior of 60 s for a resume, through Dask's own ``default-task-durations``.
+LONG_RESUMES = {**AUTO, "distributed.scheduler.default-task-durations": {"kvs-resume": "60s"}}
+
+
 def test_consumers_placed_in_one_pass_spread_over_the_workers():
     """Dask counts a task in a worker's occupancy only once dispatched; placement counts its own picks.
 
     Two long resumes of one state: the first goes to the holder (nothing to move), the
     second to the other worker, because by then the holder is promised the first's
-    expected duration (a prior of 60 s here, through Dask's ``default-task-durations``).
+    expected duration.
     """
-    cfg = {**AUTO, "distributed.scheduler.default-task-durations": {"kvs-resume": "60s"}}
-    with kv_cluster(cfg) as client:
+    with kv_cluster(LONG_RESUMES) as client:
         a, b = sorted(client.scheduler_info()["workers"])
-        text = "Spread test. " + CONTEXT * 2
-        with on(a):
-            state = kvs.materialize(text)
-        # Both consume the state's own key, so one pass (its transition to memory) places both.
-        outs = [kvs.resume(state, f" Branch {i}:", max_new_tokens=4) for i in range(2)]
-        got = dask.compute(*outs)
-        want = [client.compute(kvs.generate(text, f" Branch {i}:", max_new_tokens=4)).result() for i in range(2)]
-        assert [g.token_ids for g in got] == [w.token_ids for w in want]
-        events = [e for _, e in client.get_events("kvstate-placement") if e["kind"] == "decision"]
-        decisions = [e for e in events if e["key"].startswith("kvs-resume-")]
+        decisions = _two_long_resumes(client, "Spread")
         assert sorted(d["worker"] for d in decisions) == [a, b]
         on_b = next(d for d in decisions if d["worker"] == b)
         assert on_b["action"] in ("pull", "recompute") and on_b["expected_start"] < 60
@@ -112,18 +122,8 @@ def test_consumers_placed_in_one_pass_spread_over_the_workers():
 
 def test_max_copies_keeps_consumers_on_the_holder():
     """The same two long resumes with ``placement.max-copies: 1``: both stay with the one copy."""
-    cfg = {**AUTO, "kvstate.placement.max-copies": 1,
-           "distributed.scheduler.default-task-durations": {"kvs-resume": "60s"}}  # fmt: skip
-    with kv_cluster(cfg) as client:
+    with kv_cluster({**LONG_RESUMES, "kvstate.placement.max-copies": 1}) as client:
         a, b = sorted(client.scheduler_info()["workers"])
-        text = "Copies test. " + CONTEXT * 2
-        with on(a):
-            state = kvs.materialize(text)
-        outs = [kvs.resume(state, f" Branch {i}:", max_new_tokens=4) for i in range(2)]
-        got = dask.compute(*outs)
-        want = [client.compute(kvs.generate(text, f" Branch {i}:", max_new_tokens=4)).result() for i in range(2)]
-        assert [g.token_ids for g in got] == [w.token_ids for w in want]
-        events = [e for _, e in client.get_events("kvstate-placement") if e["kind"] == "decision"]
-        decisions = [e for e in events if e["key"].startswith("kvs-resume-")]
+        decisions = _two_long_resumes(client, "Copies")
         assert [d["worker"] for d in decisions] == [a, a] and all(d["capped"] for d in decisions)
         assert kvs.stats(client)[b].get("transfers", 0) == 0  # no second copy was made

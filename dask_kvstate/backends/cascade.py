@@ -134,14 +134,18 @@ class SharedPrefixKV:
             raise ValueError(f"a row would hold {width} own tokens, more than the capacity {self.capacity}")
         self._q, self._width, self._masks = q, width, None
 
-    def _build_masks(self, g: int, dtype) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Additive masks in the folded query layout: rows ``(b, group, i)``; None where all is visible."""
+    def _build_masks(self, g: int, dtype) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """Additive masks in the folded query layout: rows ``(b, group, i)``; None where all is visible.
+
+        Third: which rows see no prefix token at all (None if every row sees some).
+        """
         q, W, dev, B = self._q, self._width, self.offsets.device, self.rows
         # The kernel wants a float mask of the query's dtype; finfo.min, not -inf, so that a
         # fully hidden row stays finite in the matmul form (its LSE is then set to -inf).
         neg = torch.finfo(dtype).min
-        prefix_mask = None
+        prefix_mask = blind = None
         if self.P and bool((self.prefix_lengths < self.P).any()):
+            blind = (self.prefix_lengths == 0)[:, None, None] if bool((self.prefix_lengths == 0).any()) else None
             hide = torch.arange(self.P, device=dev)[None, :] >= self.prefix_lengths[:, None]  # [B, P]
             hide = hide.repeat_interleave(g * q, dim=0)  # [B*g*q, P]
             prefix_mask = torch.zeros(hide.shape, dtype=dtype, device=dev).masked_fill_(hide, neg)[None, None]
@@ -149,7 +153,7 @@ class SharedPrefixKV:
         hide = torch.arange(W, device=dev)[None, None, :] > limit[:, :, None]  # [B, q, W]
         hide = hide[:, None].expand(B, g, q, W).reshape(B, 1, g * q, W)
         own_mask = torch.zeros(hide.shape, dtype=dtype, device=dev).masked_fill_(hide, neg)
-        return prefix_mask, own_mask
+        return prefix_mask, own_mask, blind
 
     def advance(self, counts: torch.Tensor | list[int]) -> None:
         """After a forward: row b keeps ``counts[b]`` of the ``q`` tokens it wrote (padding dropped)."""
@@ -181,7 +185,7 @@ class SharedPrefixKV:
             ov[:, :, o : o + q] = value
         if self._masks is None:
             self._masks = self._build_masks(g, query.dtype)
-        prefix_mask, own_mask = self._masks
+        prefix_mask, own_mask, blind = self._masks
         W = self._width
         scale = scaling if scaling is not None else D**-0.5
         # Query heads of one group share a kv head (transformers' repeat_kv order): [B, H, g*q, D].
@@ -193,9 +197,9 @@ class SharedPrefixKV:
             po, pl = _partial(qf, self.prefix[layer, 0][None], self.prefix[layer, 1][None], prefix_mask, scale)
             po = po.reshape(H, B, g * q, D).transpose(0, 1)
             pl = pl.reshape(H, B, g * q).transpose(0, 1)
-            if prefix_mask is not None and bool((self.prefix_lengths == 0).any()):
+            if blind is not None:
                 # A row that sees no prefix token: the kernel returns output 0 with LSE 0; its true LSE is -inf.
-                pl = pl.masked_fill((self.prefix_lengths == 0)[:, None, None], float("-inf"))
+                pl = pl.masked_fill(blind, float("-inf"))
             out = _merge(out, lse, po, pl)
         return out.to(query.dtype).reshape(B, Hq, q, D).transpose(1, 2)
 
