@@ -99,10 +99,10 @@ def split_blocks(kv, hashes: Sequence[bytes], block_tokens: int, first: int = 0)
     """Cut a sequence KV tensor ``[L, 2, H, T, D]`` into blocks ``first, first+1, ...``.
 
     The blocks are contiguous views of one new buffer, laid out block-major
-    (:func:`dask_kvstate.arena.lay_out`): one copy for all of them, and a pull of
+    (:func:`dask_kvstate.plugins.worker.arena.lay_out`): one copy for all of them, and a pull of
     consecutive blocks is one run of memory the holder sends without packing.
     """
-    from dask_kvstate.arena import lay_out
+    from dask_kvstate.plugins.worker.arena import lay_out
 
     total = kv.shape[3]
     assert total <= len(hashes) * block_tokens, "more tokens than hashed blocks"

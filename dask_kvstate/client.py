@@ -4,7 +4,7 @@ from __future__ import annotations
 from distributed import Client
 
 from dask_kvstate import config
-from dask_kvstate.plugins.worker import PLUGIN_NAME, KVStateWorkerPlugin
+from dask_kvstate.plugins.worker.plugin import PLUGIN_NAME, KVStateWorkerPlugin
 from dask_kvstate.views import ClusterStats
 
 
@@ -27,10 +27,10 @@ def install(client: Client, model: str | list[str] | None = None, *, torch_threa
     plugin = KVStateWorkerPlugin(model, torch_threads=torch_threads, device_bytes=device_bytes,
                                  host_bytes=host_bytes, disk_bytes=disk_bytes)  # fmt: skip
     if config.get("placement.enabled"):
-        from dask_kvstate.plugins.placement import KVPlacement
+        from dask_kvstate.plugins.scheduler.placement import KVPlacement
 
         client.register_plugin(KVPlacement())  # idempotent: a no-op when already there
-    from dask_kvstate.plugins.observe import KVObserver
+    from dask_kvstate.plugins.scheduler.observe import KVObserver
 
     client.register_plugin(KVObserver())  # stats, history and the /kvstate page; idempotent too
     install_scheduling(client)
@@ -53,7 +53,7 @@ def _worker_stats(dask_worker) -> dict:
 
 
 def _placement_stats(dask_scheduler) -> dict:
-    from dask_kvstate.plugins.placement import PLUGIN_NAME as NAME
+    from dask_kvstate.plugins.scheduler.placement import PLUGIN_NAME as NAME
 
     plugin = dask_scheduler.plugins.get(NAME)
     return {"installed": False} if plugin is None else {"installed": True, **plugin.stats()}
@@ -98,11 +98,11 @@ def scheduling_plugins() -> list:
     """The scheduling extensions ``kvstate.scheduling.*`` switches on, sessions first (the
     others read it), then the ``kvstate-scheduling`` worker plugin; empty when all are off.
     Shared by :func:`install_scheduling` and the preload (``dask_kvstate.plugins``)."""
-    from dask_kvstate.plugins.capacity import CapacityController
-    from dask_kvstate.plugins.priority import ProgressPriority
-    from dask_kvstate.plugins.scheduling_worker import SchedulingWorkerPlugin
-    from dask_kvstate.plugins.sessions import SessionTracker
-    from dask_kvstate.plugins.stealing import LateBindingStealing
+    from dask_kvstate.plugins.scheduler.capacity import CapacityController
+    from dask_kvstate.plugins.scheduler.priority import ProgressPriority
+    from dask_kvstate.plugins.worker.scheduling import SchedulingWorkerPlugin
+    from dask_kvstate.plugins.scheduler.sessions import SessionTracker
+    from dask_kvstate.plugins.scheduler.stealing import LateBindingStealing
 
     wanted = [cls() for key, cls in (("priority.enabled", ProgressPriority), ("stealing.enabled", LateBindingStealing),
                                      ("capacity.enabled", CapacityController)) if config.get(f"scheduling.{key}")]  # fmt: skip
@@ -111,7 +111,7 @@ def scheduling_plugins() -> list:
 
     hints = parse_hints(config.get("scheduling.components"))
     if hints.limits or hints.batch:
-        from dask_kvstate.plugins.hints import ComponentHints
+        from dask_kvstate.plugins.scheduler.hints import ComponentHints
 
         wanted.append(ComponentHints())
     if not wanted and not config.get("scheduling.sessions"):

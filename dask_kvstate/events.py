@@ -8,7 +8,7 @@ dashboard's event views show it without anything of ours in between.
 Per-block events would flood the log (a 4,000-token state is 64 blocks), so events
 are per decision (placement, a compatibility refusal, an explicit evict) or aggregated
 per report interval (spills, unspills and drops of the block store, counted from the
-workers' periodic stats; see :mod:`dask_kvstate.plugins.observe`).
+workers' periodic stats; see :mod:`dask_kvstate.plugins.scheduler.observe`).
 """
 from __future__ import annotations
 

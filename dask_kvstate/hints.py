@@ -139,7 +139,7 @@ class BatchedCall:
         if capture is not None:  # the batching plugin is reading a peer task's arguments
             capture.append(args)
             return None
-        from dask_kvstate.plugins.batching import run_batched
+        from dask_kvstate.plugins.worker.batching import run_batched
 
         return run_batched(self, args)
 

@@ -7,9 +7,9 @@ from distributed import Client
 def lifecycle_plugins() -> list:
     """The session tracker (the extension needs it), the ``kvstate-lifecycle`` scheduler
     extension, then its worker plugin: shared by :func:`install_lifecycle` and the preload."""
-    from dask_kvstate.plugins.lifecycle import KVLifecycle
-    from dask_kvstate.plugins.lifecycle_worker import KVLifecycleWorkerPlugin
-    from dask_kvstate.plugins.sessions import SessionTracker
+    from dask_kvstate.plugins.scheduler.lifecycle import KVLifecycle
+    from dask_kvstate.plugins.worker.lifecycle import KVLifecycleWorkerPlugin
+    from dask_kvstate.plugins.scheduler.sessions import SessionTracker
 
     return [SessionTracker(), KVLifecycle(), KVLifecycleWorkerPlugin()]
 
@@ -29,7 +29,7 @@ def install_lifecycle(client: Client) -> list[str]:
 
 
 def _lifecycle_stats(dask_scheduler) -> dict:
-    from dask_kvstate.plugins.lifecycle import PLUGIN_NAME
+    from dask_kvstate.plugins.scheduler.lifecycle import PLUGIN_NAME
 
     plugin = dask_scheduler.plugins.get(PLUGIN_NAME)
     return {"installed": False} if plugin is None else {"installed": True, **plugin.stats()}

@@ -21,7 +21,7 @@ from dask_kvstate.state import KVStateRef
 
 
 def _plugin():
-    from dask_kvstate.plugins.worker import PLUGIN_NAME
+    from dask_kvstate.plugins.worker.plugin import PLUGIN_NAME
 
     try:
         worker = get_worker()
@@ -99,7 +99,7 @@ def generate(*segments: str, max_new_tokens: int | None = None, temperature: flo
     this worker's cached prompt blocks: the local prefix cache baseline)."""
     params = _gen_params(max_new_tokens, temperature, top_p, seed)
     if prefix_cache if prefix_cache is not None else config.get("generate.prefix-cache", False):
-        from dask_kvstate import prefix_cache as pc
+        from dask_kvstate.plugins.worker import prefix_cache as pc
 
         return pc.generate(runtime(model), join_segments(segments), config.get("namespace"), **params)
     return runtime(model).generate(join_segments(segments), **params)
@@ -176,8 +176,8 @@ def evict(state: KVStateRef) -> int:
     """
     from distributed.protocol import to_serialize
 
-    from dask_kvstate.plugins.worker import PLUGIN_NAME
-    from dask_kvstate.transport import call
+    from dask_kvstate.plugins.worker.plugin import PLUGIN_NAME
+    from dask_kvstate.plugins.worker.transport import call
 
     rt = _runtime_for_state(state, None)
     freed = rt.worker.plugins[PLUGIN_NAME].evict(state)

@@ -1,7 +1,7 @@
 """Each workflow shape with the stateful compiler off and on: prefill tokens, wall time, identity.
 
 Run: ``python examples/compiler_shapes.py [--model tiny-llama]``. Every shape is plain
-``kvs.generate`` calls (see ``shapes.py``); ``with kvs.stateflow()`` is the only change.
+``kvs.generate`` calls (see ``dask_kvstate/testing/shapes.py``); ``with kvs.stateflow()`` is the only change.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from distributed import Client, LocalCluster
 
 import dask_kvstate as kvs
 from dask_kvstate import progress
-import shapes
+from dask_kvstate.testing import shapes
 
 
 def _prefill(client) -> int:

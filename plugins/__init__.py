@@ -37,7 +37,7 @@ async def dask_setup(server) -> None:
     scheduling = scheduling_plugins()  # [scheduler extensions..., worker plugin] or []
     lifecycle = lifecycle_plugins() if config.get("lifecycle.enabled") else []  # the same shape
     if isinstance(server, Worker):
-        from dask_kvstate.plugins.worker import PLUGIN_NAME, KVStateWorkerPlugin
+        from dask_kvstate.plugins.worker.plugin import PLUGIN_NAME, KVStateWorkerPlugin
 
         # The plugin reads every setting from the config when it is built, as kvs.install's does.
         plugin = KVStateWorkerPlugin(config.get("model"))
@@ -50,11 +50,11 @@ async def dask_setup(server) -> None:
     elif isinstance(server, Scheduler):
         import dask.config
 
-        from dask_kvstate.plugins.observe import KVObserver
+        from dask_kvstate.plugins.scheduler.observe import KVObserver
 
         config.check(dask.config.get("kvstate"))
         if config.get("placement.enabled"):
-            from dask_kvstate.plugins.placement import KVPlacement
+            from dask_kvstate.plugins.scheduler.placement import KVPlacement
 
             server.add_plugin(KVPlacement())
         server.add_plugin(KVObserver())

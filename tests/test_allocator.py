@@ -9,14 +9,14 @@ import textwrap
 import pytest
 
 from dask_kvstate import config
-from dask_kvstate.allocator import retain_freed_memory
+from dask_kvstate.plugins.worker.allocator import retain_freed_memory
 
 # In a fresh process started the way Dask's nanny starts workers: is a 1 MiB malloc an
 # mmap (mallinfo2's hblks counts mmapped chunks) before and after retain_freed_memory?
 PROBE = textwrap.dedent(
     """
     import ctypes
-    from dask_kvstate.allocator import retain_freed_memory
+    from dask_kvstate.plugins.worker.allocator import retain_freed_memory
 
     class Info(ctypes.Structure):
         _fields_ = [(n, ctypes.c_size_t) for n in

@@ -17,7 +17,7 @@ def _arena_store(tokens=70, block_tokens=16, device="cpu"):
     import torch
 
     from dask_kvstate.blocks import split_blocks
-    from dask_kvstate.plugins.block_store import TieredBlockStore
+    from dask_kvstate.plugins.worker.block_store import TieredBlockStore
 
     kv = torch.randn(3, 2, 2, tokens, 8, device=device)
     hashes = [bytes([i]) * 16 for i in range(-(-tokens // block_tokens))]
@@ -59,7 +59,7 @@ def test_a_run_of_arena_blocks_is_sent_as_its_memory_and_received_as_views(tmp_p
 
     import torch
 
-    from dask_kvstate.transport import serve_blocks, unpack_blocks
+    from dask_kvstate.plugins.worker.transport import serve_blocks, unpack_blocks
 
     kv, hashes, blocks, store = _arena_store(tokens=70)
     asked = [b"?" * 16, *hashes[1:]]  # one unknown block first, then blocks 1..4 of the arena
@@ -75,7 +75,7 @@ def test_a_run_of_arena_blocks_is_sent_as_its_memory_and_received_as_views(tmp_p
         assert torch.equal(back[b.hash], b.tensor)
     # The puller's blocks are views of the one received frame, back to back: stored as
     # they are, and served on without a copy too.
-    from dask_kvstate.arena import span
+    from dask_kvstate.plugins.worker.arena import span
 
     run = span([back[h] for h in hashes[1:]])
     assert run is not None and run.numel() == frame.nbytes
@@ -91,7 +91,7 @@ def test_an_adopted_state_is_sent_as_its_joined_tensor_and_received_without_a_co
     import torch
 
     from dask_kvstate.blocks import join_blocks
-    from dask_kvstate.transport import PackingBuffers, serve_blocks, unpack_blocks
+    from dask_kvstate.plugins.worker.transport import PackingBuffers, serve_blocks, unpack_blocks
 
     kv, hashes, blocks, store = _arena_store(tokens=70)
     joined = join_blocks([store.get(h) for h in hashes])  # a copy: the arena is block-major
@@ -115,7 +115,7 @@ def test_blocks_that_are_not_one_run_of_memory_are_packed():
 
     import torch
 
-    from dask_kvstate.transport import PackingBuffers, serve_blocks, unpack_blocks
+    from dask_kvstate.plugins.worker.transport import PackingBuffers, serve_blocks, unpack_blocks
 
     kv, hashes, blocks, store = _arena_store(tokens=70)
     buffers = PackingBuffers(keep_bytes=2**22)
@@ -144,7 +144,7 @@ def test_cuda_blocks_are_staged_through_host_memory_and_packed():
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from dask_kvstate.transport import PackingBuffers, serve_blocks, unpack_blocks
+    from dask_kvstate.plugins.worker.transport import PackingBuffers, serve_blocks, unpack_blocks
 
     kv, hashes, blocks, store = _arena_store(tokens=70, device="cuda")
     assert blocks[0].tensor.is_cuda
@@ -168,7 +168,7 @@ def test_cuda_blocks_are_staged_through_host_memory_and_packed():
     ],
 )
 def test_a_malformed_zero_copy_reply_is_refused_by_name(layout, frame_bytes, match):
-    from dask_kvstate.transport import unpack_blocks
+    from dask_kvstate.plugins.worker.transport import unpack_blocks
 
     with pytest.raises(ValueError, match=match):
         unpack_blocks({"status": "OK", "frames": [bytearray(frame_bytes)], "arena": layout}, [b"a" * 16, b"b" * 16])
@@ -243,7 +243,7 @@ def test_fuzz_zero_copy_layouts_raise_only_value_error():
 
     import torch
 
-    from dask_kvstate.transport import serve_run, unpack_blocks
+    from dask_kvstate.plugins.worker.transport import serve_run, unpack_blocks
 
     kv, hashes, blocks, store = _arena_store(tokens=70)
     reply = serve_run(store, hashes)

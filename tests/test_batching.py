@@ -6,7 +6,7 @@ import pytest
 
 import dask_kvstate as kvs
 from dask_kvstate.backends.batch import Row, generate_batch
-from dask_kvstate.runtime import common_prefix
+from dask_kvstate.plugins.worker.runtime import common_prefix
 
 from .conftest import CONTEXT, on, stats_of
 

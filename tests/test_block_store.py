@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from dask_kvstate.plugins.block_store import TieredBlockStore
-from dask_kvstate.plugins.tiers import DiskTier, ScoredBuffer
+from dask_kvstate.plugins.worker.block_store import TieredBlockStore
+from dask_kvstate.plugins.worker.tiers import DiskTier, ScoredBuffer
 
 from .mapping_kit import check_mapping
 
@@ -169,7 +169,7 @@ def test_damaged_spill_file_is_a_counted_miss(store, damage):
 
 
 def test_memory_monitor_eviction_moves_kv_to_disk(store):
-    from dask_kvstate.plugins.memory import KVStateSpillData
+    from dask_kvstate.plugins.worker.memory import KVStateSpillData
 
     data = KVStateSpillData({"task-result": 1}, store)
     for h in (b"a", b"b", b"c"):

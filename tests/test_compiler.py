@@ -13,10 +13,9 @@ import pytest
 from distributed import Client
 
 import dask_kvstate as kvs
+from dask_kvstate.testing import shapes
 from dask_kvstate.graph_opt import RECENT_PLANS, recent_plans
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-import shapes  # noqa: E402
 
 from .conftest import TEST_CONFIG  # noqa: E402
 

@@ -18,8 +18,8 @@ from dataclasses import replace
 import dask
 import pytest
 from dask.utils import format_bytes
-from dask_kvstate.plugins.dashboard import SHOWN_TOTALS, KVStatePage
-from dask_kvstate.plugins.observe import PLUGIN_NAME, KVObserver
+from dask_kvstate.plugins.scheduler.dashboard import SHOWN_TOTALS, KVStatePage
+from dask_kvstate.plugins.scheduler.observe import PLUGIN_NAME, KVObserver
 from distributed import Client, LocalCluster, wait
 from distributed.utils_test import poll_for
 
@@ -201,7 +201,7 @@ def test_page_data_follows_a_workflow(client, workers):
 
 
 def _sessions_panel(dask_scheduler) -> str:
-    from dask_kvstate.plugins.dashboard import sessions_html
+    from dask_kvstate.plugins.scheduler.dashboard import sessions_html
 
     return sessions_html(dask_scheduler.plugins["kvstate-sessions"])
 

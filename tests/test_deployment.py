@@ -16,12 +16,11 @@ from distributed import Client, Scheduler, Worker
 from distributed.utils_test import captured_logger
 
 import dask_kvstate as kvs
+from dask_kvstate.testing import shapes
 from dask_kvstate.graph_opt import recent_plans
 
 from .conftest import CONTEXT, on
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-import shapes  # noqa: E402
 
 ENV = {
     "DASK_KVSTATE__MODEL": "tiny-llama",

@@ -15,7 +15,7 @@ from distributed import wait
 from distributed.utils_test import async_poll_for
 
 import dask_kvstate as kvs
-from dask_kvstate.transport import HANDLER
+from dask_kvstate.plugins.worker.transport import HANDLER
 
 from .conftest import CONTEXT, kv_cluster, on
 from .test_failures import FAST_FAIL, kill

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dask_kvstate import config
-from dask_kvstate.plugins import disk_format
-from dask_kvstate.plugins.worker import KVStateWorkerPlugin
+from dask_kvstate.plugins.worker import disk_format
+from dask_kvstate.plugins.worker.plugin import KVStateWorkerPlugin
 from dask_kvstate.state import ARROW_SCHEMA, KVStateRef
 
 from .test_state import realistic_ref

@@ -18,9 +18,9 @@ from distributed.utils_test import async_poll_for, gen_cluster
 import dask_kvstate as kvs
 from dask_kvstate import config
 from dask_kvstate.hints import parse_hints
-from dask_kvstate.plugins.batching import PLUGIN_NAME as BATCHING
-from dask_kvstate.plugins.hints import ComponentHints
-from dask_kvstate.plugins.sessions import SessionTracker
+from dask_kvstate.plugins.worker.batching import PLUGIN_NAME as BATCHING
+from dask_kvstate.plugins.scheduler.hints import ComponentHints
+from dask_kvstate.plugins.scheduler.sessions import SessionTracker
 
 FAST = {"kvstate.scheduling.interval": "20ms"}
 
@@ -141,7 +141,7 @@ async def test_held_tasks_start_in_priority_order(c, s, a, b):
 
 @gen_cluster(client=True, nthreads=[("", 1), ("", 1)], config=FAST)
 async def test_held_tasks_follow_revised_workflow_progress(c, s, a, b):
-    from dask_kvstate.plugins.priority import ProgressPriority
+    from dask_kvstate.plugins.scheduler.priority import ProgressPriority
 
     RAN.clear()
     await c.register_plugin(SessionTracker())

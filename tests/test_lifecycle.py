@@ -9,7 +9,7 @@ import time
 
 import dask
 import pytest
-from dask_kvstate.plugins.lifecycle import (
+from dask_kvstate.plugins.scheduler.lifecycle import (
     lifecycle_action,
     move_seconds,
     predict_idle,

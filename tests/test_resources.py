@@ -35,7 +35,7 @@ def small_disk(path):
 
 
 def _check_spill_files(dask_worker) -> dict:
-    from dask_kvstate.plugins import disk_format
+    from dask_kvstate.plugins.worker import disk_format
 
     store = dask_worker.plugins["kvstate"].runtime.store
     bad = 0

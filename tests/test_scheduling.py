@@ -15,11 +15,11 @@ from distributed import Event, worker_client
 from distributed.utils_test import async_poll_for, gen_cluster, poll_for
 
 import dask_kvstate as kvs
-from dask_kvstate.plugins.capacity import CapacityController, best_move
-from dask_kvstate.plugins.priority import ProgressPriority, progress_priority
-from dask_kvstate.plugins.scheduling_worker import SchedulingWorkerPlugin
-from dask_kvstate.plugins.sessions import SessionTracker
-from dask_kvstate.plugins.stealing import LateBindingStealing, migration_benefit
+from dask_kvstate.plugins.scheduler.capacity import CapacityController, best_move
+from dask_kvstate.plugins.scheduler.priority import ProgressPriority, progress_priority
+from dask_kvstate.plugins.worker.scheduling import SchedulingWorkerPlugin
+from dask_kvstate.plugins.scheduler.sessions import SessionTracker
+from dask_kvstate.plugins.scheduler.stealing import LateBindingStealing, migration_benefit
 
 FAST = {"kvstate.scheduling.interval": "20ms", "kvstate.scheduling.capacity.interval": "20ms"}
 

@@ -8,8 +8,8 @@ def test_served_blocks_are_zero_copy_frames_not_pickles():
     import torch
     from distributed.protocol import deserialize, serialize
 
-    from dask_kvstate.plugins.block_store import TieredBlockStore
-    from dask_kvstate.transport import serve_blocks, unpack_blocks
+    from dask_kvstate.plugins.worker.block_store import TieredBlockStore
+    from dask_kvstate.plugins.worker.transport import serve_blocks, unpack_blocks
 
     store = TieredBlockStore(device_bytes=2**22, host_bytes=2**22, disk_bytes=2**22)
     block = torch.arange(2 * 2 * 2 * 16 * 16 * 64, dtype=torch.float32).reshape(2, 2, 2, 16, 1024)  # 1 MiB: its own frame
@@ -32,8 +32,8 @@ def test_blocks_of_any_dtype_survive_the_wire(dtype):
     import torch
     from distributed.protocol import deserialize, serialize
 
-    from dask_kvstate.plugins.block_store import TieredBlockStore
-    from dask_kvstate.transport import serve_blocks, unpack_blocks
+    from dask_kvstate.plugins.worker.block_store import TieredBlockStore
+    from dask_kvstate.plugins.worker.transport import serve_blocks, unpack_blocks
 
     store = TieredBlockStore(device_bytes=2**20, host_bytes=2**20, disk_bytes=2**20)
     block = torch.randn(2, 2, 2, 5, 8).to(getattr(torch, dtype))
@@ -55,8 +55,8 @@ def test_a_pull_is_one_frame_in_a_buffer_reused_once_the_comm_let_go():
     import torch
     from distributed.protocol import deserialize, serialize
 
-    from dask_kvstate.plugins.block_store import TieredBlockStore
-    from dask_kvstate.transport import PackingBuffers, serve_blocks, unpack_blocks
+    from dask_kvstate.plugins.worker.block_store import TieredBlockStore
+    from dask_kvstate.plugins.worker.transport import PackingBuffers, serve_blocks, unpack_blocks
 
     store = TieredBlockStore(device_bytes=2**24, host_bytes=2**22, disk_bytes=2**22)
     blocks = {bytes([i]) * 16: torch.randn(2, 2, 2, 16, 64 * (i + 1)) for i in range(6)}  # small...
@@ -85,7 +85,7 @@ def test_a_pull_is_one_frame_in_a_buffer_reused_once_the_comm_let_go():
 
 
 def test_a_peer_naming_an_unknown_dtype_is_refused():
-    from dask_kvstate.transport import unpack_blocks
+    from dask_kvstate.plugins.worker.transport import unpack_blocks
 
     with pytest.raises(ValueError, match="unknown dtype 'nn'"):
         unpack_blocks({"frames": [bytearray(8)], "layout": [[b"h" * 16, "nn", [2], 8, 0, 0]]})

@@ -27,7 +27,7 @@ class _Pair:
     """One of ours and one raw zict chain, both with room for everything."""
 
     def __init__(self, block_bytes: int):
-        from dask_kvstate.plugins.block_store import TieredBlockStore
+        from dask_kvstate.plugins.worker.block_store import TieredBlockStore
 
         self.dirs = [tempfile.mkdtemp(), tempfile.mkdtemp()]
         self.data = blocks(block_bytes)

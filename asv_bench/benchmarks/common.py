@@ -41,8 +41,8 @@ class ModelSuite:
 
     def runtime(self):
         """A worker-less StateRuntime over a fresh in-memory block store."""
-        from dask_kvstate.plugins.block_store import TieredBlockStore
-        from dask_kvstate.runtime import StateRuntime
+        from dask_kvstate.plugins.worker.block_store import TieredBlockStore
+        from dask_kvstate.plugins.worker.runtime import StateRuntime
 
         self._dir = tempfile.mkdtemp()
         store = TieredBlockStore(self._dir, device_bytes=2**30, host_bytes=2**30, disk_bytes=2**30)

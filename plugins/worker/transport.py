@@ -150,13 +150,13 @@ def serve_run(store, hashes: Sequence[bytes]) -> dict | None:
 
     When every present block sits in a memory tier and together they are one run of
     one storage (a block arena, a frame received earlier, or all of a joined copy; see
-    :mod:`dask_kvstate.arena`), the frame is that memory itself: nothing is copied.
+    :mod:`dask_kvstate.plugins.worker.arena`), the frame is that memory itself: nothing is copied.
     The layout is small enough to ride in the message (dtype, the block shape without
     its token axis, and run-lengths of token counts and of request positions: a few
     dozen bytes), so it needs neither a tail in the frame nor a frame of its own.
     Otherwise None, and :func:`serve_blocks` packs. Never raises.
     """
-    from dask_kvstate.arena import span
+    from dask_kvstate.plugins.worker.arena import span
 
     if store is None:
         return None

@@ -27,12 +27,12 @@ import torch
 from dask_kvstate import config
 from dask_kvstate.blocks import block_hashes, join_blocks, split_blocks
 from dask_kvstate.cost import transfer_or_recompute
-from dask_kvstate.measure import LinkMeter, PrefillMeter
+from dask_kvstate.plugins.worker.measure import LinkMeter, PrefillMeter
 from dask_kvstate.errors import MergeError
 from dask_kvstate.events import COMPATIBILITY, LIFECYCLE, worker_event
 from dask_kvstate.generation import Generation
 from dask_kvstate.state import KVState, KVStateRef, Lineage, Placement, incompatibility, new_state_id
-from dask_kvstate.transport import pull_blocks
+from dask_kvstate.plugins.worker.transport import pull_blocks
 
 logger = logging.getLogger("dask_kvstate")
 

@@ -36,10 +36,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import zict
 
-from dask_kvstate.arena import overhang
+from dask_kvstate.plugins.worker.arena import overhang
 from dask_kvstate.cost import eviction_score
-from dask_kvstate.plugins.disk_format import CorruptBlockError
-from dask_kvstate.plugins.tiers import DiskTier, ScoredBuffer, nbytes
+from dask_kvstate.plugins.worker.disk_format import CorruptBlockError
+from dask_kvstate.plugins.worker.tiers import DiskTier, ScoredBuffer, nbytes
 
 logger = logging.getLogger("dask_kvstate")
 

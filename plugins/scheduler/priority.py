@@ -28,8 +28,8 @@ from time import time
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
-from dask_kvstate.plugins.scheduling_worker import REPRIORITIZE
-from dask_kvstate.plugins.sessions import PLUGIN_NAME as SESSIONS
+from dask_kvstate.plugins.worker.scheduling import REPRIORITIZE
+from dask_kvstate.plugins.scheduler.sessions import PLUGIN_NAME as SESSIONS
 
 PLUGIN_NAME = "kvstate-priority"
 EVENT = "kvstate-priority"

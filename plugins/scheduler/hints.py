@@ -84,8 +84,8 @@ class ComponentHints(SchedulerPlugin):
         if self.batch:
             from distributed.protocol.pickle import dumps
 
-            from dask_kvstate.plugins.batching import PLUGIN_NAME as BATCHING
-            from dask_kvstate.plugins.batching import BatchingWorkerPlugin
+            from dask_kvstate.plugins.worker.batching import PLUGIN_NAME as BATCHING
+            from dask_kvstate.plugins.worker.batching import BatchingWorkerPlugin
 
             plugin = BatchingWorkerPlugin(self.batch, self.batch_window)
             await scheduler.register_worker_plugin(None, dumps(plugin), name=BATCHING, idempotent=False)
@@ -95,7 +95,7 @@ class ComponentHints(SchedulerPlugin):
             if tracker is not None:  # the one global control loop, after the priority pass
                 tracker.loop.add("hints", self.revise)
             else:  # registered alone: a loop of its own, same period
-                from dask_kvstate.plugins.control import ControlLoop
+                from dask_kvstate.plugins.scheduler.control import ControlLoop
 
                 interval = config.get_seconds("scheduling.interval")
                 self._own_loop = ControlLoop(float(interval))

@@ -14,7 +14,7 @@ shows the run so far) and a bounded map of state summaries. From successive stat
 logs the block store's spills, unspills and drops under ``kvstate-lifecycle``, one
 event per worker and interval with counts, instead of one per block.
 
-It serves the ``/kvstate`` page (:mod:`dask_kvstate.plugins.dashboard`) when the
+It serves the ``/kvstate`` page (:mod:`dask_kvstate.plugins.scheduler.dashboard`) when the
 scheduler runs a dashboard and Bokeh is importable.
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ class KVObserver(SchedulerPlugin):
         self._sampler.start()
         self._app = None
         if self.page:
-            from dask_kvstate.plugins.dashboard import register_page
+            from dask_kvstate.plugins.scheduler.dashboard import register_page
 
             self._app = register_page(scheduler, self)
 
@@ -86,7 +86,7 @@ class KVObserver(SchedulerPlugin):
         if getattr(self, "_sampler", None) is not None:
             self._sampler.stop()
         if getattr(self, "_app", None) is not None:
-            from dask_kvstate.plugins.dashboard import unregister_page
+            from dask_kvstate.plugins.scheduler.dashboard import unregister_page
 
             unregister_page(self.scheduler, self._app)
 
@@ -178,64 +178,3 @@ class KVObserver(SchedulerPlugin):
         """Everything the page shows, as plain data (``client.run_on_scheduler``)."""
         return {"workers": dict(self.stats), "totals": self.totals(), "history": list(self.history),
                 "largest": self.largest(), "sessions": self.sessions_plugin() is not None}  # fmt: skip
-
-
-# -- the worker side ---------------------------------------------------------------
-
-
-def worker_stats(plugin) -> dict:
-    """One worker's ``kvs.stats`` entry (also what it reports to the extension)."""
-    if plugin is None or plugin.runtime is None:
-        return {"installed": False}
-    return {"installed": True, **plugin.runtime.stats(), "models": list(plugin.models)}
-
-
-def state_summary(ref) -> dict:
-    """What the extension keeps of a state: enough for a lineage line, never the text."""
-    return {"state": ref.state_id, "op": ref.lineage.op, "parents": list(ref.lineage.parents),
-            "tokens": ref.num_tokens, "nbytes": ref.nbytes, "model": ref.model_name}  # fmt: skip
-
-
-class StatsReporter:
-    """Pushes a worker's stats to the observe extension when they change."""
-
-    def __init__(self, worker, plugin, interval_s: float):
-        self.worker = worker
-        self.plugin = plugin
-        self.last = None
-        self.callback = PeriodicCallback(self.report, interval_s * 1000)
-
-    @classmethod
-    async def connect(cls, worker, plugin) -> StatsReporter | None:
-        """A started reporter, or None when the scheduler runs no observe extension."""
-        try:
-            hello = await worker.scheduler.kvstate_observe()
-        except Exception:  # noqa: BLE001 - no such handler (extension off): stay quiet
-            return None
-        if not isinstance(hello, dict) or "interval" not in hello:  # not our extension's answer
-            return None
-        self = cls(worker, plugin, float(hello["interval"]))
-        self.callback.start()
-        self.report()
-        return self
-
-    def _stream(self):
-        bs = self.worker.batched_stream
-        return bs if bs is not None and bs.comm is not None else None
-
-    def report(self) -> None:
-        stream = self._stream()
-        if stream is None:
-            return
-        stats = worker_stats(self.plugin)
-        if stats != self.last:
-            stream.send({"op": "kvstate-stats", "stats": stats})
-            self.last = stats
-
-    def send_states(self, key, refs) -> None:
-        stream = self._stream()
-        if stream is not None:
-            stream.send({"op": "kvstate-states", "key": key, "states": [state_summary(r) for r in refs]})
-
-    def stop(self) -> None:
-        self.callback.stop()

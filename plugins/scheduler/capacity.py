@@ -37,8 +37,8 @@ from time import perf_counter, time
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
-from dask_kvstate.plugins.scheduling_worker import SET_RESOURCES
-from dask_kvstate.plugins.sessions import PLUGIN_NAME as SESSIONS
+from dask_kvstate.plugins.worker.scheduling import SET_RESOURCES
+from dask_kvstate.plugins.scheduler.sessions import PLUGIN_NAME as SESSIONS
 
 logger = logging.getLogger("dask_kvstate")
 
@@ -280,7 +280,7 @@ class CapacityController(SchedulerPlugin):
             self.moving = False
 
     def stats(self) -> dict:
-        from dask_kvstate.plugins.control import latency_summary
+        from dask_kvstate.plugins.scheduler.control import latency_summary
 
         return {**dict(self.counters), "k": self.k, "last": self.last, "recent_moves": list(self.moves)[-20:],
                 "latency": latency_summary(self.latency)}  # fmt: skip

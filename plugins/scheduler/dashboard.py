@@ -86,7 +86,7 @@ def unregister_page(scheduler, app) -> None:
 
 def kvstate_doc(scheduler, extra, doc):
     """The Bokeh document of ``/kvstate``."""
-    from dask_kvstate.plugins.observe import PLUGIN_NAME
+    from dask_kvstate.plugins.scheduler.observe import PLUGIN_NAME
     from distributed.dashboard.components import add_periodic_callback
     from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 

@@ -87,7 +87,7 @@ def probe_rates(block_bytes: int, blocks: int = 4) -> Rates:
     Seeds the rates before the first real move; a real store would need real KV to move.
     """
     import torch
-    from dask_kvstate.plugins.block_store import TieredBlockStore
+    from dask_kvstate.plugins.worker.block_store import TieredBlockStore
 
     rates = Rates()
     folder = tempfile.mkdtemp(prefix="kvstate-probe-")

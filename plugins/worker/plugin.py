@@ -23,12 +23,12 @@ from distributed import WorkerPlugin
 from tornado.ioloop import PeriodicCallback
 
 from dask_kvstate import config
-from dask_kvstate.allocator import retain_freed_memory
+from dask_kvstate.plugins.worker.allocator import retain_freed_memory
 from dask_kvstate.backends import check_model_name
-from dask_kvstate.plugins.memory import KVStateSpillData
-from dask_kvstate.plugins.observe import StatsReporter
+from dask_kvstate.plugins.worker.memory import KVStateSpillData
+from dask_kvstate.plugins.worker.reporter import StatsReporter
 from dask_kvstate.state import KVStateRef
-from dask_kvstate.transport import HANDLER, PackingBuffers, serve_blocks, serve_inline, serve_run
+from dask_kvstate.plugins.worker.transport import HANDLER, PackingBuffers, serve_blocks, serve_inline, serve_run
 
 logger = logging.getLogger("dask_kvstate")
 
@@ -154,8 +154,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
         import torch
 
         from dask_kvstate.backends import load_backend
-        from dask_kvstate.plugins.block_store import TieredBlockStore
-        from dask_kvstate.runtime import StateRuntime
+        from dask_kvstate.plugins.worker.block_store import TieredBlockStore
+        from dask_kvstate.plugins.worker.runtime import StateRuntime
 
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)

@@ -25,7 +25,7 @@ from dask.utils import key_split
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
-from dask_kvstate.plugins.control import ControlLoop
+from dask_kvstate.plugins.scheduler.control import ControlLoop
 from dask_kvstate.session import ANNOTATION, COMPONENT, TOPIC
 
 logger = logging.getLogger("dask_kvstate")

@@ -32,15 +32,15 @@ import logging
 from collections import Counter, defaultdict
 from time import time
 
-from dask_kvstate.plugins.lifecycle_worker import (
+from dask_kvstate.plugins.worker.lifecycle import (
     DONE,
     INVALIDATE,
     OFFLOAD,
     PREFETCH,
     REPORT,
 )
-from dask_kvstate.plugins.sessions import PLUGIN_NAME as SESSIONS
-from dask_kvstate.plugins.sessions import component_of
+from dask_kvstate.plugins.scheduler.sessions import PLUGIN_NAME as SESSIONS
+from dask_kvstate.plugins.scheduler.sessions import component_of
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config

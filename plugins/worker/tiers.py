@@ -21,7 +21,7 @@ import torch
 import zict
 from zict.common import nodefault
 
-from dask_kvstate.plugins import disk_format
+from dask_kvstate.plugins.worker import disk_format
 
 
 def nbytes(t: torch.Tensor) -> int:

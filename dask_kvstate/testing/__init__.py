@@ -1,0 +1,1 @@
+"""What tests, benchmarks and examples share: workflow shapes and workloads built from the public API."""

@@ -1,0 +1,68 @@
+"""The worker half of observability: push this worker's stats to the ``observe`` extension.
+
+The scheduler's dashboard page must never block its event loop on ``client.run``, so
+workers push instead, over the batched stream they already keep open: their
+``kvs.stats`` entry when it changed, and the states a task just computed (for the
+lineage panel). The scheduler half is :mod:`dask_kvstate.plugins.scheduler.observe`.
+"""
+from __future__ import annotations
+
+from tornado.ioloop import PeriodicCallback
+
+
+def worker_stats(plugin) -> dict:
+    """One worker's ``kvs.stats`` entry (also what it reports to the extension)."""
+    if plugin is None or plugin.runtime is None:
+        return {"installed": False}
+    return {"installed": True, **plugin.runtime.stats(), "models": list(plugin.models)}
+
+
+def state_summary(ref) -> dict:
+    """What the extension keeps of a state: enough for a lineage line, never the text."""
+    return {"state": ref.state_id, "op": ref.lineage.op, "parents": list(ref.lineage.parents),
+            "tokens": ref.num_tokens, "nbytes": ref.nbytes, "model": ref.model_name}  # fmt: skip
+
+
+class StatsReporter:
+    """Pushes a worker's stats to the observe extension when they change."""
+
+    def __init__(self, worker, plugin, interval_s: float):
+        self.worker = worker
+        self.plugin = plugin
+        self.last = None
+        self.callback = PeriodicCallback(self.report, interval_s * 1000)
+
+    @classmethod
+    async def connect(cls, worker, plugin) -> StatsReporter | None:
+        """A started reporter, or None when the scheduler runs no observe extension."""
+        try:
+            hello = await worker.scheduler.kvstate_observe()
+        except Exception:  # noqa: BLE001 - no such handler (extension off): stay quiet
+            return None
+        if not isinstance(hello, dict) or "interval" not in hello:  # not our extension's answer
+            return None
+        self = cls(worker, plugin, float(hello["interval"]))
+        self.callback.start()
+        self.report()
+        return self
+
+    def _stream(self):
+        bs = self.worker.batched_stream
+        return bs if bs is not None and bs.comm is not None else None
+
+    def report(self) -> None:
+        stream = self._stream()
+        if stream is None:
+            return
+        stats = worker_stats(self.plugin)
+        if stats != self.last:
+            stream.send({"op": "kvstate-stats", "stats": stats})
+            self.last = stats
+
+    def send_states(self, key, refs) -> None:
+        stream = self._stream()
+        if stream is not None:
+            stream.send({"op": "kvstate-states", "key": key, "states": [state_summary(r) for r in refs]})
+
+    def stop(self) -> None:
+        self.callback.stop()
