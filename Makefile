@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo lint test test-fast bench clean
 
 install: $(VENV)/.installed
 
@@ -26,7 +26,20 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 demo: install
 	HF_HUB_OFFLINE=1 $(PY) examples/tree_of_thought.py
 
-test: install
+# Lint, format and type-check the package before any test runs. mypy reads the package
+# through a tree of links that mirrors its installed shape (plugins/ and graph_opt/ inside
+# dask_kvstate/, as setup.cfg's package_dir maps them), which mypy cannot follow itself.
+TYPECHECK := build/typecheck
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/dask_kvstate
+	for entry in dask_kvstate/*; do ln -s "$(CURDIR)/$$entry" $(TYPECHECK)/dask_kvstate/; done
+	ln -s "$(CURDIR)/plugins" $(TYPECHECK)/dask_kvstate/plugins
+	ln -s "$(CURDIR)/graph_opt" $(TYPECHECK)/dask_kvstate/graph_opt
+	cd $(TYPECHECK) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p dask_kvstate
+
+test: install lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest
 
 test-fast: install

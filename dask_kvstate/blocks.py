@@ -10,6 +10,7 @@ chains, so forks and independent materializations of one prefix dedupe by themse
 while a different model, dtype, tokenizer or namespace (tenant) never collides.
 The last block of a state may be partial; its hash covers exactly its tokens.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,9 +24,7 @@ HASH_BYTES = 16
 
 def kv_identity(model_fingerprint: str, config_fingerprint: str) -> bytes:
     """The part of every block hash that pins it to one model and one KV layout."""
-    return hashlib.blake2b(
-        f"{model_fingerprint}|{config_fingerprint}".encode(), digest_size=HASH_BYTES
-    ).digest()
+    return hashlib.blake2b(f"{model_fingerprint}|{config_fingerprint}".encode(), digest_size=HASH_BYTES).digest()
 
 
 def block_hashes(
@@ -137,9 +136,15 @@ def _consecutive_view(tensors: Sequence[object]):
     stride, dtype, device = first.stride(), first.dtype, first.device
     offset, tokens = first.storage_offset(), 0
     for t in tensors:
-        if (t.dtype != dtype or t.device != device or t.stride() != stride or t.shape[:3] != first.shape[:3]
-                or t.shape[4] != first.shape[4] or t.untyped_storage().data_ptr() != storage
-                or t.storage_offset() != offset + tokens * stride[3]):  # fmt: skip
+        if (
+            t.dtype != dtype
+            or t.device != device
+            or t.stride() != stride
+            or t.shape[:3] != first.shape[:3]
+            or t.shape[4] != first.shape[4]
+            or t.untyped_storage().data_ptr() != storage
+            or t.storage_offset() != offset + tokens * stride[3]
+        ):
             return None
         tokens += t.shape[3]
     return first.as_strided((*first.shape[:3], tokens, first.shape[4]), stride, first.storage_offset())

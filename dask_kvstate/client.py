@@ -1,4 +1,5 @@
 """Client-side entry points: attach the plugins to a cluster, read their counters."""
+
 from __future__ import annotations
 
 from distributed import Client
@@ -13,9 +14,15 @@ def _plugin_settings(dask_worker) -> dict | None:
     return None if plugin is None or plugin.runtime is None else plugin.settings()
 
 
-def install(client: Client, model: str | list[str] | None = None, *, torch_threads: int | None = None,
-            device_bytes: int | str | None = None, host_bytes: int | str | None = None,
-            disk_bytes: int | str | None = None) -> dict:  # fmt: skip
+def install(
+    client: Client,
+    model: str | list[str] | None = None,
+    *,
+    torch_threads: int | None = None,
+    device_bytes: int | str | None = None,
+    host_bytes: int | str | None = None,
+    disk_bytes: int | str | None = None,
+) -> dict:
     """Load ``model`` (or several: a list) and a KV block store on every worker.
 
     Idempotent: when every worker already runs the plugin with the same settings,
@@ -24,8 +31,9 @@ def install(client: Client, model: str | list[str] | None = None, *, torch_threa
 
     Returns ``{worker address: settings}``.
     """
-    plugin = KVStateWorkerPlugin(model, torch_threads=torch_threads, device_bytes=device_bytes,
-                                 host_bytes=host_bytes, disk_bytes=disk_bytes)  # fmt: skip
+    plugin = KVStateWorkerPlugin(
+        model, torch_threads=torch_threads, device_bytes=device_bytes, host_bytes=host_bytes, disk_bytes=disk_bytes
+    )
     if config.get("placement.enabled"):
         from dask_kvstate.plugins.scheduler.placement import KVPlacement
 
@@ -100,12 +108,19 @@ def scheduling_plugins() -> list:
     Shared by :func:`install_scheduling` and the preload (``dask_kvstate.plugins``)."""
     from dask_kvstate.plugins.scheduler.capacity import CapacityController
     from dask_kvstate.plugins.scheduler.priority import ProgressPriority
-    from dask_kvstate.plugins.worker.scheduling import SchedulingWorkerPlugin
     from dask_kvstate.plugins.scheduler.sessions import SessionTracker
     from dask_kvstate.plugins.scheduler.stealing import LateBindingStealing
+    from dask_kvstate.plugins.worker.scheduling import SchedulingWorkerPlugin
 
-    wanted = [cls() for key, cls in (("priority.enabled", ProgressPriority), ("stealing.enabled", LateBindingStealing),
-                                     ("capacity.enabled", CapacityController)) if config.get(f"scheduling.{key}")]  # fmt: skip
+    wanted = [
+        cls()
+        for key, cls in (
+            ("priority.enabled", ProgressPriority),
+            ("stealing.enabled", LateBindingStealing),
+            ("capacity.enabled", CapacityController),
+        )
+        if config.get(f"scheduling.{key}")
+    ]
     # Component hints (max-concurrency, batchable): their extension, whenever a hint asks for it.
     from dask_kvstate.hints import parse_hints
 
@@ -132,6 +147,7 @@ def install_scheduling(client: Client) -> list[str]:
     if not plugins:
         return []
     if client.asynchronous:  # an asynchronous client: the caller awaits the registrations
+
         async def register() -> list[str]:
             for p in plugins:
                 await client.register_plugin(p)
@@ -147,8 +163,9 @@ def _scheduling_stats(dask_scheduler) -> dict:
     out = {}
     for name in ("kvstate-sessions", "kvstate-priority", "kvstate-stealing", "kvstate-capacity", "kvstate-hints"):
         plugin = dask_scheduler.plugins.get(name)
-        out[name.removeprefix("kvstate-")] = {"installed": False} if plugin is None else \
-            {"installed": True, **plugin.stats()}  # fmt: skip
+        out[name.removeprefix("kvstate-")] = (
+            {"installed": False} if plugin is None else {"installed": True, **plugin.stats()}
+        )
     return out
 
 

@@ -5,6 +5,7 @@ The defaults are registered with :func:`dask.config.update_defaults` on import, 
 Dask mechanisms (YAML files, ``DASK_KVSTATE__...`` environment variables,
 ``dask.config.set``). Values are read when an object is constructed, never at import.
 """
+
 from __future__ import annotations
 
 import functools
@@ -148,7 +149,9 @@ def _check_node(value, schema: dict, path: str) -> None:
                 _check_node(sub, schema["additionalProperties"], f"{path}{'.' if path else ''}{key}")
                 continue
             if name not in props:
-                raise ValueError(f"unknown config key kvstate.{path}{'.' if path else ''}{key}; known: {', '.join(props)}")
+                raise ValueError(
+                    f"unknown config key kvstate.{path}{'.' if path else ''}{key}; known: {', '.join(props)}"
+                )
             _check_node(sub, props[name], f"{path}{'.' if path else ''}{name}")
     elif isinstance(value, (list, tuple)) and "items" in schema:
         for i, item in enumerate(value):
@@ -214,4 +217,6 @@ def check(cfg: dict) -> None:
         except (ValueError, TypeError, KeyError, IndexError, OverflowError):
             bw = None
         if bw is None or not math.isfinite(bw) or bw <= 0:
-            raise ValueError(f"kvstate.transport.emulated-bandwidth must be a rate like '100 Mbit/s' or null, got {v!r:.80}")
+            raise ValueError(
+                f"kvstate.transport.emulated-bandwidth must be a rate like '100 Mbit/s' or null, got {v!r:.80}"
+            )

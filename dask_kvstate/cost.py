@@ -3,6 +3,7 @@
 Kept free of state and I/O (like ``distributed.stealing.steal_time_ratio``) so each
 can be read, tested and tuned on its own.
 """
+
 from __future__ import annotations
 
 
@@ -65,8 +66,16 @@ def transfer_seconds(missing_bytes: int, bandwidth: float, latency: float) -> fl
     return missing_bytes / max(bandwidth, 1.0) + latency
 
 
-def transfer_or_recompute(missing_bytes: int, missing_tokens: int, cached_tokens: int, *, bandwidth: float,
-                          latency: float, per_token_s: float, per_pair_s: float) -> tuple[str, float, float]:  # fmt: skip
+def transfer_or_recompute(
+    missing_bytes: int,
+    missing_tokens: int,
+    cached_tokens: int,
+    *,
+    bandwidth: float,
+    latency: float,
+    per_token_s: float,
+    per_pair_s: float,
+) -> tuple[str, float, float]:
     """The AAFLOW+ rule (eq. 30): move the missing KV if that beats recomputing it.
 
     Returns ``(choice, t_transfer, t_recompute)`` with choice ``"pull"`` or

@@ -1,4 +1,5 @@
 """Exceptions users may want to catch."""
+
 from __future__ import annotations
 
 

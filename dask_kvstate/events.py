@@ -10,6 +10,7 @@ are per decision (placement, a compatibility refusal, an explicit evict) or aggr
 per report interval (spills, unspills and drops of the block store, counted from the
 workers' periodic stats; see :mod:`dask_kvstate.plugins.scheduler.observe`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,5 +40,5 @@ def worker_event(worker, topic: str, msg: dict) -> None:
         return
     try:
         worker.log_event(topic, msg)
-    except Exception as e:  # noqa: BLE001 - see the docstring
+    except Exception as e:
         logger.debug("kvstate: event %s not logged (%s: %s)", topic, type(e).__name__, e)

@@ -1,4 +1,5 @@
 """What generating operators return: the text, with its token ids and timings attached."""
+
 from __future__ import annotations
 
 

@@ -20,6 +20,7 @@ the wrapped function with its own arguments and gets its own result. If a batch 
 raises, its elements are run again one by one, so an error fails only the tasks whose
 own arguments raise (each with its own exception).
 """
+
 from __future__ import annotations
 
 import threading
@@ -69,7 +70,9 @@ def parse_hints(components: dict | None) -> Hints:
             raise ValueError(f"kvstate.scheduling.components.{name} must be a mapping of hints, got {h!r}")
         unknown = sorted(set(h) - set(HINT_KEYS))
         if unknown:
-            raise ValueError(f"kvstate.scheduling.components.{name}: unknown hint(s) {unknown}; known: {list(HINT_KEYS)}")
+            raise ValueError(
+                f"kvstate.scheduling.components.{name}: unknown hint(s) {unknown}; known: {list(HINT_KEYS)}"
+            )
         for flag in ("stateful", "batchable"):
             if flag in h and not isinstance(h[flag], bool):
                 raise ValueError(f"kvstate.scheduling.components.{name}.{flag} must be a bool, got {h[flag]!r}")
@@ -133,8 +136,10 @@ class BatchedCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
-            raise TypeError(f"batchable {self.name} takes positional arguments only (they form the batch's "
-                            f"argument tuples), got keywords {sorted(kwargs)}")  # fmt: skip
+            raise TypeError(
+                f"batchable {self.name} takes positional arguments only (they form the batch's "
+                f"argument tuples), got keywords {sorted(kwargs)}"
+            )
         capture = _capturing()
         if capture is not None:  # the batching plugin is reading a peer task's arguments
             capture.append(args)

@@ -1,4 +1,5 @@
 """Client side of the KV lifecycle (Nalar 4.5): register its extensions, read what it did."""
+
 from __future__ import annotations
 
 from distributed import Client
@@ -8,8 +9,8 @@ def lifecycle_plugins() -> list:
     """The session tracker (the extension needs it), the ``kvstate-lifecycle`` scheduler
     extension, then its worker plugin: shared by :func:`install_lifecycle` and the preload."""
     from dask_kvstate.plugins.scheduler.lifecycle import KVLifecycle
-    from dask_kvstate.plugins.worker.lifecycle import KVLifecycleWorkerPlugin
     from dask_kvstate.plugins.scheduler.sessions import SessionTracker
+    from dask_kvstate.plugins.worker.lifecycle import KVLifecycleWorkerPlugin
 
     return [SessionTracker(), KVLifecycle(), KVLifecycleWorkerPlugin()]
 

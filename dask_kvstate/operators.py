@@ -6,6 +6,7 @@ state from ``materialize``). Keys are deterministic, ``kvs-<op>-<token>``, so th
 call twice is one task, except sampling without a seed, which is never deduplicated.
 Everything runs where Dask places it; refs are small, the blocks stay on workers.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -57,8 +58,10 @@ def fork(state, k: int) -> list[Delayed]:
     4
     """
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"fork needs a positive int k, got {k!r}: k is the number of branches "
-                         "(kvs.fork(state, 3) gives 3 states); use k >= 1")  # fmt: skip
+        raise ValueError(
+            f"fork needs a positive int k, got {k!r}: k is the number of branches "
+            "(kvs.fork(state, 3) gives 3 states); use k >= 1"
+        )
     return list(_task(tasks.fork, state, k, nout=k))
 
 
@@ -71,20 +74,42 @@ def extend(state, *segments, model: str | None = None) -> Delayed:
     return _task(tasks.extend, state, *segments, model=model)
 
 
-def resume(state, *segments, max_new_tokens: int | None = None, temperature: float | None = None,
-           top_p: float | None = None, seed: int | None = None, model: str | None = None) -> Delayed:  # fmt: skip
+def resume(
+    state,
+    *segments,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    model: str | None = None,
+) -> Delayed:
     """Generate from ``state`` followed by ``segments``: ``Delayed[Generation]`` (a str).
 
     Token-identical to ``generate(state.text, *segments)`` (greedy, or sampling with
     the same seed); the state's KV replaces the prefill of its tokens.
     """
-    return _task(tasks.resume, state, *segments, max_new_tokens=max_new_tokens, temperature=temperature,
-                 top_p=top_p, seed=seed, model=model, unique=_sampling_without_seed(temperature, seed))  # fmt: skip
+    return _task(
+        tasks.resume,
+        state,
+        *segments,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        model=model,
+        unique=_sampling_without_seed(temperature, seed),
+    )
 
 
-def generate(*segments, max_new_tokens: int | None = None, temperature: float | None = None,
-             top_p: float | None = None, seed: int | None = None, model: str | None = None,
-             prefix_cache: bool | None = None) -> Delayed:  # fmt: skip
+def generate(
+    *segments,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    model: str | None = None,
+    prefix_cache: bool | None = None,
+) -> Delayed:
     """Generate from the prompt ``"".join(segments)`` by text replay: ``Delayed[Generation]``.
 
     ``prefix_cache=True`` (default ``kvstate.generate.prefix-cache``) reuses prompt
@@ -101,9 +126,17 @@ def generate(*segments, max_new_tokens: int | None = None, temperature: float | 
     """
     # Only passed when set, so graphs (and keys) without it stay as they were.
     extra = {} if prefix_cache is None else {"prefix_cache": bool(prefix_cache)}
-    return _task(tasks.generate, *segments, max_new_tokens=max_new_tokens, temperature=temperature,
-                 top_p=top_p, seed=seed, model=model, unique=_sampling_without_seed(temperature, seed),
-                 **extra)  # fmt: skip
+    return _task(
+        tasks.generate,
+        *segments,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        model=model,
+        unique=_sampling_without_seed(temperature, seed),
+        **extra,
+    )
 
 
 def merge(*states, policy: str = "concat") -> Delayed:
@@ -139,8 +172,16 @@ def evict(state) -> Delayed:
     return _task(tasks.evict, state, unique=True)
 
 
-def resume_many(state, suffixes, *, max_new_tokens: int | None = None, temperature: float | None = None,
-                top_p: float | None = None, seed: int | None = None, model: str | None = None) -> list[Delayed]:  # fmt: skip
+def resume_many(
+    state,
+    suffixes,
+    *,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    model: str | None = None,
+) -> list[Delayed]:
     """Sibling resumes from one state, decoded together: one ``Delayed[Generation]`` per suffix.
 
     Each result equals ``resume(state, suffix)`` token for token; the siblings run as
@@ -158,7 +199,16 @@ def resume_many(state, suffixes, *, max_new_tokens: int | None = None, temperatu
     suffixes = list(suffixes)
     if not suffixes:
         raise ValueError("resume_many needs at least one suffix")
-    batch = _task(tasks.resume_many, state, suffixes, max_new_tokens=max_new_tokens, temperature=temperature,
-                  top_p=top_p, seed=seed, model=model, nout=len(suffixes),
-                  unique=_sampling_without_seed(temperature, seed))  # fmt: skip
+    batch = _task(
+        tasks.resume_many,
+        state,
+        suffixes,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        model=model,
+        nout=len(suffixes),
+        unique=_sampling_without_seed(temperature, seed),
+    )
     return list(batch)

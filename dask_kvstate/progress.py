@@ -5,6 +5,7 @@ is true *and* stderr is a terminal, so logs, CI output and doctests stay clean.
 Transformers' loading bars follow the same rule; its per-tensor GGUF dequantization
 bar does not (it uses tqdm directly, with no switch).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,9 @@ def enabled(stream=None) -> bool:
         return False
 
 
-def bar(iterable: Iterable | None = None, *, total: int | None = None, desc: str | None = None, unit: str = "it",
-        **kwargs):  # fmt: skip
+def bar(
+    iterable: Iterable | None = None, *, total: int | None = None, desc: str | None = None, unit: str = "it", **kwargs
+):
     """A ``tqdm`` bar that is a silent pass-through when :func:`enabled` is false.
 
     Examples
@@ -48,8 +50,16 @@ def bar(iterable: Iterable | None = None, *, total: int | None = None, desc: str
     """
     from tqdm import tqdm
 
-    return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr, disable=not enabled(),
-                dynamic_ncols=True, **kwargs)  # fmt: skip
+    return tqdm(
+        iterable,
+        total=total,
+        desc=desc,
+        unit=unit,
+        file=sys.stderr,
+        disable=not enabled(),
+        dynamic_ncols=True,
+        **kwargs,
+    )
 
 
 def as_completed(futures: list, desc: str) -> Iterator:

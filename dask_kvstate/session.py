@@ -13,6 +13,7 @@ The context's exit is told to the scheduler with ``Client.log_event`` on the
 session ends when that notice has arrived and the scheduler holds none of its tasks
 any more (every future released); ending fires the tracker's end hooks.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -68,6 +69,9 @@ def _client_or_none():
         return None
 
 
+_PENDING: set = set()
+
+
 def _notify_close(session_id: str, client=None) -> None:
     client = client if client is not None else _client_or_none()
     if client is None or client.status not in ("running", "connecting", "newly-created"):
@@ -75,15 +79,19 @@ def _notify_close(session_id: str, client=None) -> None:
     msg = {"kind": "close", "session": session_id}
     if client.asynchronous:
         # Called from a coroutine: the notice must not block the event loop it runs on.
-        asyncio.ensure_future(client.log_event(TOPIC, msg))
+        task = asyncio.ensure_future(client.log_event(TOPIC, msg))
+        _PENDING.add(task)  # a reference until done: the loop keeps only a weak one
+        task.add_done_callback(_PENDING.discard)
         return
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         client.log_event(TOPIC, msg)
     else:  # a blocking client inside someone's event loop would deadlock or cross loops
-        raise RuntimeError(f"session {session_id}: found a synchronous client inside a running event loop; "
-                           "pass the asynchronous one: kvs.session(name, client=client)")
+        raise RuntimeError(
+            f"session {session_id}: found a synchronous client inside a running event loop; "
+            "pass the asynchronous one: kvs.session(name, client=client)"
+        )
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ different model recompute instead of failing. It travels zlib-compressed.
 
 Refs are immutable: fork, extend, transfer and merge make new refs, sharing blocks.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -128,7 +129,9 @@ class KVStateRef:
         ValueError: malformed KV state descriptor: missing column(s) model_name, ...
         """
         if not isinstance(batch, (pa.RecordBatch, pa.Table)):
-            raise ValueError(f"malformed KV state descriptor: expected a pyarrow RecordBatch or Table, got {type(batch).__name__}")
+            raise ValueError(
+                f"malformed KV state descriptor: expected a pyarrow RecordBatch or Table, got {type(batch).__name__}"
+            )
         missing = [n for n in ARROW_SCHEMA.names if n not in batch.schema.names]
         if missing:
             shown = ", ".join(missing[:1]) + (", ..." if len(missing) > 1 else "")
@@ -186,27 +189,58 @@ ARROW_SCHEMA = pa.schema(
 
 def _pack(ref: KVStateRef) -> tuple:
     return (
-        ref.state_id, ref.model_name, ref.model, ref.config, ref.namespace,
-        ref.block_tokens, ref.num_tokens, list(ref.blocks),
-        zlib.compress(ref.text.encode("utf-8"), 6), ref.nbytes,
-        ref.lineage.op, list(ref.lineage.parents),
-        ref.placement.worker, ref.placement.tier,
-    )  # fmt: skip
+        ref.state_id,
+        ref.model_name,
+        ref.model,
+        ref.config,
+        ref.namespace,
+        ref.block_tokens,
+        ref.num_tokens,
+        list(ref.blocks),
+        zlib.compress(ref.text.encode("utf-8"), 6),
+        ref.nbytes,
+        ref.lineage.op,
+        list(ref.lineage.parents),
+        ref.placement.worker,
+        ref.placement.tier,
+    )
 
 
 def _unpack(row: tuple) -> KVStateRef:
     try:
-        (state_id, model_name, model, config, namespace, block_tokens, num_tokens,
-         blocks, text_zlib, nbytes, op, parents, worker, tier) = row  # fmt: skip
+        (
+            state_id,
+            model_name,
+            model,
+            config,
+            namespace,
+            block_tokens,
+            num_tokens,
+            blocks,
+            text_zlib,
+            nbytes,
+            op,
+            parents,
+            worker,
+            tier,
+        ) = row
         text = zlib.decompress(text_zlib).decode("utf-8")
     except (ValueError, TypeError, zlib.error, UnicodeDecodeError) as e:
         raise ValueError(f"malformed KV state descriptor: {e}") from None
     return KVStateRef(
-        state_id=state_id, model_name=model_name, model=model, config=config,
-        namespace=namespace, block_tokens=block_tokens, num_tokens=num_tokens,
-        blocks=tuple(blocks or ()), text=text, nbytes=nbytes,
-        lineage=Lineage(op, tuple(parents or ())), placement=Placement(worker, tier),
-    )  # fmt: skip
+        state_id=state_id,
+        model_name=model_name,
+        model=model,
+        config=config,
+        namespace=namespace,
+        block_tokens=block_tokens,
+        num_tokens=num_tokens,
+        blocks=tuple(blocks or ()),
+        text=text,
+        nbytes=nbytes,
+        lineage=Lineage(op, tuple(parents or ())),
+        placement=Placement(worker, tier),
+    )
 
 
 def _validate(ref: KVStateRef) -> None:
@@ -224,9 +258,7 @@ def _validate(ref: KVStateRef) -> None:
             raise bad(name, f"must be a non-negative int, got {v!r}")
     if ref.block_tokens < 1:
         raise bad("block_tokens", f"must be >= 1, got {ref.block_tokens}")
-    if not isinstance(ref.blocks, tuple) or any(
-        not isinstance(h, bytes) or len(h) != HASH_BYTES for h in ref.blocks
-    ):
+    if not isinstance(ref.blocks, tuple) or any(not isinstance(h, bytes) or len(h) != HASH_BYTES for h in ref.blocks):
         raise bad("blocks", f"must be a tuple of {HASH_BYTES}-byte hashes")
     if len(ref.blocks) != num_blocks(ref.num_tokens, ref.block_tokens):
         raise bad(
@@ -244,9 +276,7 @@ def _validate(ref: KVStateRef) -> None:
         raise bad("placement", "worker must be an address (str) or None")
 
 
-def incompatibility(
-    state: KVStateRef, *, model: str, config: str, namespace: str | None = None
-) -> str | None:
+def incompatibility(state: KVStateRef, *, model: str, config: str, namespace: str | None = None) -> str | None:
     """Why ``state`` cannot be reused under (model, config, namespace); None if it can.
 
     The first two factors of AAFLOW+ eq. 13; the positional factor is checked on the
@@ -297,11 +327,19 @@ def example_ref(text: str = "hello world", num_tokens: int = 2) -> KVStateRef:
 
     blocks = block_hashes(range(num_tokens), identity=kv_identity("m", "c"), namespace="default", block_tokens=64)
     return KVStateRef(
-        state_id="s-example", model_name="tiny-llama", model="m-0123456789abcdef",
-        config="c-0123456789abcdef", namespace="default", block_tokens=64,
-        num_tokens=num_tokens, blocks=blocks, text=text, nbytes=0,
-        lineage=Lineage("materialize"), placement=Placement("tcp://127.0.0.1:1"),
-    )  # fmt: skip
+        state_id="s-example",
+        model_name="tiny-llama",
+        model="m-0123456789abcdef",
+        config="c-0123456789abcdef",
+        namespace="default",
+        block_tokens=64,
+        num_tokens=num_tokens,
+        blocks=blocks,
+        text=text,
+        nbytes=0,
+        lineage=Lineage("materialize"),
+        placement=Placement("tcp://127.0.0.1:1"),
+    )
 
 
 @sizeof.register(KVStateRef)

@@ -8,8 +8,10 @@ These are what ``kvs.materialize`` and friends put in the graph, and what to pas
 
 Each finds its worker's ``kvstate`` plugin and hands the work to its runtime.
 """
+
 from __future__ import annotations
 
+import contextlib
 import time
 
 from distributed import get_worker
@@ -92,9 +94,15 @@ def extend(state: KVStateRef, *segments: str, model: str | None = None) -> KVSta
     return _runtime_for_state(state, model).extend(state, join_segments(segments))
 
 
-def generate(*segments: str, max_new_tokens: int | None = None, temperature: float | None = None,
-             top_p: float | None = None, seed: int | None = None, model: str | None = None,
-             prefix_cache: bool | None = None) -> Generation:  # fmt: skip
+def generate(
+    *segments: str,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    model: str | None = None,
+    prefix_cache: bool | None = None,
+) -> Generation:
     """Text replay: generate from the whole joined prompt (with ``prefix_cache``, reusing
     this worker's cached prompt blocks: the local prefix cache baseline)."""
     params = _gen_params(max_new_tokens, temperature, top_p, seed)
@@ -105,9 +113,16 @@ def generate(*segments: str, max_new_tokens: int | None = None, temperature: flo
     return runtime(model).generate(join_segments(segments), **params)
 
 
-def resume_many(state: KVStateRef, suffixes: list, *, max_new_tokens: int | None = None,
-                temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
-                model: str | None = None) -> list[Generation]:  # fmt: skip
+def resume_many(
+    state: KVStateRef,
+    suffixes: list,
+    *,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    model: str | None = None,
+) -> list[Generation]:
     """Sibling resumes from one state decoded as one batch: one ``Generation`` per suffix.
 
     ``suffixes`` is a list whose items are each a str or a list of str segments.
@@ -120,8 +135,15 @@ def resume_many(state: KVStateRef, suffixes: list, *, max_new_tokens: int | None
     )
 
 
-def resume(state: KVStateRef, *segments: str, max_new_tokens: int | None = None, temperature: float | None = None,
-           top_p: float | None = None, seed: int | None = None, model: str | None = None) -> Generation:  # fmt: skip
+def resume(
+    state: KVStateRef,
+    *segments: str,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    model: str | None = None,
+) -> Generation:
     """Generate from the state followed by the segments (same tokens as text replay)."""
     return _runtime_for_state(state, model).resume(
         state, join_segments(segments), **_gen_params(max_new_tokens, temperature, top_p, seed)
@@ -183,9 +205,15 @@ def evict(state: KVStateRef) -> int:
     freed = rt.worker.plugins[PLUGIN_NAME].evict(state)
     holder = state.placement.worker
     if holder and holder != rt.address:
-        try:
-            freed += sync(rt.worker.loop, call, rt.worker.rpc, holder, "kvstate_evict", state=to_serialize(state),
-                          connect_timeout=rt.connect_timeout, timeout=rt.pull_timeout)  # fmt: skip
-        except (OSError, TimeoutError):
-            pass
+        with contextlib.suppress(OSError, TimeoutError):  # a holder that is gone took its blocks along
+            freed += sync(
+                rt.worker.loop,
+                call,
+                rt.worker.rpc,
+                holder,
+                "kvstate_evict",
+                state=to_serialize(state),
+                connect_timeout=rt.connect_timeout,
+                timeout=rt.pull_timeout,
+            )
     return freed

@@ -4,6 +4,7 @@
 ``/kvstate`` dashboard page always show the same numbers. Torch-free: the scheduler
 (which renders the dashboard) imports this module.
 """
+
 from __future__ import annotations
 
 import html
@@ -14,8 +15,19 @@ from dask.utils import format_bytes
 TIERS = ("device", "host", "disk")
 
 #: Counters summed over workers for the cluster totals (absent counters count 0).
-TOTAL_KEYS = ("blocks", "bytes", "hits", "misses", "transfers", "transfer_bytes", "recomputes",
-              "prefill_tokens", "prefill_tokens_avoided", "incompatible", "evictions")  # fmt: skip
+TOTAL_KEYS = (
+    "blocks",
+    "bytes",
+    "hits",
+    "misses",
+    "transfers",
+    "transfer_bytes",
+    "recomputes",
+    "prefill_tokens",
+    "prefill_tokens_avoided",
+    "incompatible",
+    "evictions",
+)
 
 # (header, how to read it from one worker's stats, how to show it)
 _COLUMNS = (
@@ -56,8 +68,10 @@ def totals(per_worker: Mapping[str, Mapping]) -> dict:
     """
     live = [s for s in per_worker.values() if s.get("installed", True)]
     out: dict = {"workers": len(live), **{k: sum(int(s.get(k, 0)) for s in live) for k in TOTAL_KEYS}}
-    out["tiers"] = {t: {f: sum(int(s.get("tiers", {}).get(t, {}).get(f, 0)) for s in live)
-                        for f in ("blocks", "bytes")} for t in TIERS}  # fmt: skip
+    out["tiers"] = {
+        t: {f: sum(int(s.get("tiers", {}).get(t, {}).get(f, 0)) for s in live) for f in ("blocks", "bytes")}
+        for t in TIERS
+    }
     out["hit_rate"] = hit_rate(out)
     return out
 
@@ -83,9 +97,9 @@ def text_table(per_worker: Mapping[str, Mapping]) -> str:
     if not per_worker:
         return "kvstate: no workers"
     header = ["worker"] + [h for h, _, _ in _COLUMNS]
-    rows = [header] + _rows(per_worker) + [_total_row(per_worker)]
+    rows = [header, *_rows(per_worker), _total_row(per_worker)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    fmt = lambda r: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    fmt = lambda r: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
     lines = [fmt(r).rstrip() for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     lines.insert(len(lines) - 1, "-" * len(lines[0]))
@@ -100,8 +114,10 @@ def html_table(per_worker: Mapping[str, Mapping], title: str = "kvstate") -> str
     head = "".join(f"<th>{esc(h)}</th>" for h in ["worker"] + [h for h, _, _ in _COLUMNS])
     body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in _rows(per_worker))
     foot = "<tr>" + "".join(f"<th>{esc(c)}</th>" for c in _total_row(per_worker)) + "</tr>"
-    return (f"<div><strong>{esc(title)}</strong><table><thead><tr>{head}</tr></thead>"
-            f"<tbody>{body}</tbody><tfoot>{foot}</tfoot></table></div>")  # fmt: skip
+    return (
+        f"<div><strong>{esc(title)}</strong><table><thead><tr>{head}</tr></thead>"
+        f"<tbody>{body}</tbody><tfoot>{foot}</tfoot></table></div>"
+    )
 
 
 class ClusterStats(dict):

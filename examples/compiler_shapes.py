@@ -3,6 +3,7 @@
 Run: ``python examples/compiler_shapes.py [--model tiny-llama]``. Every shape is plain
 ``kvs.generate`` calls (see ``dask_kvstate/testing/shapes.py``); ``with kvs.stateflow()`` is the only change.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,11 @@ def measure(client, build) -> dict:
                 res = dask.compute(*outs)
         else:
             res = dask.compute(*outs)
-        row[mode] = {"tokens": _prefill(client) - before, "wall": time.perf_counter() - t0, "ids": [r.token_ids for r in res]}
+        row[mode] = {
+            "tokens": _prefill(client) - before,
+            "wall": time.perf_counter() - t0,
+            "ids": [r.token_ids for r in res],
+        }
     row["calls"] = len(outs)
     row["states"] = len(kvs.explain(*build()).plan.states)
     return row
@@ -52,9 +57,11 @@ def main(argv=None) -> dict:
     print("-" * 86)
     for name, r in rows.items():
         same = "yes" if r["off"]["ids"] == r["on"]["ids"] else "NO"
-        print(f"{name:>16} | {r['calls']:>5} | {r['states']:>6} | {r['off']['tokens']:>8} -> {r['on']['tokens']:<6} "
-              f"({r['off']['tokens'] / max(r['on']['tokens'], 1):.2f}x) | {r['off']['wall']:.2f} s -> {r['on']['wall']:.2f} s"
-              f" | {same}")  # fmt: skip
+        print(
+            f"{name:>16} | {r['calls']:>5} | {r['states']:>6} | {r['off']['tokens']:>8} -> {r['on']['tokens']:<6} "
+            f"({r['off']['tokens'] / max(r['on']['tokens'], 1):.2f}x) | {r['off']['wall']:.2f} s -> {r['on']['wall']:.2f} s"
+            f" | {same}"
+        )
     return rows
 
 

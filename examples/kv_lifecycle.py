@@ -29,6 +29,7 @@ Run::
     python examples/kv_lifecycle.py                 # prints a markdown table
     python examples/kv_lifecycle.py --repeats 3 --out results/lifecycle   # medians of 3 interleaved runs
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,10 @@ from distributed import Client, LocalCluster
 import dask_kvstate as kvs
 from dask_kvstate.session import ANNOTATION, TOPIC, new_session_id
 
-SYSTEM = ("You are a careful software developer. Read the failing test report, explain the bug in one sentence "
-          "and write the fix. Keep the style of the repository and do not change unrelated code. ")  # fmt: skip
+SYSTEM = (
+    "You are a careful software developer. Read the failing test report, explain the bug in one sentence "
+    "and write the fix. Keep the style of the repository and do not change unrelated code. "
+)
 
 
 def run_tests(seconds: float, report: str) -> str:
@@ -57,8 +60,10 @@ def run_tests(seconds: float, report: str) -> str:
 
 def conversation(i: int) -> str:
     # The session's own material first, so no two sessions share a block.
-    return (f"Ticket {i}: the parser in module m{i} drops the last field of every record when line {i * 7} "
-            f"ends without a newline. ") * 6 + SYSTEM
+    return (
+        f"Ticket {i}: the parser in module m{i} drops the last field of every record when line {i * 7} "
+        f"ends without a newline. "
+    ) * 6 + SYSTEM
 
 
 def _store_blocks(hashes, dask_worker=None) -> dict:
@@ -68,22 +73,33 @@ def _store_blocks(hashes, dask_worker=None) -> dict:
 
 async def run_config(name: str, args) -> dict:
     small = name != "resident"
-    settings = {"kvstate.block-tokens": args.block_tokens, "kvstate.lifecycle.enabled": name == "lifecycle",
-                "kvstate.scheduling.interval": "50ms"}
+    settings = {
+        "kvstate.block-tokens": args.block_tokens,
+        "kvstate.lifecycle.enabled": name == "lifecycle",
+        "kvstate.scheduling.interval": "50ms",
+    }
     rng = np.random.default_rng(args.seed)
     durations = rng.lognormal(np.log(args.tool_seconds), 0.3, size=(args.sessions, args.rounds))
     with dask.config.set(settings):
-        async with LocalCluster(n_workers=1, threads_per_worker=args.live + 1, processes=True,
-                                dashboard_address=":0", asynchronous=True) as cluster, \
-                Client(cluster, asynchronous=True) as c:  # fmt: skip
+        async with (
+            LocalCluster(
+                n_workers=1, threads_per_worker=args.live + 1, processes=True, dashboard_address=":0", asynchronous=True
+            ) as cluster,
+            Client(cluster, asynchronous=True) as c,
+        ):
             await c.run(lambda: None)
-            budgets = {"device_bytes": args.device_bytes if small else 1 << 34, "host_bytes": 0 if small else 1 << 34,
-                       "disk_bytes": args.disk_bytes if small else 1 << 34}  # fmt: skip
+            budgets = {
+                "device_bytes": args.device_bytes if small else 1 << 34,
+                "host_bytes": 0 if small else 1 << 34,
+                "disk_bytes": args.disk_bytes if small else 1 << 34,
+            }
             await asyncio.to_thread(_install, cluster.scheduler_address, budgets)
             worker = next(iter(await c.run(os.getpid)))
             if not args.cold:  # steady state: the scheduler has seen the tester run once before
                 with kvs.component("tester"):
-                    await c.compute(dask.delayed(run_tests)(args.tool_seconds, "warm-up", dask_key_name="run_tests-warm"))
+                    await c.compute(
+                        dask.delayed(run_tests)(args.tool_seconds, "warm-up", dask_key_name="run_tests-warm")
+                    )
             resumes, blocks_of = [], {}
             t0 = time.time()
 
@@ -99,8 +115,9 @@ async def run_config(name: str, args) -> dict:
                     report = f" Round {r}: test_{i}_{r} failed, the last field of record {r + 1} is missing."
                     with dask.annotate(**{ANNOTATION: sid}):
                         with kvs.component("tester"):
-                            tool = dask.delayed(run_tests)(float(durations[i, r]), report,
-                                                           dask_key_name=f"run_tests-{sid}-{r}")  # fmt: skip
+                            tool = dask.delayed(run_tests)(
+                                float(durations[i, r]), report, dask_key_name=f"run_tests-{sid}-{r}"
+                            )
                         answer = kvs.resume(ref, tool, max_new_tokens=args.new_tokens)
                         nxt = kvs.extend(ref, tool, answer)
                         fa, fn = c.compute([answer, nxt])
@@ -108,8 +125,16 @@ async def run_config(name: str, args) -> dict:
                     out, ref = await fa, await fn
                     del fa, fn  # the turn is over: only the ref's value is kept
                     seen.update(ref.blocks)
-                    resumes.append({"session": sid, "round": r, "ttft": out.ttft, "submitted": submitted,
-                                    "finished": time.time(), "reused": out.reused_tokens})  # fmt: skip
+                    resumes.append(
+                        {
+                            "session": sid,
+                            "round": r,
+                            "ttft": out.ttft,
+                            "submitted": submitted,
+                            "finished": time.time(),
+                            "reused": out.reused_tokens,
+                        }
+                    )
                 await c.log_event(TOPIC, {"kind": "close", "session": sid})  # what kvs.session's exit sends
 
             sem = asyncio.Semaphore(args.live)
@@ -126,25 +151,41 @@ async def run_config(name: str, args) -> dict:
             events = [m for _, m in await c.get_events("kvstate-lifecycle")] if name == "lifecycle" else []
     # Resumes whose KV was brought back ahead of them by a prediction (not fetched late,
     # as their task ran: those are counted with the rest).
-    predicted_at = {(e["session"], e["at"]) for e in events if e["kind"] == "prefetch" and
-                    e.get("phase") == "decision" and e["why"] == "prediction"}  # fmt: skip
+    predicted_at = {
+        (e["session"], e["at"])
+        for e in events
+        if e["kind"] == "prefetch" and e.get("phase") == "decision" and e["why"] == "prediction"
+    }
     prefetched = set()
     for r in resumes:
-        if any(e["kind"] == "prefetch" and e.get("phase") == "done" and (e["session"], e["decision"]) in predicted_at
-               and e["session"] == r["session"] and r["submitted"] <= e["decision"] <= r["finished"]
-               for e in events):  # fmt: skip
+        if any(
+            e["kind"] == "prefetch"
+            and e.get("phase") == "done"
+            and (e["session"], e["decision"]) in predicted_at
+            and e["session"] == r["session"]
+            and r["submitted"] <= e["decision"] <= r["finished"]
+            for e in events
+        ):
             prefetched.add((r["session"], r["round"]))
     ttft = sorted(x["ttft"] for x in resumes)
     pre = sorted(x["ttft"] for x in resumes if (x["session"], x["round"]) in prefetched)
-    return {"config": name, "resumes": len(resumes), "wall_s": wall, "ttft_p50": statistics.median(ttft),
-            "ttft_p90": ttft[int(0.9 * (len(ttft) - 1))], "prefetched": len(pre),
-            "prefetched_p50": statistics.median(pre) if pre else None,
-            "recomputes": stats.get("recomputes", 0), "recompute_tokens": stats.get("recompute_tokens", 0),
-            "peak_device_bytes": stats["tiers"]["device"]["peak_bytes"], "disk_hits": stats["tiers"]["disk"]["hits"],
-            "ended_bytes_left": left,
-            "offloads": sum(e["kind"] == "offload" and e.get("phase") == "decision" for e in events),
-            "offloads_pressure": sum(e["kind"] == "offload" and e.get("why") == "pressure" for e in events),
-            "prefetches": sum(e["kind"] == "prefetch" and e.get("phase") == "decision" for e in events)}  # fmt: skip
+    return {
+        "config": name,
+        "resumes": len(resumes),
+        "wall_s": wall,
+        "ttft_p50": statistics.median(ttft),
+        "ttft_p90": ttft[int(0.9 * (len(ttft) - 1))],
+        "prefetched": len(pre),
+        "prefetched_p50": statistics.median(pre) if pre else None,
+        "recomputes": stats.get("recomputes", 0),
+        "recompute_tokens": stats.get("recompute_tokens", 0),
+        "peak_device_bytes": stats["tiers"]["device"]["peak_bytes"],
+        "disk_hits": stats["tiers"]["disk"]["hits"],
+        "ended_bytes_left": left,
+        "offloads": sum(e["kind"] == "offload" and e.get("phase") == "decision" for e in events),
+        "offloads_pressure": sum(e["kind"] == "offload" and e.get("why") == "pressure" for e in events),
+        "prefetches": sum(e["kind"] == "prefetch" and e.get("phase") == "decision" for e in events),
+    }
 
 
 def _install(address: str, budgets: dict) -> None:
@@ -170,18 +211,24 @@ def merge_runs(runs: list[dict]) -> dict:
 
 def table(rows: list[dict]) -> str:
     base = next(r for r in rows if r["config"] == "resident")["ttft_p50"]
-    fmt = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
-    lines = [("| config | resumes | resume P50 ms | resume P90 ms | P50 vs resident | prefetched resumes | "
-              "prefetched P50 ms | prefetched vs resident | recomputed blocks | recomputed tokens | "
-              "peak device KiB | disk hits | offloads (pressure) | prefetches | ended sessions' KV left |"),
-             "|" + "---|" * 15]  # fmt: skip
+    fmt = lambda v: "-" if v is None else f"{v * 1e3:.1f}"
+    lines = [
+        (
+            "| config | resumes | resume P50 ms | resume P90 ms | P50 vs resident | prefetched resumes | "
+            "prefetched P50 ms | prefetched vs resident | recomputed blocks | recomputed tokens | "
+            "peak device KiB | disk hits | offloads (pressure) | prefetches | ended sessions' KV left |"
+        ),
+        "|" + "---|" * 15,
+    ]
     for r in rows:
         pv = f"{r['prefetched_p50'] / base:.2f}x" if r["prefetched_p50"] else "-"
-        lines.append(f"| {r['config']} | {r['resumes']} | {fmt(r['ttft_p50'])} | {fmt(r['ttft_p90'])} | "
-                     f"{r['ttft_p50'] / base:.2f}x | {r['prefetched']:.0f} | {fmt(r['prefetched_p50'])} | {pv} | "
-                     f"{r['recomputes']:.0f} | {r['recompute_tokens']:.0f} | {r['peak_device_bytes'] / 1024:.0f} | "
-                     f"{r['disk_hits']:.0f} | {r['offloads']:.0f} ({r['offloads_pressure']:.0f}) | {r['prefetches']:.0f} | "
-                     f"{r['ended_bytes_left']:.0f} B |")  # fmt: skip
+        lines.append(
+            f"| {r['config']} | {r['resumes']} | {fmt(r['ttft_p50'])} | {fmt(r['ttft_p90'])} | "
+            f"{r['ttft_p50'] / base:.2f}x | {r['prefetched']:.0f} | {fmt(r['prefetched_p50'])} | {pv} | "
+            f"{r['recomputes']:.0f} | {r['recompute_tokens']:.0f} | {r['peak_device_bytes'] / 1024:.0f} | "
+            f"{r['disk_hits']:.0f} | {r['offloads']:.0f} ({r['offloads_pressure']:.0f}) | {r['prefetches']:.0f} | "
+            f"{r['ended_bytes_left']:.0f} B |"
+        )
     return "\n".join(lines)
 
 
@@ -204,8 +251,9 @@ def main(argv=None) -> list[dict]:
     runs: dict[str, list] = {}
     for rep in range(args.repeats):  # interleaved, so a noisy neighbour hits every config alike
         for name in args.configs.split(","):
-            runs.setdefault(name, []).append(asyncio.run(run_config(name, argparse.Namespace(**{
-                **vars(args), "seed": args.seed + rep}))))
+            runs.setdefault(name, []).append(
+                asyncio.run(run_config(name, argparse.Namespace(**{**vars(args), "seed": args.seed + rep})))
+            )
     rows = [merge_runs(rs) for rs in runs.values()]
     text = table(rows)
     print(text)

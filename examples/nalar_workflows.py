@@ -40,6 +40,7 @@ Run::
 It prints a markdown table (avg, P50, P95, P99, max end-to-end latency in seconds)
 and writes ``<out>/<workflow>.md``, ``<out>/<workflow>.json`` and ``<out>/<workflow>.png``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -140,15 +141,27 @@ class Workflow:
 
 
 WORKFLOWS = {
-    "swe": Workflow("swe", {"planner": 4, "developer": 4, "tester": 4}, rate=7.0,
-                    components={"planner": (0.05, 0.8), "developer": (0.10, 0.8), "tester": (0.06, 0.8)},
-                    stateful={"developer": {"stateful": True}},
-                    nalar_hints={"tester": {"max-concurrency": 3}}),  # fmt: skip
-    "analyst": Workflow("analyst", {"analyst": 6, "summarizer": 2}, rate=7.0,
-                        components={"analyst": (0.08, 1.0), "summarizer": (0.06, 0.8)}),  # fmt: skip
-    "router": Workflow("router", {"router": 2, "chat": 5, "code": 5}, rate=20.0,
-                       components={"router": (0.02, 0.8), "chat": (0.12, 0.8), "code": (0.20, 0.8)},
-                       nalar_hints={"router": {"batchable": True, "max-batch": 16}}),  # fmt: skip
+    "swe": Workflow(
+        "swe",
+        {"planner": 4, "developer": 4, "tester": 4},
+        rate=7.0,
+        components={"planner": (0.05, 0.8), "developer": (0.10, 0.8), "tester": (0.06, 0.8)},
+        stateful={"developer": {"stateful": True}},
+        nalar_hints={"tester": {"max-concurrency": 3}},
+    ),
+    "analyst": Workflow(
+        "analyst",
+        {"analyst": 6, "summarizer": 2},
+        rate=7.0,
+        components={"analyst": (0.08, 1.0), "summarizer": (0.06, 0.8)},
+    ),
+    "router": Workflow(
+        "router",
+        {"router": 2, "chat": 5, "code": 5},
+        rate=20.0,
+        components={"router": (0.02, 0.8), "chat": (0.12, 0.8), "code": (0.20, 0.8)},
+        nalar_hints={"router": {"batchable": True, "max-batch": 16}},
+    ),
 }
 
 
@@ -176,18 +189,27 @@ async def swe(c: Client, rid: int, d: Draws, t_arr: float) -> None:
     rebuild = 0.5 * WORKFLOWS["swe"].components["developer"][0]
     plan_s = d.seconds("planner")
     # Every lane's attempts are drawn up front, in order: the draws never depend on timing.
-    lanes = [[(d.seconds("developer"), d.chance(0.65) or a == 3, d.seconds("tester")) for a in range(4)]
-             for _ in range(3)]  # fmt: skip
+    lanes = [
+        [(d.seconds("developer"), d.chance(0.65) or a == 3, d.seconds("tester")) for a in range(4)] for _ in range(3)
+    ]
     with kvs.session(f"swe-{rid}"):
         plan = c.submit(work, plan_s, key=f"planner-{rid}", resources=role("planner"))
 
         async def lane(k: int) -> None:
             previous = None  # the last attempt's future: its context is the next attempt's input
             for attempt, (dev_s, passed, test_s) in enumerate(lanes[k]):
-                dev = c.submit(develop, dev_s, rebuild, previous, plan, key=f"developer-{rid}-{k}-{attempt}",
-                               resources=role("developer"))  # fmt: skip
-                ok = c.submit(run_tests, test_s, passed, dev, key=f"tester-{rid}-{k}-{attempt}",
-                              resources=role("tester"))  # fmt: skip
+                dev = c.submit(
+                    develop,
+                    dev_s,
+                    rebuild,
+                    previous,
+                    plan,
+                    key=f"developer-{rid}-{k}-{attempt}",
+                    resources=role("developer"),
+                )
+                ok = c.submit(
+                    run_tests, test_s, passed, dev, key=f"tester-{rid}-{k}-{attempt}", resources=role("tester")
+                )
                 if await ok:
                     return
                 previous = dev
@@ -197,16 +219,20 @@ async def swe(c: Client, rid: int, d: Draws, t_arr: float) -> None:
 
 async def analyst(c: Client, rid: int, d: Draws, t_arr: float) -> None:
     with kvs.session(f"analyst-{rid}"):
-        views = [c.submit(work, d.seconds("analyst"), key=f"analyst-{rid}-{i}", resources=role("analyst"))
-                 for i in range(4)]  # fmt: skip
+        views = [
+            c.submit(work, d.seconds("analyst"), key=f"analyst-{rid}-{i}", resources=role("analyst")) for i in range(4)
+        ]
         await c.submit(work, d.seconds("summarizer"), *views, key=f"summarizer-{rid}", resources=role("summarizer"))
         if d.chance(0.5):
             think = d.seconds("summarizer") * 8
             await asyncio.sleep(think)
-            more = [c.submit(work, d.seconds("analyst"), key=f"analyst-{rid}-f{i}", resources=role("analyst"))
-                    for i in range(2)]  # fmt: skip
-            await c.submit(work, d.seconds("summarizer"), *more, key=f"summarizer-{rid}-f",
-                           resources=role("summarizer"))  # fmt: skip
+            more = [
+                c.submit(work, d.seconds("analyst"), key=f"analyst-{rid}-f{i}", resources=role("analyst"))
+                for i in range(2)
+            ]
+            await c.submit(
+                work, d.seconds("summarizer"), *more, key=f"summarizer-{rid}-f", resources=role("summarizer")
+            )
 
 
 async def router(c: Client, rid: int, d: Draws, t_arr: float, *, shift_until: float) -> None:
@@ -229,7 +255,7 @@ def cluster_spec(wf: Workflow) -> dict:
 
 def summarize(latencies: list[float]) -> dict:
     xs = sorted(latencies)
-    q = lambda p: xs[min(len(xs) - 1, int(p * len(xs)))]  # noqa: E731
+    q = lambda p: xs[min(len(xs) - 1, int(p * len(xs)))]
     return {"n": len(xs), "avg": statistics.fmean(xs), "p50": q(0.50), "p95": q(0.95), "p99": q(0.99), "max": xs[-1]}
 
 
@@ -256,11 +282,18 @@ async def run_one(wf: Workflow, config: str, *, duration: float, seed: int, drai
     settings["distributed.scheduler.work-stealing"] = True  # the stock default
     arrivals = np.cumsum(np.random.default_rng([seed, 10**6]).exponential(1 / wf.rate, int(duration * wf.rate * 2)))
     arrivals = arrivals[arrivals < duration]
-    fn = {"swe": swe, "analyst": analyst}.get(wf.name) or \
-        (lambda c, rid, d, t: router(c, rid, d, t, shift_until=0.4 * duration))  # fmt: skip
+    fn = {"swe": swe, "analyst": analyst}.get(wf.name) or (
+        lambda c, rid, d, t: router(c, rid, d, t, shift_until=0.4 * duration)
+    )
     with dask.config.set(settings):
-        async with SpecCluster(workers=cluster_spec(wf), scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
-                               asynchronous=True) as cluster, Client(cluster, asynchronous=True) as c:  # fmt: skip
+        async with (
+            SpecCluster(
+                workers=cluster_spec(wf),
+                scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
+                asynchronous=True,
+            ) as cluster,
+            Client(cluster, asynchronous=True) as c,
+        ):
             if config != "default":
                 await kvs.install_scheduling(c)
             latencies: list[float] = []
@@ -278,8 +311,14 @@ async def run_one(wf: Workflow, config: str, *, duration: float, seed: int, drai
             stats = await c.run_on_scheduler(_scheduling_stats) if config != "default" else {}
             batching = await c.run(_batching_stats) if hinted else {}
             steals = await c.run_on_scheduler(_steal_outcomes)
-    out = {"workflow": wf.name, "config": config, "offered": len(arrivals), "unfinished": len(pending),
-           **summarize(latencies), "steals": steals}  # fmt: skip
+    out = {
+        "workflow": wf.name,
+        "config": config,
+        "offered": len(arrivals),
+        "unfinished": len(pending),
+        **summarize(latencies),
+        "steals": steals,
+    }
     if stats and stats["hints"]["installed"]:
         h = stats["hints"]
         out["hints"] = {"peak": h["peak"], "holds": h.get("holds", 0)}
@@ -295,8 +334,9 @@ async def run_one(wf: Workflow, config: str, *, duration: float, seed: int, drai
         out["moves"] = {k: stats[k].get("moves", 0) for k in ("stealing", "capacity") if stats[k]["installed"]}
         if stats["capacity"]["installed"]:
             out["units_end"] = stats["capacity"]["last"].get("units")
-            out["capacity_moves"] = [(round(m["time"] - t_wall0, 1), m["from"], m["to"])
-                                     for m in stats["capacity"]["recent_moves"]]  # fmt: skip
+            out["capacity_moves"] = [
+                (round(m["time"] - t_wall0, 1), m["from"], m["to"]) for m in stats["capacity"]["recent_moves"]
+            ]
     return out
 
 
@@ -315,15 +355,19 @@ def merge_runs(runs: list[dict]) -> dict:
 
 def table(rows: list[dict]) -> str:
     base = next((r for r in rows if r["config"] == "default"), None)
-    lines = ["| workflow | config | requests | unfinished | avg s | P50 s | P95 s | P99 s | max s | avg vs default | P99 vs default |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| workflow | config | requests | unfinished | avg s | P50 s | P95 s | P99 s | max s | avg vs default | P99 vs default |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         ratio = f"{base['avg'] / r['avg']:.2f}x" if base else "-"
         p99 = f"{100 * (1 - r['p99'] / base['p99']):+.0f}%".replace("+", "-", 1) if base and r is not base else "-"
         if base and r is not base and r["p99"] > base["p99"]:
             p99 = f"+{100 * (r['p99'] / base['p99'] - 1):.0f}%"
-        lines.append(f"| {r['workflow']} | {r['config']} | {r['n']}/{r['offered']} | {r['unfinished']} | {r['avg']:.3f} | "
-                     f"{r['p50']:.3f} | {r['p95']:.3f} | {r['p99']:.3f} | {r['max']:.3f} | {ratio} | {p99} |")  # fmt: skip
+        lines.append(
+            f"| {r['workflow']} | {r['config']} | {r['n']}/{r['offered']} | {r['unfinished']} | {r['avg']:.3f} | "
+            f"{r['p50']:.3f} | {r['p95']:.3f} | {r['p99']:.3f} | {r['max']:.3f} | {ratio} | {p99} |"
+        )
     return "\n".join(lines)
 
 
@@ -353,9 +397,12 @@ def _loop_state(dask_scheduler, reset: bool = False) -> dict:
     if reset:
         for samples in loop.latency.values():
             samples.clear()
-    return {"tasks": len(dask_scheduler.tasks), "queued_on_scheduler": len(dask_scheduler.queued),
-            "queued_on_workers": sum(max(len(ws.processing) - ws.nthreads, 0) for ws in dask_scheduler.workers.values()),
-            "loop": loop.stats()}  # fmt: skip
+    return {
+        "tasks": len(dask_scheduler.tasks),
+        "queued_on_scheduler": len(dask_scheduler.queued),
+        "queued_on_workers": sum(max(len(ws.processing) - ws.nthreads, 0) for ws in dask_scheduler.workers.values()),
+        "loop": loop.stats(),
+    }
 
 
 async def control_loop(n_futures: int, seconds: float) -> dict:
@@ -369,9 +416,14 @@ async def control_loop(n_futures: int, seconds: float) -> dict:
     out = {"futures": n_futures, "seconds": seconds}
     for phase in ("role-restricted, queued on workers", "root-ish, queued on the scheduler"):
         with dask.config.set(settings):
-            async with SpecCluster(workers=cluster_spec(wf), asynchronous=True,
-                                   scheduler={"cls": Scheduler, "options": {"dashboard_address": None}}) as cluster, \
-                    Client(cluster, asynchronous=True) as c:  # fmt: skip
+            async with (
+                SpecCluster(
+                    workers=cluster_spec(wf),
+                    asynchronous=True,
+                    scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
+                ) as cluster,
+                Client(cluster, asynchronous=True) as c,
+            ):
                 await kvs.install_scheduling(c)
                 futures, per_session = [], 10
                 for sid in range(n_futures // per_session):
@@ -392,8 +444,11 @@ async def control_loop(n_futures: int, seconds: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workflow", choices=[*WORKFLOWS, "all"], default="swe")
-    ap.add_argument("--configs", default=DEFAULT_CONFIGS,
-                    help="comma-separated, of " + ",".join(CONFIGS) + "; a +hints suffix adds the component hints")
+    ap.add_argument(
+        "--configs",
+        default=DEFAULT_CONFIGS,
+        help="comma-separated, of " + ",".join(CONFIGS) + "; a +hints suffix adds the component hints",
+    )
     ap.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
     ap.add_argument("--drain", type=float, default=120.0, help="seconds allowed after the last arrival")
     ap.add_argument("--rate", type=float, default=None, help="requests per second (default: the workflow's)")
@@ -401,8 +456,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="seeds seed..seed+repeats-1, interleaved; medians")
     ap.add_argument("--roles", default=None, help="units per role at start, e.g. planner=1,developer=7,tester=4")
     ap.add_argument("--median", default=None, help="median seconds per component call, e.g. router=0.06")
-    ap.add_argument("--stateful", action="store_true",
-                    help="mark swe's developer stateful: its retries keep session affinity (Nalar's stateful hint)")
+    ap.add_argument(
+        "--stateful",
+        action="store_true",
+        help="mark swe's developer stateful: its retries keep session affinity (Nalar's stateful hint)",
+    )
     ap.add_argument("--out", default="results/nalar")
     ap.add_argument("--control-loop", type=int, default=0, metavar="N", help="measure the loop with N queued futures")
     args = ap.parse_args()
@@ -437,19 +495,24 @@ def main() -> None:
             for config in runs:
                 r = asyncio.run(run_one(wf, config, duration=args.duration, seed=args.seed + rep, drain=args.drain))
                 runs[config].append(r)
-                print(f"{name:8s} {config:9s} seed={args.seed + rep} avg={r['avg']:.3f}s p99={r['p99']:.3f}s "
-                      f"max={r['max']:.3f}s unfinished={r['unfinished']} {r.get('moves', '')} steals={r['steals']} "
-                      f"loop={r.get('control_loop_ms', {})} {r.get('hints', '')}", flush=True)  # fmt: skip
+                print(
+                    f"{name:8s} {config:9s} seed={args.seed + rep} avg={r['avg']:.3f}s p99={r['p99']:.3f}s "
+                    f"max={r['max']:.3f}s unfinished={r['unfinished']} {r.get('moves', '')} steals={r['steals']} "
+                    f"loop={r.get('control_loop_ms', {})} {r.get('hints', '')}",
+                    flush=True,
+                )
         rows = [merge_runs(rs) for rs in runs.values()]
         md = table(rows)
         print(md)
         with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-            f.write(f"Command: python examples/nalar_workflows.py --workflow {name} --duration {args.duration} "
-                    f"--seed {args.seed} --repeats {args.repeats}{' --stateful' if args.stateful else ''} "
-                    f"{f'--roles {args.roles} ' if args.roles else ''}{f'--median {args.median} ' if args.median else ''}"
-                    f"--configs {args.configs}; "
-                    f"rate {wf.rate}/s; "
-                    f"roles at start {wf.roles}; hints {wf.hints}; +hints rows add {wf.nalar_hints}\n\n{md}\n")
+            f.write(
+                f"Command: python examples/nalar_workflows.py --workflow {name} --duration {args.duration} "
+                f"--seed {args.seed} --repeats {args.repeats}{' --stateful' if args.stateful else ''} "
+                f"{f'--roles {args.roles} ' if args.roles else ''}{f'--median {args.median} ' if args.median else ''}"
+                f"--configs {args.configs}; "
+                f"rate {wf.rate}/s; "
+                f"roles at start {wf.roles}; hints {wf.hints}; +hints rows add {wf.nalar_hints}\n\n{md}\n"
+            )
         with open(os.path.join(args.out, f"{name}.json"), "w") as f:
             json.dump(rows, f, indent=1)
         plot(rows, os.path.join(args.out, f"{name}.png"))

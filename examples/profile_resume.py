@@ -6,6 +6,7 @@ read in place, ``backends/cascade.py``).
 
 Run: ``python examples/profile_resume.py [--model smollm2-135m] [--tokens 4096]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,11 +48,15 @@ def main(argv=None) -> dict:
     joined = join_blocks(blocks)
     r["cache_copy_s"] = best(lambda: b.cache_from_kv(joined))
     r["resume_forward_s"] = best(lambda: b.prefill(ids + suffix, joined))
-    r["cascade_first_token_s"] = best(lambda: generate_batch(b, [Row(ids + suffix, len(ids))], joined, max_new_tokens=1))
-    print(f"prefill {args.tokens}: {r['prefill_s']:.2f} s | join {len(blocks)} blocks {r['join_s'] * 1e3:.0f} ms | "
-          f"cache copy {r['cache_copy_s'] * 1e3:.0f} ms | resume forward of {args.suffix} (incl. cache copy) "
-          f"{r['resume_forward_s']:.2f} s | ratio {r['prefill_s'] / r['resume_forward_s']:.0f}x | shared-prefix resume "
-          f"to first token {r['cascade_first_token_s']:.2f} s, ratio {r['prefill_s'] / r['cascade_first_token_s']:.0f}x")  # fmt: skip
+    r["cascade_first_token_s"] = best(
+        lambda: generate_batch(b, [Row(ids + suffix, len(ids))], joined, max_new_tokens=1)
+    )
+    print(
+        f"prefill {args.tokens}: {r['prefill_s']:.2f} s | join {len(blocks)} blocks {r['join_s'] * 1e3:.0f} ms | "
+        f"cache copy {r['cache_copy_s'] * 1e3:.0f} ms | resume forward of {args.suffix} (incl. cache copy) "
+        f"{r['resume_forward_s']:.2f} s | ratio {r['prefill_s'] / r['resume_forward_s']:.0f}x | shared-prefix resume "
+        f"to first token {r['cascade_first_token_s']:.2f} s, ratio {r['prefill_s'] / r['cascade_first_token_s']:.0f}x"
+    )
     return r
 
 

@@ -15,6 +15,7 @@ Three measurements, each a median of ``--repeats``, both sides interleaved:
 
 Run: ``python examples/serve_path.py [--repeats 25] [--wire]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -115,13 +116,16 @@ def wire(mib: int, repeats: int) -> dict:
 
         return [measure_raw_fetch(key, holder)]
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
-            Client(cluster) as client:  # fmt: skip
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
         a, b = sorted(client.scheduler_info()["workers"])
         client.run(install, workers=[a])
         nbytes = client.run(lambda dask_worker: dask_worker._bench_keep.nbytes, workers=[a])[a]
-        arr = client.submit(lambda n: np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8), nbytes,
-                            workers=[a], pure=False)  # fmt: skip
+        arr = client.submit(
+            lambda n: np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8), nbytes, workers=[a], pure=False
+        )
         arr.result()
         times = {"in_message": [], "own_frame": [], "dask_fetch": []}
         for _ in range(repeats):  # interleaved, so all see the same load
@@ -142,13 +146,19 @@ def main(argv=None) -> dict:
     # (64 MiB took 100-500 ms with 2 threads under load, 20 ms with one).
     torch.set_num_threads(args.torch_threads)
     out = serve(args.mib, args.repeats)
-    print(f"serve {args.mib} MiB in {out['blocks']} blocks: packing copy {out['pack_ms']:.2f} ms, zero-copy run "
-          f"{out['zero_copy_ms']:.3f} ms; receive (unpack + store inserts) {out['receive_ms']:.3f} ms", flush=True)
+    print(
+        f"serve {args.mib} MiB in {out['blocks']} blocks: packing copy {out['pack_ms']:.2f} ms, zero-copy run "
+        f"{out['zero_copy_ms']:.3f} ms; receive (unpack + store inserts) {out['receive_ms']:.3f} ms",
+        flush=True,
+    )
     if args.wire:
         out["wire"] = w = wire(args.mib, args.repeats)
-        print(f"wire {args.mib} MiB zero-copy reply: layout in the message {w['in_message']:.1f} ms, "
-              f"as its own frame {w['own_frame']:.1f} ms; Dask's fetch of a numpy array of the same bytes "
-              f"{w['dask_fetch']:.1f} ms", flush=True)  # fmt: skip
+        print(
+            f"wire {args.mib} MiB zero-copy reply: layout in the message {w['in_message']:.1f} ms, "
+            f"as its own frame {w['own_frame']:.1f} ms; Dask's fetch of a numpy array of the same bytes "
+            f"{w['dask_fetch']:.1f} ms",
+            flush=True,
+        )
     return out
 
 

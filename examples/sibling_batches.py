@@ -9,6 +9,7 @@ CPU seconds each worker process used. ``--batch 8,16,8,16`` compares two batches
 
 Run: ``python examples/sibling_batches.py [--model smollm2-135m] [--tokens 4096] [--agents 16] [--batch 8,16]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,10 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     sizes = [int(b) for b in args.batch.split(",")]
     out = []
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
-            Client(cluster) as client:  # fmt: skip
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
         kvs.install(client, args.model, torch_threads=1)
         client.run(workload._warm_up)
         ctx = workload.contexts(client, [args.tokens])[args.tokens]
@@ -54,15 +57,29 @@ def main(argv=None) -> list[dict]:
             cpu1 = client.run(_cpu_seconds)
             batches = {}
             for g in results:
-                batches.setdefault(g.batch_id, {"rows": g.batch_rows, "ttft_s": g.ttft,
-                                                "prefill_s": g.prefill_s * g.batch_rows, "decode_s": g.decode_s})
-            row = {"batch_siblings": size, "wall_s": wall, "batches": list(batches.values()),
-                   "worker_cpu_s": sorted(cpu1[w] - cpu0[w] for w in cpu0)}  # fmt: skip
+                batches.setdefault(
+                    g.batch_id,
+                    {
+                        "rows": g.batch_rows,
+                        "ttft_s": g.ttft,
+                        "prefill_s": g.prefill_s * g.batch_rows,
+                        "decode_s": g.decode_s,
+                    },
+                )
+            row = {
+                "batch_siblings": size,
+                "wall_s": wall,
+                "batches": list(batches.values()),
+                "worker_cpu_s": sorted(cpu1[w] - cpu0[w] for w in cpu0),
+            }
             out.append(row)
-            print(f"batch-siblings {size}: wall {wall:.2f} s; worker CPU "
-                  f"{', '.join(f'{c:.1f}' for c in row['worker_cpu_s'])} s; batches (rows, ttft, prefill, decode s): "
-                  + "; ".join(f"{b['rows']}, {b['ttft_s']:.2f}, {b['prefill_s']:.2f}, {b['decode_s']:.2f}"
-                              for b in row["batches"]))  # fmt: skip
+            print(
+                f"batch-siblings {size}: wall {wall:.2f} s; worker CPU "
+                f"{', '.join(f'{c:.1f}' for c in row['worker_cpu_s'])} s; batches (rows, ttft, prefill, decode s): "
+                + "; ".join(
+                    f"{b['rows']}, {b['ttft_s']:.2f}, {b['prefill_s']:.2f}, {b['decode_s']:.2f}" for b in row["batches"]
+                )
+            )
     return out
 
 

@@ -10,6 +10,7 @@ token-identical.
 
 Run: ``make demo`` or ``python examples/tree_of_thought.py [--model tiny-llama]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -97,12 +98,13 @@ def run(client: Client, *, branches: int = 4, lines: int = 52, new_tokens: int =
         wall, after = time.perf_counter() - t0, kvs.stats(client)
         where = client.who_has(futures)
         m[name] = {
-            "results": results, "wall": wall,
+            "results": results,
+            "wall": wall,
             "workers": [next(iter(where[f.key]), "?") for f in futures],
             "prefill_tokens": _delta(after, before, "prefill_tokens"),
             "transfer_bytes": _delta(after, before, "transfer_bytes"),
             "held_bytes": _delta(after, before, "bytes"),
-        }  # fmt: skip
+        }
     m["context_tokens"] = m["kvstate"]["results"][0].reused_tokens + 1
     m["bytes_per_token"] = client.run(_kv_bytes_per_token).popitem()[1]
     return m
@@ -134,10 +136,12 @@ def table(m: dict) -> str:
         "",
         f"{'branch':>6} | {'TTFT replay':>11} | {'TTFT kvstate':>12} | {'TTFT compiler':>13} | {'speedup':>7} | identical",
         "-" * 78,
-    ]  # fmt: skip
+    ]
     for i, (r, k, c) in enumerate(zip(rep["results"], kv["results"], cc["results"])):
         same = "yes" if r.token_ids == k.token_ids == c.token_ids else "NO"
-        rows.append(f"{i:>6} | {r.ttft:>9.3f} s | {k.ttft:>10.3f} s | {c.ttft:>11.3f} s | {r.ttft / k.ttft:>6.1f}x | {same}")
+        rows.append(
+            f"{i:>6} | {r.ttft:>9.3f} s | {k.ttft:>10.3f} s | {c.ttft:>11.3f} s | {r.ttft / k.ttft:>6.1f}x | {same}"
+        )
     prefill = {n: m[n]["prefill_tokens"] * m["bytes_per_token"] / mib for n in MODES}
     rows += [
         "-" * 78,
@@ -152,7 +156,7 @@ def table(m: dict) -> str:
         "",
         f"token-identical outputs: {'all' if identical(m) else 'NOT ALL'}",
         f"branch 0 says: {kv['results'][0].strip()!r}",
-    ]  # fmt: skip
+    ]
     return "\n".join(rows)
 
 
@@ -169,7 +173,9 @@ def main(argv: list[str] | None = None) -> dict:
             t0 = time.perf_counter()
             print(f"loading {args.model} on {args.workers} workers ...", flush=True)
             kvs.install(client, args.model, torch_threads=1)
-            print(f"loaded in {time.perf_counter() - t0:.1f} s; running {args.branches} branches three ways", flush=True)
+            print(
+                f"loaded in {time.perf_counter() - t0:.1f} s; running {args.branches} branches three ways", flush=True
+            )
             m = run(client, branches=args.branches, lines=args.lines, new_tokens=args.new_tokens)
     print(table(m))
     return m

@@ -7,6 +7,7 @@ A ``delayed_optimize`` pass that turns textflow into stateflow: users write plai
 Under a distributed Client the pass runs in the scheduler process, so this package
 imports no model and no torch (``dask_kvstate.tasks`` is referenced, never called).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,12 +51,18 @@ def optimize(dsk, keys, **kwargs) -> HighLevelGraph:
     # caches its dict on the graph, where the scheduler's materialisation finds it again.
     plan = make_plan(hlg.to_dict(), min_shared_chars=int(config.get("compiler.min-shared-chars")))
     RECENT_PLANS.append(
-        {"calls": len(plan.calls), "states": len(plan.states), "resumes": len(plan.resumes),
-         "tokens_avoided_estimate": plan.tokens_avoided_estimate()}  # fmt: skip
+        {
+            "calls": len(plan.calls),
+            "states": len(plan.states),
+            "resumes": len(plan.resumes),
+            "tokens_avoided_estimate": plan.tokens_avoided_estimate(),
+        }
     )
     if plan.empty:
         return hlg
-    logger.info("kvstate stateflow: %d states for %d of %d LLM calls", len(plan.states), len(plan.resumes), len(plan.calls))
+    logger.info(
+        "kvstate stateflow: %d states for %d of %d LLM calls", len(plan.states), len(plan.resumes), len(plan.calls)
+    )
     return apply_plan(hlg, plan)
 
 
@@ -86,4 +93,3 @@ def explain(*delayed, min_shared_chars: int | None = None) -> StatePlan:
     keys = [d.key for d in delayed]
     hlg = _delayed_optimize(HighLevelGraph.merge(*graphs), keys)
     return StatePlan(make_plan(hlg.to_dict(), min_shared_chars=min_shared_chars), keys)
-

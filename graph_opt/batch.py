@@ -13,6 +13,7 @@ The compiler sees all siblings at once in the graph, so the batch is exact and c
 waiting. Several groups (a cap below the sibling count) let several workers share one
 fork's siblings.
 """
+
 from __future__ import annotations
 
 import operator

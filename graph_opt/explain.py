@@ -1,4 +1,5 @@
 """The state plan for people: text, and graphviz with state edges dashed."""
+
 from __future__ import annotations
 
 import html
@@ -76,8 +77,9 @@ class StatePlan:
             for key, st in p.states.items():
                 segs = ", ".join(s.label() for s in st.segments)
                 src = "materialize" if st.op == "materialize" else f"extend {self._ref(st.parent)}"
-                rows.append((self.names[key], src, segs, st.model or "", len(st.consumers) + len(st.children),
-                             _short(key)))  # fmt: skip
+                rows.append(
+                    (self.names[key], src, segs, st.model or "", len(st.consumers) + len(st.children), _short(key))
+                )
             parts.append(_table(("state", "op", "segments", "model", "used by", "key"), rows))
         calls = []
         for call in p.calls:
@@ -92,7 +94,7 @@ class StatePlan:
     def to_dot(self) -> str:
         """Graphviz source: boxes are states, ellipses LLM calls; dashed edges carry KV state."""
         out = ["digraph stateflow {", "  rankdir=LR;", '  node [fontname="Helvetica"];']
-        q = lambda k: '"' + str(k).replace('"', '\\"') + '"'  # noqa: E731
+        q = lambda k: '"' + str(k).replace('"', '\\"') + '"'
         for key, st in self.plan.states.items():
             out.append(f'  {q(key)} [shape=box, label="{self.names[key]}: {st.op}"];')
             if st.parent is not None:

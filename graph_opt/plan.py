@@ -13,13 +13,14 @@ state on its path with its remaining segments.
 Token boundaries are not decided here (the scheduler has no tokenizer): the runtime
 re-tokenizes the joined text and crops to the longest common token prefix.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from dask.base import tokenize
 from dask._task_spec import DataNode, Task, TaskRef
+from dask.base import tokenize
 
 from dask_kvstate import tasks
 
@@ -147,7 +148,7 @@ def find_calls(dsk: Mapping) -> list[LLMCall]:
 
 
 class _TrieNode:
-    __slots__ = ("children", "through", "ends")
+    __slots__ = ("children", "ends", "through")
 
     def __init__(self):
         self.children: dict[Segment, _TrieNode] = {}

@@ -8,6 +8,7 @@ inserted tasks carry a ``kvstate`` annotation the scheduler plugins can read:
 ``{"op", "state_input", "consumers"}`` (state edges; everything else is a data edge).
 Output keys never change: a rewritten call keeps its key.
 """
+
 from __future__ import annotations
 
 from dask._task_spec import Task, TaskRef
@@ -85,8 +86,11 @@ def apply_plan(hlg: HighLevelGraph, plan: Plan) -> HighLevelGraph:
     annotations = {name: KeyAnnotation(values) for name, values in per_key.items()}
     annotations["kvstate"] = KeyAnnotation(
         {
-            st.key: {"op": st.op, "state_input": st.parent,
-                     "consumers": sorted({str(in_batch.get(k, k)) for k in st.consumers + st.children})}
+            st.key: {
+                "op": st.op,
+                "state_input": st.parent,
+                "consumers": sorted({str(in_batch.get(k, k)) for k in st.consumers + st.children}),
+            }
             for st in plan.states.values()
         }
     )

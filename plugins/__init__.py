@@ -10,6 +10,7 @@ so that every worker has its model and block store before it takes its first tas
 no client has to call ``kvs.install``. Settings come from the ``kvstate.*`` Dask config
 of the process (YAML files or ``DASK_KVSTATE__...`` environment variables).
 """
+
 from __future__ import annotations
 
 
@@ -29,7 +30,6 @@ async def dask_setup(server) -> None:
     from distributed import Scheduler, Worker
 
     from dask_kvstate import config
-
     from dask_kvstate.client import scheduling_plugins
     from dask_kvstate.lifecycle import lifecycle_plugins
 

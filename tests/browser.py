@@ -3,6 +3,7 @@
 No Selenium/Playwright: Debian's ``chromium`` plus a websocket client is all the
 protocol needs (``Page.navigate``, ``Runtime.evaluate``, ``Page.captureScreenshot``).
 """
+
 from __future__ import annotations
 
 import base64
@@ -49,10 +50,17 @@ class Browser:
 
         self.profile = tempfile.mkdtemp(prefix="kvstate-chromium-")
         self.proc = subprocess.Popen(
-            [binary, *FLAGS, f"--user-data-dir={self.profile}", "--remote-debugging-port=0",
-             f"--window-size={width},{height}", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                binary,
+                *FLAGS,
+                f"--user-data-dir={self.profile}",
+                "--remote-debugging-port=0",
+                f"--window-size={width},{height}",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         port = self._devtools_port(timeout=30)
         targets = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10))
         page = next(t for t in targets if t.get("type") == "page")

@@ -1,4 +1,5 @@
 """Shared fixtures: a real two-process cluster running tiny-llama."""
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,12 @@ CONTEXT = (
 def kv_cluster(config: dict = TEST_CONFIG, model: str = "tiny-llama", **cluster_kwargs):
     """A client of a fresh cluster of two worker processes running ``model`` under ``config``."""
     with dask.config.set(config):
-        with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
-                          **cluster_kwargs) as cluster, Client(cluster) as client:  # fmt: skip
+        with (
+            LocalCluster(
+                n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0", **cluster_kwargs
+            ) as cluster,
+            Client(cluster) as client,
+        ):
             kvs.install(client, model, torch_threads=1)
             yield client
 

@@ -3,6 +3,7 @@
 Every tier of the block store (and the zict parts they are made of) must behave as a
 plain ``MutableMapping`` of block hashes to tensors, whatever it does underneath.
 """
+
 from __future__ import annotations
 
 from collections.abc import MutableMapping

@@ -1,4 +1,5 @@
 """glibc keeps freed memory for reuse in a worker, as configured (``kvstate.worker.malloc-retain``)."""
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,9 @@ PROBE = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
-                    reason="glibc only")  # fmt: skip
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None, reason="glibc only"
+)
 def test_retain_makes_a_megabyte_come_from_the_heap_in_a_worker_like_process():
     env = {**os.environ, "MALLOC_TRIM_THRESHOLD_": "65536"}  # what Dask's nanny sets
     out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True)

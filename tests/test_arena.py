@@ -4,6 +4,7 @@ The unit tests run the holder's and the puller's halves around Dask's real messa
 serialization (``to_frames`` / ``from_frames``, msgpack and all); the cluster tests
 pull between two worker processes and compare the output with text replay.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -208,8 +209,7 @@ def test_a_pull_from_a_holder_that_resumed_takes_the_zero_copy_path(client, work
     with on(b):
         out = kvs.resume(state, " Who tests?", max_new_tokens=12)
     got = client.compute(out).result()
-    want = client.compute(kvs.generate(text, " resumed at its holder first", " Who tests?",
-                                       max_new_tokens=12)).result()  # fmt: skip
+    want = client.compute(kvs.generate(text, " resumed at its holder first", " Who tests?", max_new_tokens=12)).result()
     after_a, after_b = _holder_counters(client, a), _holder_counters(client, b)
     assert got.token_ids == want.token_ids
     assert after_a["served_zero_copy"] - before_a["served_zero_copy"] == 1
@@ -225,8 +225,15 @@ def test_an_extended_state_spans_two_arenas_and_falls_back_to_packing(client, wo
     with on(b):
         out = kvs.resume(longer, " Who reviews?", max_new_tokens=12)
     got = client.compute(out).result()
-    want = client.compute(kvs.generate(CONTEXT, " two arenas", " The reviewer reads the diff and asks for one more "
-                                       "test before merging.", " Who reviews?", max_new_tokens=12)).result()  # fmt: skip
+    want = client.compute(
+        kvs.generate(
+            CONTEXT,
+            " two arenas",
+            " The reviewer reads the diff and asks for one more test before merging.",
+            " Who reviews?",
+            max_new_tokens=12,
+        )
+    ).result()
     after_a, after_b = _holder_counters(client, a), _holder_counters(client, b)
     assert got.token_ids == want.token_ids
     # the base's blocks are one arena, the extension's new blocks another: not one run

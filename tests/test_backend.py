@@ -1,4 +1,5 @@
 """The transformers backend on tiny-llama: names, fingerprints, KV round trips, decoding."""
+
 from __future__ import annotations
 
 import pytest

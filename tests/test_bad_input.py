@@ -1,5 +1,6 @@
 """Bad input from users: wrong states offered for reuse are never reused (and counted),
 invalid calls fail with errors that name the argument and the fix."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -59,8 +60,11 @@ def test_invalid_calls_name_the_argument_and_the_fix(client):
             kvs.install(client, "tiny-llama")
     # Incompatible merges: which states, why, and what to do instead.
     other_tenant = kvs.extend(kvs.materialize("Invalid calls. " + CONTEXT, namespace="tenant-x"), " More.")
-    with pytest.raises(kvs.MergeError, match=r"namespace differs.*Merge only states of one model, config and "
-                                             r"namespace.*kvs.extend"):  # fmt: skip
+    with pytest.raises(
+        kvs.MergeError,
+        match=r"namespace differs.*Merge only states of one model, config and "
+        r"namespace.*kvs.extend",
+    ):
         dask.compute(kvs.merge(state, other_tenant))
     left, right = kvs.extend(state, " Left."), kvs.extend(state, " Right.")
     with pytest.raises(kvs.MergeError, match=r"diverge at character \d+.*each state must continue the previous one"):

@@ -1,4 +1,5 @@
 """Batched siblings and the local prefix cache: same tokens as the unbatched / replay paths."""
+
 from __future__ import annotations
 
 import dask

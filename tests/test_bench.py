@@ -1,4 +1,5 @@
 """The bench command end to end on tiny-llama: result files written, baselines token-identical."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,27 @@ from dask_kvstate.bench.experiments import non_llm_graph
 
 def test_bench_scaling_and_memory_end_to_end(tmp_path):
     out = tmp_path / "bench"
-    res = cli.main(["scaling", "memory", "--quick", "--ks", "3", "--scaling-context", "128", "--new-tokens", "4",
-                    "--memory-context", "128", "--variants", "replay", "prefix", "kvstate", "--out", str(out)])  # fmt: skip
+    res = cli.main(
+        [
+            "scaling",
+            "memory",
+            "--quick",
+            "--ks",
+            "3",
+            "--scaling-context",
+            "128",
+            "--new-tokens",
+            "4",
+            "--memory-context",
+            "128",
+            "--variants",
+            "replay",
+            "prefix",
+            "kvstate",
+            "--out",
+            str(out),
+        ]
+    )
     for name in ("results.json", "report.md", "exp2_scaling.png", "exp4_memory.png"):
         assert (out / name).stat().st_size > 0, name
     row = res["scaling"][0]

@@ -1,4 +1,5 @@
 """The tiered block store, step by step: which block sits in which tier after each call."""
+
 from __future__ import annotations
 
 import os
@@ -37,7 +38,9 @@ def test_disk_tier_is_a_mapping(tmp_path):
 
 
 def test_scored_buffer_over_disk_is_a_mapping(tmp_path):
-    check_mapping(ScoredBuffer({}, DiskTier(str(tmp_path), 10**6), n=3 * 32, score=lambda k, now: 0.0, movable=lambda k: True))
+    check_mapping(
+        ScoredBuffer({}, DiskTier(str(tmp_path), 10**6), n=3 * 32, score=lambda k, now: 0.0, movable=lambda k: True)
+    )
 
 
 def test_device_host_disk_chain_is_a_mapping(tmp_path):

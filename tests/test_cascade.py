@@ -1,4 +1,5 @@
 """Shared-prefix attention against sdpa over each row's concatenated keys (random tensors, exact shapes)."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,11 @@ def reference(query, prefix, own_k, own_v, prefix_lengths, offsets, scale):
         v = torch.cat((prefix[0, 1, :, :p], own_v[0, b, :, : o + q]), dim=1)
         see = torch.ones(q, p + o + q, dtype=torch.bool)
         see[:, p:] = torch.arange(o + q)[None, :] <= (o + torch.arange(q))[:, None]
-        out.append(torch.nn.functional.scaled_dot_product_attention(query[b : b + 1], k[None], v[None], attn_mask=see,
-                                                                    scale=scale, enable_gqa=True))  # fmt: skip
+        out.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                query[b : b + 1], k[None], v[None], attn_mask=see, scale=scale, enable_gqa=True
+            )
+        )
     return torch.cat(out).transpose(1, 2)
 
 
@@ -30,8 +34,9 @@ def test_cascade_attention_equals_sdpa_over_the_concatenated_keys(q, prefix_leng
     g = torch.Generator().manual_seed(3)
     B, scale = len(prefix_lengths), D**-0.5
     prefix = torch.randn(1, 2, H, P, D, generator=g)
-    kv = SharedPrefixKV(prefix, prefix_lengths, capacity=12, num_layers=1, kv_heads=H, head_dim=D,
-                        dtype=torch.float32, device="cpu")  # fmt: skip
+    kv = SharedPrefixKV(
+        prefix, prefix_lengths, capacity=12, num_layers=1, kv_heads=H, head_dim=D, dtype=torch.float32, device="cpu"
+    )
     # Rows already hold 4 own tokens; a decode step's rows may differ in offset, a prefill's may not.
     history_k, history_v = torch.randn(2, B, H, 4, D, generator=g)
     kv.own_k[0, :, :, :4], kv.own_v[0, :, :, :4] = history_k, history_v

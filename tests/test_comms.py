@@ -6,6 +6,7 @@ all ride the cluster's own comm, and every output is token-identical to text rep
 UCX needs ``ucxx`` (``make test`` installs it where the wheels can be had); on a
 machine without RDMA or GPUs it runs over loopback TCP and shared memory.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,10 @@ def _cluster_kwargs(protocol: str) -> dict:
     if protocol == "tls":
         pytest.importorskip("cryptography")
         return {"security": True}
-    pytest.importorskip("distributed_ucxx", reason="UCX comm not installed (pip install ucxx-cu12; "
-                        "pip install --no-deps distributed-ucxx-cu12)")  # fmt: skip
+    pytest.importorskip(
+        "distributed_ucxx",
+        reason="UCX comm not installed (pip install ucxx-cu12; pip install --no-deps distributed-ucxx-cu12)",
+    )
     os.environ.setdefault("UCX_TLS", "tcp,self,sm")  # inherited by the worker processes
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     return {"protocol": "ucx"}
@@ -79,6 +82,7 @@ def test_placement_decides_with_numbers_measured_on_this_comm(comm_client):
     got = client.compute(out).result()
     want = client.compute(kvs.generate(CONTEXT, f" placed over {protocol}", " Next?", max_new_tokens=8)).result()
     assert got.token_ids == want.token_ids
+
     def outcomes():
         return [e for _, e in client.get_events("kvstate-placement") if e["kind"] == "outcome" and e["worker"] == b]
 

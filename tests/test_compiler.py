@@ -1,4 +1,5 @@
 """The stateful compiler on real delayed graphs: every shape token-identical with it off and on."""
+
 from __future__ import annotations
 
 import os
@@ -13,11 +14,10 @@ import pytest
 from distributed import Client
 
 import dask_kvstate as kvs
-from dask_kvstate.testing import shapes
 from dask_kvstate.graph_opt import RECENT_PLANS, recent_plans
+from dask_kvstate.testing import shapes
 
-
-from .conftest import TEST_CONFIG  # noqa: E402
+from .conftest import TEST_CONFIG
 
 
 def prefill_tokens(client) -> int:
@@ -113,8 +113,11 @@ def test_a_bad_task_fails_the_pass_with_its_name(client):
 def test_two_models_in_one_graph_never_share(other_model):
     from distributed import LocalCluster
 
-    outs = [kvs.generate(shapes.SYSTEM, shapes.REPORT, f"Q{i}", max_new_tokens=6, model=m)
-            for m in (None, other_model) for i in range(2)]  # fmt: skip
+    outs = [
+        kvs.generate(shapes.SYSTEM, shapes.REPORT, f"Q{i}", max_new_tokens=6, model=m)
+        for m in (None, other_model)
+        for i in range(2)
+    ]
     plan = kvs.explain(*outs).plan
     assert sorted(str(st.model) for st in plan.states.values()) == sorted([str(None), other_model])
     with dask.config.set(TEST_CONFIG):
@@ -131,11 +134,21 @@ def test_the_pass_runs_in_a_separate_dask_scheduler_process(tmp_path):
     dask_cli = shutil.which("dask", path=str(Path(sys.executable).parent))
     env = {**os.environ, "DASK_KVSTATE__BLOCK_TOKENS": "16"}
     sched_file = tmp_path / "scheduler.json"
-    procs = [subprocess.Popen([dask_cli, "scheduler", "--port", "0", "--no-dashboard",
-                               "--scheduler-file", str(sched_file)], env=env, cwd=tmp_path)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [dask_cli, "scheduler", "--port", "0", "--no-dashboard", "--scheduler-file", str(sched_file)],
+            env=env,
+            cwd=tmp_path,
+        )
+    ]
     try:  # both the worker and the Client wait for the scheduler file to appear
-        procs.append(subprocess.Popen([dask_cli, "worker", "--scheduler-file", str(sched_file), "--nthreads", "1",
-                                       "--no-dashboard"], env=env, cwd=tmp_path))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [dask_cli, "worker", "--scheduler-file", str(sched_file), "--nthreads", "1", "--no-dashboard"],
+                env=env,
+                cwd=tmp_path,
+            )
+        )
         with Client(scheduler_file=str(sched_file), timeout=60) as c:
             c.wait_for_workers(1, timeout=60)
             kvs.install(c, "tiny-llama", torch_threads=1)

@@ -1,4 +1,5 @@
 """Every default in kvstate.yaml is described by kvstate-schema.yaml (distributed's test_schema)."""
+
 from __future__ import annotations
 
 import yaml

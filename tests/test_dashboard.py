@@ -4,6 +4,7 @@ The browser test drives Debian's headless Chromium over the DevTools protocol ag
 the session's two-process cluster while a tree-of-thought workflow runs, and checks
 that the totals the page shows are the totals ``kvs.stats`` returns.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,13 +19,13 @@ from dataclasses import replace
 import dask
 import pytest
 from dask.utils import format_bytes
-from dask_kvstate.plugins.scheduler.dashboard import SHOWN_TOTALS, KVStatePage
-from dask_kvstate.plugins.scheduler.observe import PLUGIN_NAME, KVObserver
 from distributed import Client, LocalCluster, wait
 from distributed.utils_test import poll_for
 
 import dask_kvstate as kvs
 from dask_kvstate import events, views
+from dask_kvstate.plugins.scheduler.dashboard import SHOWN_TOTALS, KVStatePage
+from dask_kvstate.plugins.scheduler.observe import PLUGIN_NAME, KVObserver
 from dask_kvstate.views import ClusterStats
 
 from .browser import Browser, find_chromium
@@ -36,8 +37,10 @@ ARTIFACTS = os.path.join(os.path.dirname(__file__), "artifacts")
 def tree_of_thought(branches: int = 4, new_tokens: int = 8):
     """One shared context, forked; each branch extends with its own thought and answers."""
     context = kvs.materialize("Tree of thought. " + CONTEXT)
-    thoughts = [kvs.extend(b, f" Branch {i}: consider the tester's report {i} times.")
-                for i, b in enumerate(kvs.fork(context, branches))]  # fmt: skip
+    thoughts = [
+        kvs.extend(b, f" Branch {i}: consider the tester's report {i} times.")
+        for i, b in enumerate(kvs.fork(context, branches))
+    ]
     return thoughts, [kvs.resume(t, " Verdict:", max_new_tokens=new_tokens) for t in thoughts]
 
 
@@ -57,8 +60,13 @@ def _lineages(ids, dask_scheduler):
 def _page_header(dask_scheduler):
     page = KVStatePage(dask_scheduler, dask_scheduler.plugins[PLUGIN_NAME])
     page.update()
-    return {"header": page.header.text, "lineage": page.lineage.text, "sessions": page.sessions.visible,
-            "workers": list(page.tier_source.data["worker"]), "history": len(page.history_source.data["time"])}
+    return {
+        "header": page.header.text,
+        "lineage": page.lineage.text,
+        "sessions": page.sessions.visible,
+        "workers": list(page.tier_source.data["worker"]),
+        "history": len(page.history_source.data["time"]),
+    }
 
 
 def _shown(totals: dict) -> dict:
@@ -143,8 +151,8 @@ def test_spills_are_logged_aggregated_per_report():
                 refs = client.compute([kvs.materialize(f"Spill {i}. " + CONTEXT) for i in range(3)])
                 wait(refs)
                 (w,) = kvs.stats(client)
-                spills = lambda: kvs.stats(client)[w]["tiers"]["device"]["spills"]  # noqa: E731
-                logged = lambda: [m for _, m in client.get_events(events.LIFECYCLE) if m.get("kind") == "store"]  # noqa: E731
+                spills = lambda: kvs.stats(client)[w]["tiers"]["device"]["spills"]
+                logged = lambda: [m for _, m in client.get_events(events.LIFECYCLE) if m.get("kind") == "store"]
                 poll_for(lambda: sum(m.get("device_spills", 0) for m in logged()) == spills() > 0, timeout=15)
                 assert len(logged()) < spills()  # aggregated: fewer events than blocks moved
                 assert all(m["worker"] == w for m in logged())
@@ -182,7 +190,9 @@ def test_page_data_follows_a_workflow(client, workers):
     stats = full.totals
     assert observed == stats
     shown = client.run_on_scheduler(_page_header)
-    assert shown["workers"] == workers and shown["history"] >= 1 and shown["sessions"] is True  # the session tracker runs by default
+    assert (
+        shown["workers"] == workers and shown["history"] >= 1 and shown["sessions"] is True
+    )  # the session tracker runs by default
     for key, value in _shown(stats).items():
         assert f"data-kvstate='{key}'" in shown["header"] and f">{value}</b>" in shown["header"], key
     # Each branch's lineage leads back through its fork to the shared context.
@@ -260,8 +270,9 @@ def test_chromium_shows_the_totals_of_kvs_stats(client, cluster):
                 return seen.get("canvases", 0) >= 4 and seen.get("shown") == want and seen.get("rows") == rows
 
             def fail():
-                raise AssertionError(f"{label}: the page shows {seen.get('shown')} {seen.get('rows')}, "
-                                     f"kvs.stats says {want} {rows}")  # fmt: skip
+                raise AssertionError(
+                    f"{label}: the page shows {seen.get('shown')} {seen.get('rows')}, kvs.stats says {want} {rows}"
+                )
 
             poll_for(shows, timeout=30, period=0.25, fail_func=fail)
 
@@ -279,7 +290,7 @@ def test_chromium_shows_the_totals_of_kvs_stats(client, cluster):
             with open(os.path.join(ARTIFACTS, "kvstate-dashboard.json"), "w") as f:
                 json.dump({"during": during, "after": seen.get("shown")}, f, indent=1)
         assert seen["title"] == "Dask: KV state"
-        count = lambda shown: int(shown["prefill_tokens_avoided"].replace(",", ""))  # noqa: E731
+        count = lambda shown: int(shown["prefill_tokens_avoided"].replace(",", ""))
         assert count(during) < count(seen["shown"])  # the answers resumed from the branches' KV
         assert all(r.reused_tokens > 0 for r in client.gather(running))
         del held

@@ -3,24 +3,23 @@
 No ``kvs.install`` here: the workers get their model from ``--preload dask_kvstate.plugins``
 and ``DASK_KVSTATE__*`` environment variables, as under dask-jobqueue or Kubernetes.
 """
+
 from __future__ import annotations
 
 import asyncio
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import dask
 from distributed import Client, Scheduler, Worker
 from distributed.utils_test import captured_logger
 
 import dask_kvstate as kvs
-from dask_kvstate.testing import shapes
 from dask_kvstate.graph_opt import recent_plans
+from dask_kvstate.testing import shapes
 
 from .conftest import CONTEXT, on
-
 
 ENV = {
     "DASK_KVSTATE__MODEL": "tiny-llama",
@@ -38,16 +37,52 @@ def test_cli_cluster_with_the_preload_runs_the_compiler_and_moves_state(tmp_path
     env = {**os.environ, **ENV}
     sched_file = tmp_path / "scheduler.json"
     logs = {name: open(tmp_path / f"{name}.log", "w+") for name in ("scheduler", "worker-0", "worker-1")}
-    procs = [subprocess.Popen([*dask_cli, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
-                               "--scheduler-file", str(sched_file), "--preload", "dask_kvstate.plugins"],
-                              env=env, cwd=tmp_path, stdout=logs["scheduler"], stderr=subprocess.STDOUT)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [
+                *dask_cli,
+                "scheduler",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--no-dashboard",
+                "--scheduler-file",
+                str(sched_file),
+                "--preload",
+                "dask_kvstate.plugins",
+            ],
+            env=env,
+            cwd=tmp_path,
+            stdout=logs["scheduler"],
+            stderr=subprocess.STDOUT,
+        )
+    ]
     try:
         for i in range(2):  # both the workers and the Client wait for the scheduler file to appear
-            procs.append(subprocess.Popen(
-                [*dask_cli, "worker", "--scheduler-file", str(sched_file), "--host", "127.0.0.1", "--nthreads", "1",
-                 "--no-dashboard", "--local-directory", str(tmp_path / f"w{i}"), "--preload", "dask_kvstate.plugins"],
-                env=env, cwd=tmp_path, stdout=logs[f"worker-{i}"], stderr=subprocess.STDOUT,
-            ))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [
+                        *dask_cli,
+                        "worker",
+                        "--scheduler-file",
+                        str(sched_file),
+                        "--host",
+                        "127.0.0.1",
+                        "--nthreads",
+                        "1",
+                        "--no-dashboard",
+                        "--local-directory",
+                        str(tmp_path / f"w{i}"),
+                        "--preload",
+                        "dask_kvstate.plugins",
+                    ],
+                    env=env,
+                    cwd=tmp_path,
+                    stdout=logs[f"worker-{i}"],
+                    stderr=subprocess.STDOUT,
+                )
+            )
         with Client(scheduler_file=str(sched_file), timeout=60) as c:
             c.wait_for_workers(2, timeout=120)
             a, b = sorted(c.scheduler_info()["workers"])
@@ -56,8 +91,12 @@ def test_cli_cluster_with_the_preload_runs_the_compiler_and_moves_state(tmp_path
             assert {s["installed"] for s in kvs.stats(c).values()} == {True}
             assert {tuple(s["models"]) for s in kvs.stats(c).values()} == {("tiny-llama",)}
             # (a lambda: cloudpickle sends it by value; this test module is not importable over there)
-            seen = c.run(lambda dask_worker: (dask_worker.plugins["kvstate"].runtime.block_tokens,
-                                              dask_worker.plugins["kvstate"].placement))  # fmt: skip
+            seen = c.run(
+                lambda dask_worker: (
+                    dask_worker.plugins["kvstate"].runtime.block_tokens,
+                    dask_worker.plugins["kvstate"].placement,
+                )
+            )
             assert set(seen.values()) == {(16, True)}
             assert kvs.placement_stats(c)["installed"]
 
@@ -94,7 +133,6 @@ def test_cli_cluster_with_the_preload_runs_the_compiler_and_moves_state(tmp_path
     for t in text.values():
         errors = [line for line in t.splitlines() if " ERROR " in line or "Exception in callback" in line]
         assert "Failed to start preload" not in t and not [e for e in errors if "kvstate" in e.lower()], errors
-
 
 
 def test_a_bad_setting_fails_the_preload_loudly_with_its_name():

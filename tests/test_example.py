@@ -1,4 +1,5 @@
 """The tree-of-thought example runs end to end (tiny-llama here; `make demo` runs SmolLM2)."""
+
 from __future__ import annotations
 
 import sys
@@ -6,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 
-import tree_of_thought  # noqa: E402
+import tree_of_thought
 
 
 def test_tree_of_thought_table(client):

@@ -1,4 +1,5 @@
 """Failures on a real process cluster: the holder dies, the consumer still answers correctly."""
+
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@ text replay token for token.
 
 One small cluster for this module (not the session one): these tests kill workers.
 """
+
 from __future__ import annotations
 
 import logging
@@ -71,8 +72,10 @@ def test_placement_failure_is_logged_and_tasks_keep_running(fault_client, caplog
     finally:
         client.run_on_scheduler(_mend_placement)
     want = [replay(client, "After the failure. " + CONTEXT, f" Q{i}?", n=8) for i in range(3)]
-    print(f"placement failing: {after['errors']} errors logged, decisions {before['decisions']} -> "
-          f"{after['decisions']}, {sum(o.token_ids == w.token_ids for o, w in zip(outs, want))}/3 identical")  # fmt: skip
+    print(
+        f"placement failing: {after['errors']} errors logged, decisions {before['decisions']} -> "
+        f"{after['decisions']}, {sum(o.token_ids == w.token_ids for o, w in zip(outs, want))}/3 identical"
+    )
     assert [o.token_ids for o in outs] == [w.token_ids for w in want]
     assert after["errors"] >= 1 and after["decisions"] == before["decisions"]  # no new decision, no crash
     assert sorted(client.scheduler_info()["workers"]) == workers  # no worker lost its stream
@@ -93,8 +96,9 @@ async def _serve_half_then(dask_worker, how: str):
 
     async def broken(comm=None, hashes=()):
         reply = await serve(comm=comm, hashes=hashes)
-        frames = await to_frames(reply, context={"sender": comm.local_info, "recipient": comm.remote_info,
-                                                 **comm.handshake_options})  # fmt: skip
+        frames = await to_frames(
+            reply, context={"sender": comm.local_info, "recipient": comm.remote_info, **comm.handshake_options}
+        )
         frames, _, _ = _add_frames_header(frames)
         wire = b"".join(bytes(f) for f in frames)
         await comm.stream.write(wire[: len(wire) // 2])  # on the socket: the reader has half a message
@@ -129,9 +133,11 @@ def test_block_pull_broken_mid_stream_uses_no_partial_block(fault_client, how):
         client.sync(async_poll_for, lambda: a not in client.scheduler_info()["workers"], timeout=30)
         client.wait_for_workers(2, timeout=60)
     s = kvs.stats(client)[b]
-    print(f"pull broken mid-stream ({how}): {len(ref.blocks)} blocks asked, transfer failures "
-          f"+{s.get('transfer_failures', 0) - before.get('transfer_failures', 0)}, blocks kept from the reply "
-          f"{s.get('transfers', 0) - before.get('transfers', 0)}, recomputed {s['recomputes'] - before.get('recomputes', 0)}")  # fmt: skip
+    print(
+        f"pull broken mid-stream ({how}): {len(ref.blocks)} blocks asked, transfer failures "
+        f"+{s.get('transfer_failures', 0) - before.get('transfer_failures', 0)}, blocks kept from the reply "
+        f"{s.get('transfers', 0) - before.get('transfers', 0)}, recomputed {s['recomputes'] - before.get('recomputes', 0)}"
+    )
     assert out.token_ids == replay(client, text, QUESTION).token_ids
     assert s.get("transfer_failures", 0) == before.get("transfer_failures", 0) + 1
     assert s.get("transfers", 0) == before.get("transfers", 0)  # not one block of the broken reply kept
@@ -162,8 +168,12 @@ def test_holder_killed_mid_workflow_every_output_arrives_identical(fault_client)
         state = kvs.materialize(text)
     branches = kvs.fork(state, len(questions))
     late = dask.delayed(gate, pure=False)("kvstate-test-gate")  # half the answers wait for it
-    answers = client.compute([kvs.resume(s, *([late] if i % 2 else []), q, max_new_tokens=16)
-                              for i, (s, q) in enumerate(zip(branches, questions))])  # fmt: skip
+    answers = client.compute(
+        [
+            kvs.resume(s, *([late] if i % 2 else []), q, max_new_tokens=16)
+            for i, (s, q) in enumerate(zip(branches, questions))
+        ]
+    )
     client.sync(async_poll_for, lambda: all(f.status == "finished" for f in answers[::2]), timeout=120)
     assert not any(f.status == "finished" for f in answers[1::2])  # mid-workflow: these are still to come
     kill(client, a)
@@ -173,11 +183,14 @@ def test_holder_killed_mid_workflow_every_output_arrives_identical(fault_client)
     wait(answers, timeout=120)
     got = [f.result().token_ids for f in answers]
     after_b = kvs.stats(client)[b]
-    print(f"holder killed mid-workflow: {sum(g == w for g, w in zip(got, want))}/{len(want)} identical; survivor "
-          f"re-materialized {after_b.get('materializations', 0) - before_b.get('materializations', 0)} states and "
-          f"recomputed {after_b.get('recomputes', 0) - before_b.get('recomputes', 0)} blocks, transfer failures "
-          f"+{after_b.get('transfer_failures', 0) - before_b.get('transfer_failures', 0)}")  # fmt: skip
+    print(
+        f"holder killed mid-workflow: {sum(g == w for g, w in zip(got, want))}/{len(want)} identical; survivor "
+        f"re-materialized {after_b.get('materializations', 0) - before_b.get('materializations', 0)} states and "
+        f"recomputed {after_b.get('recomputes', 0) - before_b.get('recomputes', 0)} blocks, transfer failures "
+        f"+{after_b.get('transfer_failures', 0) - before_b.get('transfer_failures', 0)}"
+    )
     assert got == want  # all 8 arrive, token-identical
     # The survivor rebuilt the dead holder's blocks (recompute from the text in the lineage).
     assert after_b.get("recomputes", 0) + after_b.get("materializations", 0) > (
-        before_b.get("recomputes", 0) + before_b.get("materializations", 0))  # fmt: skip
+        before_b.get("recomputes", 0) + before_b.get("materializations", 0)
+    )

@@ -2,6 +2,7 @@
 (Arrow), spill block files, and config values. Only clear ValueError/TypeError, never
 another exception, a hang or a silent acceptance. Each test counts its cases.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,10 +23,13 @@ from dask_kvstate.state import ARROW_SCHEMA, KVStateRef
 
 from .test_state import realistic_ref
 
+
 def fast(n: int) -> settings:
     """``n`` cases, reproducible (derandomized), no deadline (a loaded CI machine is slow), no database."""
-    return settings(max_examples=n, deadline=None, database=None, derandomize=True,
-                    suppress_health_check=list(HealthCheck))  # fmt: skip
+    return settings(
+        max_examples=n, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
+
 
 # -- KVStateRef.from_arrow -------------------------------------------------------------
 BASE = realistic_ref(num_tokens=100, text_chars=400)
@@ -43,8 +47,9 @@ def _value_for(arrow_type) -> st.SearchStrategy:
     if arrow_type == pa.binary():
         return st.none() | st.binary(max_size=64)
     if pa.types.is_list(arrow_type):
-        return st.none() | st.lists(st.none() | _value_for(arrow_type.value_type).filter(lambda v: v is not None),
-                                    max_size=12)  # fmt: skip
+        return st.none() | st.lists(
+            st.none() | _value_for(arrow_type.value_type).filter(lambda v: v is not None), max_size=12
+        )
     if pa.types.is_fixed_size_binary(arrow_type):
         return st.binary(min_size=arrow_type.byte_width, max_size=arrow_type.byte_width)
     raise AssertionError(arrow_type)
@@ -56,10 +61,11 @@ row_edits = st.fixed_dictionaries({}, optional={f.name: _value_for(f.type) for f
 
 foreign_tables = st.dictionaries(
     st.sampled_from([*ARROW_SCHEMA.names, "extra", "x"]),
-    st.lists(st.one_of(st.integers(-5, 5), st.text(max_size=5), st.binary(max_size=5), st.none()), min_size=0,
-             max_size=2).map(lambda xs: [x for x in xs if isinstance(x, type(xs[0]))] if xs else xs),
+    st.lists(
+        st.one_of(st.integers(-5, 5), st.text(max_size=5), st.binary(max_size=5), st.none()), min_size=0, max_size=2
+    ).map(lambda xs: [x for x in xs if isinstance(x, type(xs[0]))] if xs else xs),
     max_size=len(ARROW_SCHEMA.names) + 2,
-)  # fmt: skip
+)
 
 
 def _check_descriptor(batch) -> None:
@@ -118,10 +124,12 @@ json_values = st.recursive(
 )
 header_edits = st.dictionaries(
     st.sampled_from(["dtype", "shape", "nbytes", "crc32", "extra"]),
-    json_values | st.sampled_from(["float32", "bfloat16", "Tensor", "__class__", "int8", "complex64"])
+    json_values
+    | st.sampled_from(["float32", "bfloat16", "Tensor", "__class__", "int8", "complex64"])
     | st.lists(st.integers(-4, 70), max_size=5),
-    min_size=1, max_size=3,
-)  # fmt: skip
+    min_size=1,
+    max_size=3,
+)
 
 
 def _check_block(buf) -> None:
@@ -164,7 +172,12 @@ def test_fuzz_block_files():
         cases += 1
         import zlib
 
-        header = {"dtype": "float32", "shape": [len(payload) // 4], "nbytes": len(payload), "crc32": zlib.crc32(payload)}
+        header = {
+            "dtype": "float32",
+            "shape": [len(payload) // 4],
+            "nbytes": len(payload),
+            "crc32": zlib.crc32(payload),
+        }
         _check_block(bytearray(_with_header({**header, **edits}, payload)))
 
     random_bytes()
@@ -185,11 +198,32 @@ def _leaves(schema: dict, prefix: str = "") -> list[str]:
 SCHEMA = config._schema()
 LEAVES = _leaves(SCHEMA)
 config_values = (
-    st.none() | st.booleans() | st.integers(-5, 2**40) | st.floats() | st.text(max_size=12)
-    | st.sampled_from(["4GiB", "1 KiB", "-1GiB", "5s", "250ms", "-2s", "100 Mbit/s", "0 MB/s", "auto", "pull",
-                       "recompute", "nope", "inf", "nan", "1e400"])
+    st.none()
+    | st.booleans()
+    | st.integers(-5, 2**40)
+    | st.floats()
+    | st.text(max_size=12)
+    | st.sampled_from(
+        [
+            "4GiB",
+            "1 KiB",
+            "-1GiB",
+            "5s",
+            "250ms",
+            "-2s",
+            "100 Mbit/s",
+            "0 MB/s",
+            "auto",
+            "pull",
+            "recompute",
+            "nope",
+            "inf",
+            "nan",
+            "1e400",
+        ]
+    )
     | st.lists(st.integers(-2, 300) | st.text(max_size=3), max_size=3)
-)  # fmt: skip
+)
 
 
 def _canonical(d):
@@ -202,8 +236,14 @@ def test_fuzz_config_values():
     cases = {"accepted": 0, "rejected": 0}
 
     @fast(2000)
-    @given(st.dictionaries(st.sampled_from([*LEAVES, "block_tokens", "worker.typo", "no-such-key"]), config_values,
-                           min_size=1, max_size=3))  # fmt: skip
+    @given(
+        st.dictionaries(
+            st.sampled_from([*LEAVES, "block_tokens", "worker.typo", "no-such-key"]),
+            config_values,
+            min_size=1,
+            max_size=3,
+        )
+    )
     def prop(flat):
         with dask.config.set({f"kvstate.{k}": v for k, v in flat.items()}):  # as YAML files or env vars would
             merged = dask.config.get("kvstate")

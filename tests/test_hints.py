@@ -6,6 +6,7 @@ a two-process ``LocalCluster`` and counts running tasks with a cluster-wide ``Lo
 ``Variable``. Tasks block on distributed ``Event``s rather than sleeping, so what a test
 sees does not depend on the machine's speed.
 """
+
 from __future__ import annotations
 
 import threading
@@ -18,9 +19,9 @@ from distributed.utils_test import async_poll_for, gen_cluster
 import dask_kvstate as kvs
 from dask_kvstate import config
 from dask_kvstate.hints import parse_hints
-from dask_kvstate.plugins.worker.batching import PLUGIN_NAME as BATCHING
 from dask_kvstate.plugins.scheduler.hints import ComponentHints
 from dask_kvstate.plugins.scheduler.sessions import SessionTracker
+from dask_kvstate.plugins.worker.batching import PLUGIN_NAME as BATCHING
 
 FAST = {"kvstate.scheduling.interval": "20ms"}
 
@@ -64,16 +65,19 @@ async def install(c, components: dict, batch_window="0ms"):
 
 
 # -- validation ----------------------------------------------------------------------------
-@pytest.mark.parametrize("hint, match", [
-    ({"tester": {"max-concurrency": 0}}, "tester.max-concurrency must be a positive int, got 0"),
-    ({"tester": {"max-concurrency": -2}}, "tester.max-concurrency must be a positive int"),
-    ({"tester": {"max-concurrency": True}}, "tester.max-concurrency must be a positive int, got True"),
-    ({"tester": {"max-concurrency": "4"}}, "tester.max-concurrency must be a positive int, got '4'"),
-    ({"router": {"batchable": "yes"}}, "router.batchable must be a bool"),
-    ({"router": {"batchable": True, "max-batch": 0}}, "router.max-batch must be a positive int"),
-    ({"router": {"max-batch": 4}}, "router.max-batch needs batchable: true"),
-    ({"router": {"batch": True}}, r"router: unknown hint\(s\) \['batch'\]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "hint, match",
+    [
+        ({"tester": {"max-concurrency": 0}}, "tester.max-concurrency must be a positive int, got 0"),
+        ({"tester": {"max-concurrency": -2}}, "tester.max-concurrency must be a positive int"),
+        ({"tester": {"max-concurrency": True}}, "tester.max-concurrency must be a positive int, got True"),
+        ({"tester": {"max-concurrency": "4"}}, "tester.max-concurrency must be a positive int, got '4'"),
+        ({"router": {"batchable": "yes"}}, "router.batchable must be a bool"),
+        ({"router": {"batchable": True, "max-batch": 0}}, "router.max-batch must be a positive int"),
+        ({"router": {"max-batch": 4}}, "router.max-batch needs batchable: true"),
+        ({"router": {"batch": True}}, r"router: unknown hint\(s\) \['batch'\]"),
+    ],
+)
 def test_bad_hints_raise_value_error_naming_the_component(hint, match):
     with pytest.raises(ValueError, match=match):
         parse_hints(hint)
@@ -202,14 +206,16 @@ def counted(tag):
 @pytest.mark.timeout(120)
 def test_max_concurrency_is_cluster_wide_on_a_process_cluster():
     hints = {"tester": {"max-concurrency": 3}}
-    with dask.config.set({"kvstate.scheduling.components": hints, **FAST}), \
-            LocalCluster(n_workers=2, threads_per_worker=3, processes=True, dashboard_address=":0") as cluster, \
-            Client(cluster) as client:  # fmt: skip
+    with (
+        dask.config.set({"kvstate.scheduling.components": hints, **FAST}),
+        LocalCluster(n_workers=2, threads_per_worker=3, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
         assert "kvstate-hints" in kvs.install_scheduling(client)
         Variable("running").set(0)
         Variable("peak").set(0)
         futures = client.map(counted, range(12), key=[f"tester-{i}" for i in range(12)])
-        stats = lambda: kvs.scheduling_stats(client)["hints"]  # noqa: E731
+        stats = lambda: kvs.scheduling_stats(client)["hints"]
         from distributed.utils_test import poll_for
 
         poll_for(lambda: stats()["running"]["tester"] == 3 and stats()["held"]["tester"] == 9, timeout=30)
@@ -229,8 +235,9 @@ def hold_thread(name):
 async def _queue_behind_blocker(c, worker, n, **submit):
     """n classify tasks ready on ``worker`` behind a task holding its only thread."""
     blocker = c.submit(hold_thread, "unblock", key="blocker")
-    await async_poll_for(lambda: "blocker" in worker.state.tasks and
-                         worker.state.tasks["blocker"].state == "executing", timeout=10)  # fmt: skip
+    await async_poll_for(
+        lambda: "blocker" in worker.state.tasks and worker.state.tasks["blocker"].state == "executing", timeout=10
+    )
     texts = [f"text {i}" if i % 2 else f"def f{i}()" for i in range(n)]
     futures = c.map(classify, texts, key=[f"classify-{i}" for i in range(n)], **submit)
     await async_poll_for(lambda: len(worker.state.ready) + len(worker.state.constrained) == n, timeout=10)
@@ -267,8 +274,9 @@ async def test_an_error_in_one_element_fails_only_its_task(c, s, a):
     await install(c, {"classify": {"batchable": True}})
     await async_poll_for(lambda: BATCHING in a.plugins, timeout=10)
     blocker = c.submit(hold_thread, "unblock2", key="blocker")
-    await async_poll_for(lambda: "blocker" in a.state.tasks and a.state.tasks["blocker"].state == "executing",
-                         timeout=10)  # fmt: skip
+    await async_poll_for(
+        lambda: "blocker" in a.state.tasks and a.state.tasks["blocker"].state == "executing", timeout=10
+    )
     texts = ["hello", "bad", "def g()", "bye"]
     futures = c.map(classify, texts, key=[f"classify-{i}" for i in range(4)])
     await async_poll_for(lambda: len(a.state.ready) == 4, timeout=10)

@@ -5,6 +5,7 @@ token come sooner, so a tenant who times its own requests could learn whether an
 else recently sent the same prefix. Blocks are hashed with the namespace, so a hit is
 only ever on one's own namespace.
 """
+
 from __future__ import annotations
 
 import os
@@ -63,8 +64,11 @@ def _local_files(dask_worker) -> dict:
             path = os.path.join(root, name)
             with open(path, "rb") as f:
                 head = f.read(4)
-            files[path] = {"mode": os.stat(path).st_mode & 0o777, "head": head,
-                           "kv": os.path.dirname(path) == store.directory}  # fmt: skip
+            files[path] = {
+                "mode": os.stat(path).st_mode & 0o777,
+                "head": head,
+                "kv": os.path.dirname(path) == store.directory,
+            }
     return {"dir_mode": os.stat(store.directory).st_mode & 0o777, "files": files}
 
 

@@ -4,6 +4,7 @@ After the workflows are done and their states evicted and released: no block
 refcount (holds, pins, held keys), no block and no byte in any store, no ref in the
 scheduler's placement extension; worker RSS within 10% of its level after warm-up.
 """
+
 from __future__ import annotations
 
 import gc
@@ -29,11 +30,14 @@ def _footprint(dask_worker) -> dict:
     store = plugin.runtime.store
     return {
         "rss": psutil.Process().memory_info().rss,
-        "blocks": len(store), "bytes": store.nbytes, "meta": len(store.meta),
+        "blocks": len(store),
+        "bytes": store.nbytes,
+        "meta": len(store.meta),
         "holds": len(store.holds.count) + len(store.holds.by_owner),
         "pins": len(store.pins.count) + len(store.pins.by_owner),
-        "held_keys": len(plugin.held), "tasks": len(dask_worker.state.tasks),
-    }  # fmt: skip
+        "held_keys": len(plugin.held),
+        "tasks": len(dask_worker.state.tasks),
+    }
 
 
 def _extension_refs(dask_scheduler) -> dict:
@@ -79,7 +83,9 @@ def test_a_thousand_workflows_leak_nothing():
         e = end[w]
         assert (e["blocks"], e["bytes"], e["meta"], e["holds"], e["pins"], e["held_keys"]) == (0, 0, 0, 0, 0, 0), e
         drift = e["rss"] / warm[w]["rss"] - 1
-        print(f"{w}: RSS {warm[w]['rss'] / 2**20:.0f} MiB after warm-up -> {e['rss'] / 2**20:.0f} MiB "
-              f"after {WORKFLOWS} workflows ({drift:+.1%}); blocks {e['blocks']}, bytes {e['bytes']}")  # fmt: skip
+        print(
+            f"{w}: RSS {warm[w]['rss'] / 2**20:.0f} MiB after warm-up -> {e['rss'] / 2**20:.0f} MiB "
+            f"after {WORKFLOWS} workflows ({drift:+.1%}); blocks {e['blocks']}, bytes {e['bytes']}"
+        )
         assert abs(drift) <= 0.10, (w, warm[w]["rss"], e["rss"])
     assert ext == {"refs": 0, "blocks": 0}, ext

@@ -3,27 +3,32 @@
 Invalidation at session end, session holds across invocations, offload and prefetch of
 a suspended session's KV by the predicted idle time, and the pure rule with cases.
 """
+
 from __future__ import annotations
 
 import time
 
 import dask
 import pytest
+from distributed import Client, LocalCluster
+from distributed.utils_test import poll_for
+
+import dask_kvstate as kvs
 from dask_kvstate.plugins.scheduler.lifecycle import (
     lifecycle_action,
     move_seconds,
     predict_idle,
     pressure_victims,
 )
-from distributed import Client, LocalCluster
-from distributed.utils_test import poll_for
-
-import dask_kvstate as kvs
 
 from .conftest import CONTEXT, TEST_CONFIG, on
 
-LIFECYCLE = {**TEST_CONFIG, "kvstate.lifecycle.enabled": True, "kvstate.scheduling.interval": "50ms",
-             "kvstate.lifecycle.prefetch-margin": "200ms"}  # fmt: skip
+LIFECYCLE = {
+    **TEST_CONFIG,
+    "kvstate.lifecycle.enabled": True,
+    "kvstate.scheduling.interval": "50ms",
+    "kvstate.lifecycle.prefetch-margin": "200ms",
+}
 
 
 def run_tests(seconds, report):
@@ -34,17 +39,24 @@ def run_tests(seconds, report):
 
 @pytest.fixture(scope="module")
 def lc_client():
-    with dask.config.set(LIFECYCLE), \
-            LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
-            Client(cluster) as c:  # fmt: skip
+    with (
+        dask.config.set(LIFECYCLE),
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as c,
+    ):
         kvs.install(c, "tiny-llama", torch_threads=1)
         yield c
 
 
 def events(client, kind=None, phase=None, session=None):
     out = [m for _, m in client.get_events("kvstate-lifecycle")]
-    return [m for m in out if (kind is None or m["kind"] == kind) and (phase is None or m.get("phase") == phase)
-            and (session is None or m.get("session") == session)]  # fmt: skip
+    return [
+        m
+        for m in out
+        if (kind is None or m["kind"] == kind)
+        and (phase is None or m.get("phase") == phase)
+        and (session is None or m.get("session") == session)
+    ]
 
 
 def where(hashes, dask_worker=None):
@@ -74,8 +86,11 @@ def test_invalidation_leaves_zero_bytes_and_keeps_shared_blocks(lc_client):
     (done,) = [e for e in events(c, "invalidate", session=sa.id) if e["worker"] == w]
     assert done["left"] == 0 and done["freed"] > 0
     # Shared: the blocks both final states hold, and the materialized context's last partial block.
-    assert done["shared"] >= sum(c.run(lambda dask_worker: [dask_worker.plugins["kvstate"].runtime.store.size_of(h)
-                                                            for h in shared], workers=[w])[w])  # fmt: skip
+    assert done["shared"] >= sum(
+        c.run(
+            lambda dask_worker: [dask_worker.plugins["kvstate"].runtime.store.size_of(h) for h in shared], workers=[w]
+        )[w]
+    )
     tiers = c.run(where, ra.blocks, workers=[w])[w]
     assert [tiers[ra.blocks.index(h)] for h in own_a] == [None] * len(own_a)  # a's own KV is gone
     assert None not in [tiers[ra.blocks.index(h)] for h in shared]  # b still lives and shares these
@@ -84,7 +99,7 @@ def test_invalidation_leaves_zero_bytes_and_keeps_shared_blocks(lc_client):
     poll_for(lambda: [e for e in events(c, "invalidate", session=sb.id) if e["worker"] == w], timeout=20)
     assert c.run(where, ra.blocks + rb.blocks, workers=[w])[w] == [None] * len(ra.blocks + rb.blocks)
     left = c.run(lambda dask_worker: dask_worker.plugins["kvstate-lifecycle"].stats()["sessions"])
-    assert left == {addr: 0 for addr in left}
+    assert left == dict.fromkeys(left, 0)
     stats = kvs.lifecycle_stats(c)
     assert stats["ended"][sb.id][w]["left"] == 0
 
@@ -98,8 +113,9 @@ def test_session_state_survives_between_invocations(lc_client):
         ref = f.result()
         del f  # the first invocation is over: no future holds the state any more
         # What a full disk or a cache clean-up does to unreferenced blocks:
-        kept = c.run(lambda dask_worker: dask_worker.plugins["kvstate"].runtime.store.discard(ref.blocks),
-                     workers=[w])[w]  # fmt: skip
+        kept = c.run(lambda dask_worker: dask_worker.plugins["kvstate"].runtime.store.discard(ref.blocks), workers=[w])[
+            w
+        ]
         assert kept == 0  # nothing dropped: the session holds its states
         before = kvs.stats(c)[w]
         again = c.compute(kvs.resume(ref, " Try again.", max_new_tokens=4)).result()
@@ -121,8 +137,9 @@ def test_suspended_session_is_offloaded_then_prefetched(lc_client):
             report = dask.delayed(run_tests)(1.6, " 3 tests failed: fix the edge case.")
         resumed = c.compute(kvs.resume(ref, report, max_new_tokens=8))
         out = resumed.result()
-        replay = c.compute(kvs.generate(CONTEXT, " Write the function. ", " 3 tests failed: fix the edge case.",
-                                        max_new_tokens=8)).result()  # fmt: skip
+        replay = c.compute(
+            kvs.generate(CONTEXT, " Write the function. ", " 3 tests failed: fix the edge case.", max_new_tokens=8)
+        ).result()
     assert out == replay  # resuming from offloaded-then-prefetched KV changes nothing
 
     poll_for(lambda: events(c, "prefetch", "done", s.id) and events(c, "prefetch", "outcome", s.id), timeout=20)

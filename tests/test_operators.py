@@ -1,4 +1,5 @@
 """The operators on a real two-process cluster with tiny-llama, each checked against text replay."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -151,11 +152,14 @@ def test_two_models_on_one_cluster_never_share_state(other_model):
             b = kvs.materialize(CONTEXT, model=other_model)
             ra, rb = dask.compute(a, b)
             assert ra.model != rb.model and set(ra.blocks).isdisjoint(rb.blocks)
-            own = dask.compute(kvs.resume(a, QUESTIONS[1], max_new_tokens=12),
-                               kvs.resume(b, QUESTIONS[1], max_new_tokens=12))  # fmt: skip
+            own = dask.compute(
+                kvs.resume(a, QUESTIONS[1], max_new_tokens=12), kvs.resume(b, QUESTIONS[1], max_new_tokens=12)
+            )
             crossed = c.compute(kvs.resume(a, QUESTIONS[1], max_new_tokens=12, model=other_model)).result()
-            want = dask.compute(kvs.generate(CONTEXT, QUESTIONS[1], max_new_tokens=12),
-                                kvs.generate(CONTEXT, QUESTIONS[1], max_new_tokens=12, model=other_model))  # fmt: skip
+            want = dask.compute(
+                kvs.generate(CONTEXT, QUESTIONS[1], max_new_tokens=12),
+                kvs.generate(CONTEXT, QUESTIONS[1], max_new_tokens=12, model=other_model),
+            )
             with pytest.raises(ValueError, match="model 'gpt-x' is not installed"):
                 c.compute(kvs.generate("x", model="gpt-x")).result()
     assert [o.token_ids for o in own] == [w.token_ids for w in want]

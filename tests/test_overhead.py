@@ -3,6 +3,7 @@
 Nothing, and cheaply: the compiler hands back Dask's own optimised graph and reads it in
 one pass; the plugins keep no per-task state and log no event for such tasks.
 """
+
 from __future__ import annotations
 
 import dask

@@ -1,4 +1,5 @@
 """KV-aware placement and the transfer-versus-recompute rule on a live cluster."""
+
 from __future__ import annotations
 
 import dask

@@ -1,6 +1,7 @@
 """Running out of room: a really full disk under the disk tier, and tier budgets far
 below the working set. The workflow completes, token-identical, and nothing is killed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,11 +24,14 @@ TMPFS_BYTES = 1 << 20
 def small_disk(path):
     """A 1 MiB tmpfs at ``path``: writes past it fail with a real ENOSPC."""
     os.makedirs(path, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES}", "tmpfs", str(path)],
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES}", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip()}); "
-                    "tests/test_block_store.py covers a real EFBIG write error instead")  # fmt: skip
+        pytest.skip(
+            f"cannot mount a small tmpfs here ({done.stderr.strip()}); "
+            "tests/test_block_store.py covers a real EFBIG write error instead"
+        )
     try:
         yield path
     finally:
@@ -62,19 +66,26 @@ def fork_workflow(client, w, n: int, context: str):
 
 def test_disk_tier_on_a_full_disk_keeps_or_recomputes_blocks(tmp_path):
     with small_disk(tmp_path / "small") as disk, dask.config.set(TEST_CONFIG):
-        with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0",
-                          local_directory=str(disk)) as cluster, Client(cluster) as client:  # fmt: skip
+        with (
+            LocalCluster(
+                n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0", local_directory=str(disk)
+            ) as cluster,
+            Client(cluster) as client,
+        ):
             # The disk tier's own budget is large: only the real disk can say no.
-            kvs.install(client, "tiny-llama", torch_threads=1, device_bytes=4 * BLOCK, host_bytes=4 * BLOCK,
-                        disk_bytes="1GiB")  # fmt: skip
+            kvs.install(
+                client, "tiny-llama", torch_threads=1, device_bytes=4 * BLOCK, host_bytes=4 * BLOCK, disk_bytes="1GiB"
+            )
             (w,) = client.scheduler_info()["workers"]
             refs, got, want = fork_workflow(client, w, 24, CONTEXT[:200])
             s = kvs.stats(client)[w]
             (files,) = client.run(_check_spill_files).values()
     unique = set().union(*(r.blocks for r in refs))
-    print(f"full disk: working set {len(unique) * BLOCK} B on a {TMPFS_BYTES} B tmpfs; {sum(a == b for a, b in zip(got, want))}"
-          f"/{len(want)} identical; disk full {s['tiers']['disk']['full']}x, dropped {s['dropped']}, "
-          f"disk bytes {s['tiers']['disk']['bytes']}, bad files {files['bad']}")  # fmt: skip
+    print(
+        f"full disk: working set {len(unique) * BLOCK} B on a {TMPFS_BYTES} B tmpfs; {sum(a == b for a, b in zip(got, want))}"
+        f"/{len(want)} identical; disk full {s['tiers']['disk']['full']}x, dropped {s['dropped']}, "
+        f"disk bytes {s['tiers']['disk']['bytes']}, bad files {files['bad']}"
+    )
     assert len(unique) * BLOCK > TMPFS_BYTES  # the working set does not fit on that disk
     assert got == want  # all 24 verdicts, token-identical
     assert s["tiers"]["disk"]["full"] >= 1  # the disk really said no (ENOSPC), and it was survived
@@ -84,11 +95,21 @@ def test_disk_tier_on_a_full_disk_keeps_or_recomputes_blocks(tmp_path):
 
 def test_budgets_far_below_the_working_set_complete_without_oom(tmp_path):
     with dask.config.set(TEST_CONFIG):
-        with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0",
-                          memory_limit="3GiB", local_directory=str(tmp_path)) as cluster, Client(cluster) as client:  # fmt: skip
+        with (
+            LocalCluster(
+                n_workers=1,
+                threads_per_worker=1,
+                processes=True,
+                dashboard_address=":0",
+                memory_limit="3GiB",
+                local_directory=str(tmp_path),
+            ) as cluster,
+            Client(cluster) as client,
+        ):
             budget = 2 * BLOCK  # per tier; the working set below is ~50x all three together
-            kvs.install(client, "tiny-llama", torch_threads=1, device_bytes=budget, host_bytes=budget,
-                        disk_bytes=budget)  # fmt: skip
+            kvs.install(
+                client, "tiny-llama", torch_threads=1, device_bytes=budget, host_bytes=budget, disk_bytes=budget
+            )
             (w,) = client.scheduler_info()["workers"]
             (before,) = client.run(_check_spill_files).values()
             refs, got, want = fork_workflow(client, w, 16, CONTEXT[:200])
@@ -99,10 +120,12 @@ def test_budgets_far_below_the_working_set_complete_without_oom(tmp_path):
             (after,) = client.run(_check_spill_files).values()
             workers_now = list(client.scheduler_info()["workers"])
     unique = set().union(*(r.blocks for r in refs))
-    print(f"tiny budgets: working set {len(unique) * BLOCK} B vs 3 x {budget} B; "
-          f"{sum(a == b for a, b in zip(got + got2, want + want2))}/{len(want + want2)} identical; "
-          f"disk full {s['tiers']['disk']['full']}x, dropped {s['dropped']}, recomputes {s.get('recomputes', 0)}, "
-          f"same pid {after['pid'] == before['pid']}")  # fmt: skip
+    print(
+        f"tiny budgets: working set {len(unique) * BLOCK} B vs 3 x {budget} B; "
+        f"{sum(a == b for a, b in zip(got + got2, want + want2))}/{len(want + want2)} identical; "
+        f"disk full {s['tiers']['disk']['full']}x, dropped {s['dropped']}, recomputes {s.get('recomputes', 0)}, "
+        f"same pid {after['pid'] == before['pid']}"
+    )
     assert len(unique) * BLOCK >= 10 * 3 * budget
     assert got == want and got2 == want2  # 24 verdicts, token-identical
     assert workers_now == [w] and after["pid"] == before["pid"]  # the same worker process: never killed

@@ -4,6 +4,7 @@ The clusters are ``gen_cluster`` ones (scheduler and workers in the test's event
 tasks in worker threads), so the tests read the scheduler's state directly; the
 policies run exactly as on a process cluster.
 """
+
 from __future__ import annotations
 
 import threading
@@ -17,9 +18,9 @@ from distributed.utils_test import async_poll_for, gen_cluster, poll_for
 import dask_kvstate as kvs
 from dask_kvstate.plugins.scheduler.capacity import CapacityController, best_move
 from dask_kvstate.plugins.scheduler.priority import ProgressPriority, progress_priority
-from dask_kvstate.plugins.worker.scheduling import SchedulingWorkerPlugin
 from dask_kvstate.plugins.scheduler.sessions import SessionTracker
 from dask_kvstate.plugins.scheduler.stealing import LateBindingStealing, migration_benefit
+from dask_kvstate.plugins.worker.scheduling import SchedulingWorkerPlugin
 
 FAST = {"kvstate.scheduling.interval": "20ms", "kvstate.scheduling.capacity.interval": "20ms"}
 
@@ -109,8 +110,11 @@ def test_tasks_submitted_by_a_task_inherit_its_session():
     # A synchronous cluster (worker_client inside gen_cluster trips over other tests' global client).
     from distributed import Client, LocalCluster
 
-    with dask.config.set(FAST), LocalCluster(n_workers=1, threads_per_worker=2, processes=False,
-                                             dashboard_address=":0") as cluster, Client(cluster) as client:  # fmt: skip
+    with (
+        dask.config.set(FAST),
+        LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
         kvs.install_scheduling(client)
         with kvs.session("parent", client=client) as sess:
             assert client.submit(spawn, 1, pure=False).result() == 0.0
@@ -135,8 +139,11 @@ def test_progress_priority_orders_by_progress_then_arrival_keeping_user_priority
     assert again[-2:] == (5, 3) and len(again) == len(retry)
 
 
-@gen_cluster(client=True, config=FAST,
-             nthreads=[("127.0.0.1", 1, {"resources": {"role:x": 1}}), ("127.0.0.1", 1, {"resources": {"role:y": 1}})])
+@gen_cluster(
+    client=True,
+    config=FAST,
+    nthreads=[("127.0.0.1", 1, {"resources": {"role:x": 1}}), ("127.0.0.1", 1, {"resources": {"role:y": 1}})],
+)
 async def test_priority_resorts_a_workers_ready_queue_when_progress_changes(c, s, a, b):
     await install(c, ProgressPriority())
     ORDER.clear()
@@ -195,8 +202,14 @@ async def test_late_binding_stealing_moves_queued_work_to_an_idle_worker(c, s, a
     assert any(m["kind"] == "move" and m["thief"] == b.address for _, m in s.get_events("kvstate-stealing"))
 
 
-@gen_cluster(client=True, config={**FAST, "distributed.scheduler.work-stealing": False,
-                                  "kvstate.scheduling.components": {"nap": {"stateful": True}}})
+@gen_cluster(
+    client=True,
+    config={
+        **FAST,
+        "distributed.scheduler.work-stealing": False,
+        "kvstate.scheduling.components": {"nap": {"stateful": True}},
+    },
+)
 async def test_stateful_component_keeps_session_affinity(c, s, a, b):
     await install(c, LateBindingStealing())
     with kvs.session("chat", client=c):
@@ -212,8 +225,11 @@ async def test_stateful_component_keeps_session_affinity(c, s, a, b):
 # -- capacity ------------------------------------------------------------------------------
 def test_best_move_picks_the_donor_that_lifts_the_minimum():
     x = {"plan": 9.0, "dev": 1.0, "test": 3.0}
-    units, rates, visits = {"plan": 3, "dev": 1, "test": 2}, {"plan": 3.0, "dev": 2.0, "test": 3.0}, \
-        {"plan": 1.0, "dev": 2.0, "test": 2.0}
+    units, rates, visits = (
+        {"plan": 3, "dev": 1, "test": 2},
+        {"plan": 3.0, "dev": 2.0, "test": 3.0},
+        {"plan": 1.0, "dev": 2.0, "test": 2.0},
+    )
     assert best_move(x, units, rates, visits, "dev", ["plan", "test"], limits={}, epsilon=0.05) == ("plan", 2.0)
     capped = {"dev": {"max": 1}}
     assert best_move(x, units, rates, visits, "dev", ["plan", "test"], limits=capped, epsilon=0.05) is None
@@ -226,9 +242,15 @@ def test_capacity_limits_are_validated():
         CapacityController(limits={"dev": {"min": 1}})
 
 
-@gen_cluster(client=True, config=FAST, nthreads=[("127.0.0.1", 1, {"resources": {"role:plan": 1}}),
-                                                 ("127.0.0.1", 1, {"resources": {"role:plan": 1}}),
-                                                 ("127.0.0.1", 1, {"resources": {"role:dev": 1}})])
+@gen_cluster(
+    client=True,
+    config=FAST,
+    nthreads=[
+        ("127.0.0.1", 1, {"resources": {"role:plan": 1}}),
+        ("127.0.0.1", 1, {"resources": {"role:plan": 1}}),
+        ("127.0.0.1", 1, {"resources": {"role:dev": 1}}),
+    ],
+)
 async def test_capacity_moves_a_unit_to_a_persistent_bottleneck(c, s, p1, p2, dev):
     await install(c, CapacityController())
     dev_role = {"role:dev": 1}
@@ -265,10 +287,15 @@ def _kv_view(consumer_key, a, b, dask_scheduler):
     wa, wb = dask_scheduler.workers[a], dask_scheduler.workers[b]
     ref = next(placement.refs[d.key] for d in ts.dependencies if d.key in placement.refs)
     at_b = placement.estimate(ref, b)
-    return {"state": ts.state, "on": ts.processing_on.address, "move_to_b": stealing._move_cost(ts, wa, wb),
-            "inputs_to_b": dask_scheduler.get_comm_cost(ts, wb), "kv_at_b": min(at_b["t_transfer"], at_b["t_recompute"]),
-            "resident_a": ProgressPriority._resident(placement, ts, a),
-            "resident_b": ProgressPriority._resident(placement, ts, b)}  # fmt: skip
+    return {
+        "state": ts.state,
+        "on": ts.processing_on.address,
+        "move_to_b": stealing._move_cost(ts, wa, wb),
+        "inputs_to_b": dask_scheduler.get_comm_cost(ts, wb),
+        "kv_at_b": min(at_b["t_transfer"], at_b["t_recompute"]),
+        "resident_a": ProgressPriority._resident(placement, ts, a),
+        "resident_b": ProgressPriority._resident(placement, ts, b),
+    }
 
 
 def test_kv_missing_at_the_thief_is_priced_into_the_move_and_residency_into_priority():
@@ -279,23 +306,29 @@ def test_kv_missing_at_the_thief_is_priced_into_the_move_and_residency_into_prio
 
     # Above: transformers resolves these names lazily, and two in-process workers loading
     # the model at once race on that first import; resolving them here first avoids it.
-
     from .conftest import CONTEXT
 
-    cfg = {"kvstate.block-tokens": 16, "kvstate.transport.emulated-bandwidth": "1 Mbit/s",
-           "kvstate.scheduling.stealing.enabled": True, "kvstate.scheduling.priority.enabled": True,
-           "kvstate.scheduling.priority.kv-resident": True,
-           "kvstate.scheduling.stealing.beta": "1h"}  # fmt: skip  (price moves, make none: the consumer stays put)
+    cfg = {
+        "kvstate.block-tokens": 16,
+        "kvstate.transport.emulated-bandwidth": "1 Mbit/s",
+        "kvstate.scheduling.stealing.enabled": True,
+        "kvstate.scheduling.priority.enabled": True,
+        "kvstate.scheduling.priority.kv-resident": True,
+        "kvstate.scheduling.stealing.beta": "1h",
+    }  # (price moves, make none: the consumer stays put)
     with dask.config.set(cfg):
-        with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
-                Client(cluster) as client:  # fmt: skip
+        with (
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster,
+            Client(cluster) as client,
+        ):
             kvs.install(client, "tiny-llama", torch_threads=1)
             a, b = sorted(client.scheduler_info()["workers"])
             state = client.submit(tasks.materialize, "Move cost. " + CONTEXT * 2, workers=[a], pure=False)
             state.result()
             hold = client.submit(blocker, "gate-kv", workers=[a], pure=False)  # a is busy: the consumer queues
-            consumer = client.submit(tasks.resume, state, " Next?", max_new_tokens=2, workers=[a],
-                                     allow_other_workers=True, pure=False)  # fmt: skip
+            consumer = client.submit(
+                tasks.resume, state, " Next?", max_new_tokens=2, workers=[a], allow_other_workers=True, pure=False
+            )
             poll_for(lambda: client.run_on_scheduler(_state_of, consumer.key) == "processing", timeout=30)
             view = client.run_on_scheduler(_kv_view, consumer.key, a, b)
             Event("gate-kv", client=client).set()

@@ -1,4 +1,5 @@
 """The real default model, SmolLM2-135M, end to end on two worker processes (slow: run once)."""
+
 from __future__ import annotations
 
 import dask

@@ -1,4 +1,5 @@
 """The state descriptor: validation, Arrow round trip, wire size, compatibility, hashes."""
+
 from __future__ import annotations
 
 import pickle
@@ -16,12 +17,19 @@ def realistic_ref(num_tokens: int = 1500, text_chars: int = 6000) -> KVStateRef:
     ident = kv_identity("m-" + "a" * 32, "c-" + "b" * 32)
     words = [f"token{i % 97} " for i in range(text_chars // 8)]
     return KVStateRef(
-        state_id="f" * 32, model_name="smollm2-135m", model="m-" + "a" * 32, config="c-" + "b" * 32,
-        namespace="default", block_tokens=64, num_tokens=num_tokens,
+        state_id="f" * 32,
+        model_name="smollm2-135m",
+        model="m-" + "a" * 32,
+        config="c-" + "b" * 32,
+        namespace="default",
+        block_tokens=64,
+        num_tokens=num_tokens,
         blocks=block_hashes(range(num_tokens), identity=ident, namespace="default", block_tokens=64),
-        text="".join(words), nbytes=num_tokens * 46080, lineage=Lineage("fork", ("e" * 32,)),
+        text="".join(words),
+        nbytes=num_tokens * 46080,
+        lineage=Lineage("fork", ("e" * 32,)),
         placement=Placement("tcp://10.0.0.12:40123", "device"),
-    )  # fmt: skip
+    )
 
 
 def test_arrow_round_trip():

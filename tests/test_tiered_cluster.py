@@ -1,4 +1,5 @@
 """The tiered store under a real workflow: tight budgets, spills to disk, damaged files."""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,12 @@ def branch_text(i: int) -> str:
 @pytest.fixture
 def tight_client(tmp_path):
     with dask.config.set(TEST_CONFIG):
-        with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0",
-                          local_directory=str(tmp_path)) as cluster, Client(cluster) as client:  # fmt: skip
+        with (
+            LocalCluster(
+                n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0", local_directory=str(tmp_path)
+            ) as cluster,
+            Client(cluster) as client,
+        ):
             yield client
 
 
@@ -68,7 +73,7 @@ def test_damaged_spill_files_are_detected_and_recomputed(tight_client, damage):
     kvs.install(client, "tiny-llama", torch_threads=1, device_bytes=BLOCK, host_bytes=BLOCK, disk_bytes="1GiB")
     state = client.persist(kvs.materialize(CONTEXT))
     ref = state.compute()
-    (w, files), = client.run(_spill_files).items()
+    ((w, files),) = client.run(_spill_files).items()
     assert len(files) >= len(ref.blocks) - 2  # all but what fits in device + host
     for path in files:
         if damage == "delete":
@@ -93,8 +98,12 @@ def _monitor_spills_kv(dask_worker) -> dict:
     store = dask_worker.plugins["kvstate"].runtime.store
     before = len(store.disk)
     freed = data.evict()  # what distributed's memory monitor calls past the spill threshold
-    return {"wrapper": type(data).__name__, "freed": freed, "to_disk": len(store.disk) - before,
-            "data_is_shared": dict(data) == dict(dask_worker.state.data)}  # fmt: skip
+    return {
+        "wrapper": type(data).__name__,
+        "freed": freed,
+        "to_disk": len(store.disk) - before,
+        "data_is_shared": dict(data) == dict(dask_worker.state.data),
+    }
 
 
 def test_dask_memory_monitor_spills_kv_blocks_first(tight_client):

@@ -1,4 +1,5 @@
 """The wire format of block pulls: raw frames, any dtype, packed into reused buffers."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,9 @@ def test_served_blocks_are_zero_copy_frames_not_pickles():
     from dask_kvstate.plugins.worker.transport import serve_blocks, unpack_blocks
 
     store = TieredBlockStore(device_bytes=2**22, host_bytes=2**22, disk_bytes=2**22)
-    block = torch.arange(2 * 2 * 2 * 16 * 16 * 64, dtype=torch.float32).reshape(2, 2, 2, 16, 1024)  # 1 MiB: its own frame
+    block = torch.arange(2 * 2 * 2 * 16 * 16 * 64, dtype=torch.float32).reshape(
+        2, 2, 2, 16, 1024
+    )  # 1 MiB: its own frame
     store.put(b"h" * 16, block)
     asked = [b"h" * 16, b"x" * 16]
     reply = serve_blocks(store, asked)  # one block is one run of memory: sent as it is

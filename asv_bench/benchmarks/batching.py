@@ -3,6 +3,7 @@
 Both sides decode the same seeded rows in the same process; ``track_speedup`` is
 unbatched / batched time, ``track_identical`` is 1 when every row's tokens match.
 """
+
 from __future__ import annotations
 
 import time

@@ -5,6 +5,7 @@ The raw baseline is what Dask itself spills with: ``zict.Buffer`` over
 holds, the checked raw disk format and stats. Both run in the same benchmark process on
 the same seeded blocks; ``track_*_ratio`` is ours / raw (below 1 is faster than zict).
 """
+
 from __future__ import annotations
 
 import pickle
@@ -33,7 +34,7 @@ class _Pair:
         self.data = blocks(block_bytes)
         big = 10 * N_BLOCKS * block_bytes
         self.ours = TieredBlockStore(self.dirs[0], device_bytes=big, host_bytes=big, disk_bytes=big)
-        weight = lambda k, v: v.nelement() * v.element_size()  # noqa: E731
+        weight = lambda k, v: v.nelement() * v.element_size()
         disk = zict.Func(pickle.dumps, pickle.loads, zict.File(self.dirs[1]))
         self.raw_host = zict.Buffer({}, disk, big, weight=weight)
         self.raw = zict.Buffer({}, self.raw_host, big, weight=weight)

@@ -3,6 +3,7 @@
 Every suite that needs a model derives from :class:`ModelSuite`; its prompts are
 seeded token ids (no text to drift), so every commit benchmarks the same work.
 """
+
 from __future__ import annotations
 
 import tempfile

@@ -6,6 +6,7 @@ resume latency over a resident store's (target <= 1.1), ``track_lru_resume_vs_re
 the same for the LRU-only store at the same budget, ``track_recomputes_*`` the blocks
 rebuilt, ``track_ended_bytes_left`` the KV bytes ended sessions left behind.
 """
+
 from __future__ import annotations
 
 import importlib.util

@@ -6,6 +6,7 @@ stock Dask's average end-to-end latency over ours (above 1: ours is faster),
 ``track_p99_cut`` the share of stock Dask's P99 we remove. ``track_control_loop_*``
 is the global control loop's pass latency with 10,000 futures queued.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -3,6 +3,7 @@
 ``fork`` must stay O(1) in the context (the AAFLOW+ target: under 1 ms at every L);
 the prefix cache's warm call must beat its cold one by the share of the prompt it hits.
 """
+
 from __future__ import annotations
 
 import time
@@ -53,8 +54,9 @@ class PrefixCache(ModelSuite):
     def _call(self, suffix: str, namespace: str):
         from dask_kvstate import prefix_cache
 
-        return prefix_cache.generate(self.rt, self.context + suffix, namespace, max_new_tokens=1, temperature=0.0,
-                                     top_p=1.0, seed=None)  # fmt: skip
+        return prefix_cache.generate(
+            self.rt, self.context + suffix, namespace, max_new_tokens=1, temperature=0.0, top_p=1.0, seed=None
+        )
 
     def time_cold(self, context_tokens):
         self.n += 1

@@ -4,6 +4,7 @@ Both sides run in the same benchmark process on the same seeded prompts, so the
 ratio ``track_ttft_speedup`` compares like with like. The cluster-level experiments
 (TTFT vs context, agent scaling, transfer vs recompute) build on this suite.
 """
+
 from __future__ import annotations
 
 import time

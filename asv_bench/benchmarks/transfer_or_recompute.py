@@ -9,6 +9,7 @@ a numpy array of the same bytes, on the same pair of workers, per comm, and besi
 same pull with the holder's zero-copy path off (packed). ``ServePath`` times the
 holder's side alone: packing a pull into a reply buffer vs finding its block arena run.
 """
+
 from __future__ import annotations
 
 import sys
@@ -16,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-import crossover  # noqa: E402  (examples/crossover.py)
-import serve_path  # noqa: E402  (examples/serve_path.py)
+import crossover
+import serve_path
 
 MODEL = "tiny-llama"
 

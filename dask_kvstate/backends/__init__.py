@@ -1,4 +1,5 @@
 """Model backends. One today: Hugging Face transformers (:class:`HFBackend`)."""
+
 from __future__ import annotations
 
 from dask_kvstate.backends.models import KNOWN_MODELS, check_model_name

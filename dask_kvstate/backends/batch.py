@@ -16,10 +16,12 @@ suffixes (not B prefixes), and no step copies the cache (``DynamicCache`` grows 
 Correctness: row b sees the first ``keep_b`` prefix tokens and its own tokens
 causally, at its true positions, so each row computes the same function as text
 replay of its prompt. Floating point may round differently in the last bits (two
-partial attentions merged by their log-sum-exp, batched matmuls), which could flip a greedy argmax on a near-tie; outputs are
+partial attentions merged by their log-sum-exp, batched matmuls), which could flip a
+greedy argmax on a near-tie; outputs are
 checked against unbatched text-replay-equivalent generation token for token in the
 tests (tiny-llama, and SmolLM2 on the benchmark prompts in a slow test).
 """
+
 from __future__ import annotations
 
 import time
@@ -59,9 +61,16 @@ def kv_bytes(backend, rows: list[Row], max_new_tokens: int) -> int:
 
 
 @torch.inference_mode()
-def generate_batch(backend, rows: list[Row], prefix: torch.Tensor | None = None, *, max_new_tokens: int,
-                   temperature: float = 0.0, top_p: float = 1.0,
-                   started: float | None = None) -> list[GenerationResult]:  # fmt: skip
+def generate_batch(
+    backend,
+    rows: list[Row],
+    prefix: torch.Tensor | None = None,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    started: float | None = None,
+) -> list[GenerationResult]:
     """Generate for every row over the shared ``prefix`` KV ([L, 2, H, P, D]); one result per row.
 
     Each row's tokens equal ``backend.generate(row.ids, prefix[..., :row.keep, :])``
@@ -75,18 +84,37 @@ def generate_batch(backend, rows: list[Row], prefix: torch.Tensor | None = None,
         if not row.ids:
             raise ValueError(f"row {n} has an empty prompt: give at least one token of text")
         if not 0 <= row.keep < len(row.ids):
-            raise ValueError(f"row {n} keeps {row.keep} prefix tokens of a {len(row.ids)}-token prompt: "
-                             "at least its last token must be computed")  # fmt: skip
+            raise ValueError(
+                f"row {n} keeps {row.keep} prefix tokens of a {len(row.ids)}-token prompt: "
+                "at least its last token must be computed"
+            )
     if not backend.cascade:
         # A model whose attention can't be routed (not sdpa/eager): one stock resume per row.
-        return [backend.generate(r.ids, prefix[:, :, :, : r.keep] if r.keep else None, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, top_p=top_p, seed=r.seed, started=t0) for r in rows]
+        return [
+            backend.generate(
+                r.ids,
+                prefix[:, :, :, : r.keep] if r.keep else None,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=r.seed,
+                started=t0,
+            )
+            for r in rows
+        ]
     if prefix is not None:
         prefix = prefix.to(device, non_blocking=True)
     own = [len(r.ids) - r.keep for r in rows]
-    kv = SharedPrefixKV(prefix, [r.keep for r in rows], _capacity(rows, max_new_tokens),
-                        num_layers=backend.num_layers, kv_heads=backend.kv_heads, head_dim=backend.head_dim,
-                        dtype=backend.dtype, device=device)  # fmt: skip
+    kv = SharedPrefixKV(
+        prefix,
+        [r.keep for r in rows],
+        _capacity(rows, max_new_tokens),
+        num_layers=backend.num_layers,
+        kv_heads=backend.kv_heads,
+        head_dim=backend.head_dim,
+        dtype=backend.dtype,
+        device=device,
+    )
     decoder, head = backend.model.get_decoder(), backend.model.get_output_embeddings()
     gens = [_generator(device, temperature, r.seed) for r in rows]
     outs: list[list[int]] = [[] for _ in rows]
@@ -98,8 +126,9 @@ def generate_batch(backend, rows: list[Row], prefix: torch.Tensor | None = None,
     for b, r in enumerate(rows):
         x[b, : own[b]] = torch.tensor(r.ids[r.keep :], dtype=torch.long)
     kv.begin(x.shape[1])
-    hidden = decoder(input_ids=x, position_ids=kv.position_ids(x.shape[1]), cache=None, use_cache=False,
-                     kvstate_cascade=kv).last_hidden_state  # fmt: skip
+    hidden = decoder(
+        input_ids=x, position_ids=kv.position_ids(x.shape[1]), cache=None, use_cache=False, kvstate_cascade=kv
+    ).last_hidden_state
     last = hidden[torch.arange(len(rows), device=device), torch.tensor(own, device=device) - 1]
     logits = head(last).float()
     kv.advance(own)
@@ -116,8 +145,9 @@ def generate_batch(backend, rows: list[Row], prefix: torch.Tensor | None = None,
     while live:
         x = torch.tensor([[outs[b][-1]] for b in live], dtype=torch.long, device=device)
         kv.begin(1)
-        res = backend.model(input_ids=x, position_ids=kv.position_ids(1), cache=None, use_cache=False,
-                            kvstate_cascade=kv)  # fmt: skip
+        res = backend.model(
+            input_ids=x, position_ids=kv.position_ids(1), cache=None, use_cache=False, kvstate_cascade=kv
+        )
         logits = res.logits[:, -1].float()
         kv.advance([1] * len(live))
         keep = []
@@ -132,7 +162,13 @@ def generate_batch(backend, rows: list[Row], prefix: torch.Tensor | None = None,
             live = [live[r] for r in keep]
     decode_s = time.perf_counter() - first
     return [
-        GenerationResult(token_ids=outs[b], ttft=(first - t0) if outs[b] else 0.0, prefill_s=prefill_s / len(rows),
-                         decode_s=decode_s, prefill_tokens=own[b], reused_tokens=r.keep)  # fmt: skip
+        GenerationResult(
+            token_ids=outs[b],
+            ttft=(first - t0) if outs[b] else 0.0,
+            prefill_s=prefill_s / len(rows),
+            decode_s=decode_s,
+            prefill_tokens=own[b],
+            reused_tokens=r.keep,
+        )
         for b, r in enumerate(rows)
     ]

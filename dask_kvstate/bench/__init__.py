@@ -5,6 +5,7 @@ placement + batched siblings) run side by side on one cluster, one model and the
 prompts; results go to a folder as markdown tables, JSON and PNG plots. See
 :mod:`dask_kvstate.bench.cli` for the options and the grids.
 """
+
 from __future__ import annotations
 
 from dask_kvstate.bench.cli import EXPERIMENTS, main

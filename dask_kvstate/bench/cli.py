@@ -6,6 +6,7 @@
     python -m dask_kvstate.bench ttft scaling --quick  # tiny-llama, small grid (minutes)
     python -m dask_kvstate.bench 1 2 --lengths 512 1024 --agents 16 --out bench-results/mine
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,21 +19,47 @@ from pathlib import Path
 EXPERIMENTS = {"1": "ttft", "2": "scaling", "3": "crossover", "4": "memory", "5": "throughput"}
 
 # The issue's grid (AAFLOW+ section 6), and a small one that finishes in minutes on two cores.
-FULL = {"model": "smollm2-135m", "lengths": [512, 1024, 2048, 4096], "agents": 16, "ttft_new_tokens": 4,
-        "scaling_context": 4096, "ks": [1, 2, 4, 8, 16], "new_tokens": 64,
-        "bandwidths": ["10 Mbit/s", "100 Mbit/s", "1 Gbit/s", "10 Gbit/s"], "contexts": [256, 512, 1024, 2048, 4096],
-        "repeats": 3, "overhead_tasks": 10_000, "overhead_repeats": 2, "memory_context": 4096}  # fmt: skip
-QUICK = {"model": "tiny-llama", "lengths": [128, 256, 512], "agents": 16, "ttft_new_tokens": 4,
-         "scaling_context": 512, "ks": [1, 4, 16], "new_tokens": 16, "bandwidths": ["100 Mbit/s", "10 Gbit/s"],
-         "contexts": [256, 2048], "repeats": 1, "overhead_tasks": 2_000, "overhead_repeats": 1,
-         "memory_context": 256}  # fmt: skip
+FULL = {
+    "model": "smollm2-135m",
+    "lengths": [512, 1024, 2048, 4096],
+    "agents": 16,
+    "ttft_new_tokens": 4,
+    "scaling_context": 4096,
+    "ks": [1, 2, 4, 8, 16],
+    "new_tokens": 64,
+    "bandwidths": ["10 Mbit/s", "100 Mbit/s", "1 Gbit/s", "10 Gbit/s"],
+    "contexts": [256, 512, 1024, 2048, 4096],
+    "repeats": 3,
+    "overhead_tasks": 10_000,
+    "overhead_repeats": 2,
+    "memory_context": 4096,
+}
+QUICK = {
+    "model": "tiny-llama",
+    "lengths": [128, 256, 512],
+    "agents": 16,
+    "ttft_new_tokens": 4,
+    "scaling_context": 512,
+    "ks": [1, 4, 16],
+    "new_tokens": 16,
+    "bandwidths": ["100 Mbit/s", "10 Gbit/s"],
+    "contexts": [256, 2048],
+    "repeats": 1,
+    "overhead_tasks": 2_000,
+    "overhead_repeats": 1,
+    "memory_context": 256,
+}
 
 
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m dask_kvstate.bench", description=__doc__.splitlines()[0])
-    ap.add_argument("experiments", nargs="*", metavar="experiment",
-                    help="ttft scaling crossover memory throughput (or 1-5; throughput includes "
-                         "overhead, which also runs alone); default: all")  # fmt: skip
+    ap.add_argument(
+        "experiments",
+        nargs="*",
+        metavar="experiment",
+        help="ttft scaling crossover memory throughput (or 1-5; throughput includes "
+        "overhead, which also runs alone); default: all",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny-llama and a small grid (a few minutes)")
     ap.add_argument("--model", help="model name or folder (default: smollm2-135m, or tiny-llama with --quick)")
     ap.add_argument("--out", type=Path, help="results folder (default: bench-results/<model>-<time>)")
@@ -61,8 +88,16 @@ def grid(args) -> dict:
     g = dict(QUICK if args.quick else FULL)
     if args.model:
         g["model"] = args.model
-    for name in ("lengths", "agents", "ks", "scaling_context", "new_tokens", "overhead_tasks", "overhead_repeats",
-                 "memory_context"):
+    for name in (
+        "lengths",
+        "agents",
+        "ks",
+        "scaling_context",
+        "new_tokens",
+        "overhead_tasks",
+        "overhead_repeats",
+        "memory_context",
+    ):
         if getattr(args, name) is not None:
             g[name] = getattr(args, name)
     return g
@@ -101,11 +136,20 @@ def main(argv=None) -> dict:
     stamp = datetime.datetime.now(datetime.timezone.utc)
     out = args.out or Path("bench-results") / f"{Path(g['model']).name}-{stamp:%Y%m%d-%H%M%S}"
     exps = args.experiments
-    res: dict = {"meta": {"model": g["model"], "quick": args.quick, "experiments": exps, "grid": g,
-                          "command": "python -m dask_kvstate.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-                          "machine": f"{platform.machine()} {platform.system()}, {__import__('os').cpu_count()} CPUs",
-                          "workers": args.workers, "started": f"{stamp:%Y-%m-%d %H:%M} UTC",
-                          "scaling_context": g["scaling_context"], "new_tokens": g["new_tokens"]}}  # fmt: skip
+    res: dict = {
+        "meta": {
+            "model": g["model"],
+            "quick": args.quick,
+            "experiments": exps,
+            "grid": g,
+            "command": "python -m dask_kvstate.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "machine": f"{platform.machine()} {platform.system()}, {__import__('os').cpu_count()} CPUs",
+            "workers": args.workers,
+            "started": f"{stamp:%Y-%m-%d %H:%M} UTC",
+            "scaling_context": g["scaling_context"],
+            "new_tokens": g["new_tokens"],
+        }
+    }
     t0 = time.perf_counter()
 
     def checkpoint():
@@ -117,8 +161,12 @@ def main(argv=None) -> dict:
     try:
         llm = {"ttft", "scaling", "memory", "throughput"} & set(exps)
         if llm:
-            with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
-                              dashboard_address=":0") as cluster, Client(cluster) as client:  # fmt: skip
+            with (
+                LocalCluster(
+                    n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=":0"
+                ) as cluster,
+                Client(cluster) as client,
+            ):
                 progress.write(f"loading {g['model']} on {args.workers} workers ...")
                 kvs.install(client, g["model"], torch_threads=1)
                 client.run(workload._warm_up)
@@ -126,8 +174,9 @@ def main(argv=None) -> dict:
                 res["meta"]["kv_bytes_per_token"] = bpt
                 ctx = workload.contexts(client, sorted({*g["lengths"], g["scaling_context"]}))
                 if "ttft" in exps:
-                    res["ttft"] = ex.ttft_vs_context(client, {L: ctx[L] for L in g["lengths"]}, g["agents"],
-                                                     g["ttft_new_tokens"], bar)  # fmt: skip
+                    res["ttft"] = ex.ttft_vs_context(
+                        client, {L: ctx[L] for L in g["lengths"]}, g["agents"], g["ttft_new_tokens"], bar
+                    )
                     checkpoint()
                 if {"scaling", "memory", "throughput"} & set(exps):
                     rows = ex.scaling(client, ctx[g["scaling_context"]], g["ks"], g["new_tokens"], bar, variants)
@@ -138,8 +187,9 @@ def main(argv=None) -> dict:
                         res["throughput"] = ex.throughput(rows)
                     checkpoint()
         if "memory" in exps:
-            res["memory_live"] = ex.memory_live(g["model"], g["memory_context"], g["ks"], g["new_tokens"], args.workers,
-                                                bar)  # fmt: skip
+            res["memory_live"] = ex.memory_live(
+                g["model"], g["memory_context"], g["ks"], g["new_tokens"], args.workers, bar
+            )
             checkpoint()
         if "crossover" in exps:
             res["crossover"] = ex.crossover_sweep(g["model"], g["bandwidths"], g["contexts"], g["repeats"], bar)

@@ -4,6 +4,7 @@ Every function takes a connected client with the model installed (except the
 crossover and overhead ones, which start their own clusters because what they vary is
 the cluster itself) and returns plain dicts for :mod:`dask_kvstate.bench.report`.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,16 +50,26 @@ def ttft_vs_context(client, contexts: dict[int, str], agents: int, new_tokens: i
     for L, ctx in contexts.items():
         runs = [_run(client, v, ctx, agents, new_tokens, bar) for v in ("replay", "prefix", "kvstate-unbatched")]
         med = {r["variant"]: statistics.median(r["ttft_s"]) for r in runs}
-        rows.append({
-            "L": L, "context_tokens": min(runs[0]["prompt_tokens"]) , "agents": agents,
-            "ttft_replay_s": med["replay"], "ttft_prefix_s": med["prefix"], "ttft_kvstate_s": med["kvstate-unbatched"],
-            "speedup_vs_replay": med["replay"] / med["kvstate-unbatched"],
-            "speedup_vs_prefix": med["prefix"] / med["kvstate-unbatched"],
-            "fork_ms": fork_ms(client, ctx), "identical": _identical(runs), "runs": runs,
-        })  # fmt: skip
-        progress.write(f"exp1 L={L}: TTFT replay {med['replay']:.3f} s, prefix {med['prefix']:.3f} s, kvstate "
-                       f"{med['kvstate-unbatched']:.3f} s -> {rows[-1]['speedup_vs_replay']:.1f}x / "
-                       f"{rows[-1]['speedup_vs_prefix']:.1f}x; fork {rows[-1]['fork_ms']:.3f} ms")  # fmt: skip
+        rows.append(
+            {
+                "L": L,
+                "context_tokens": min(runs[0]["prompt_tokens"]),
+                "agents": agents,
+                "ttft_replay_s": med["replay"],
+                "ttft_prefix_s": med["prefix"],
+                "ttft_kvstate_s": med["kvstate-unbatched"],
+                "speedup_vs_replay": med["replay"] / med["kvstate-unbatched"],
+                "speedup_vs_prefix": med["prefix"] / med["kvstate-unbatched"],
+                "fork_ms": fork_ms(client, ctx),
+                "identical": _identical(runs),
+                "runs": runs,
+            }
+        )
+        progress.write(
+            f"exp1 L={L}: TTFT replay {med['replay']:.3f} s, prefix {med['prefix']:.3f} s, kvstate "
+            f"{med['kvstate-unbatched']:.3f} s -> {rows[-1]['speedup_vs_replay']:.1f}x / "
+            f"{rows[-1]['speedup_vs_prefix']:.1f}x; fork {rows[-1]['fork_ms']:.3f} ms"
+        )
     return rows
 
 
@@ -87,12 +98,21 @@ def scaling(client, context: str, ks, new_tokens: int, bar, variants=tuple(VARIA
     for k in ks:
         runs = [_run(client, v, context, k, new_tokens, bar) for v in variants]
         by = {r["variant"]: r for r in runs}
-        rows.append({"k": k, "identical": _identical(runs), "runs": runs,
-                     **{f"wall_{v}_s": by[v]["wall_s"] for v in by},
-                     "speedup_vs_replay": by["replay"]["wall_s"] / by["kvstate"]["wall_s"],
-                     "speedup_vs_prefix": by["prefix"]["wall_s"] / by["kvstate"]["wall_s"]})  # fmt: skip
-        progress.write("exp2 k={}: ".format(k) + ", ".join(f"{v} {by[v]['wall_s']:.2f} s" for v in by) +
-                       f" -> {rows[-1]['speedup_vs_replay']:.2f}x vs replay")  # fmt: skip
+        rows.append(
+            {
+                "k": k,
+                "identical": _identical(runs),
+                "runs": runs,
+                **{f"wall_{v}_s": by[v]["wall_s"] for v in by},
+                "speedup_vs_replay": by["replay"]["wall_s"] / by["kvstate"]["wall_s"],
+                "speedup_vs_prefix": by["prefix"]["wall_s"] / by["kvstate"]["wall_s"],
+            }
+        )
+        progress.write(
+            f"exp2 k={k}: "
+            + ", ".join(f"{v} {by[v]['wall_s']:.2f} s" for v in by)
+            + f" -> {rows[-1]['speedup_vs_replay']:.2f}x vs replay"
+        )
     return rows
 
 
@@ -133,8 +153,10 @@ def memory_live(model: str, context_tokens: int, ks, new_tokens: int, workers: i
 
     threads = -(-max(ks) // workers)
     rows = []
-    with LocalCluster(n_workers=workers, threads_per_worker=threads, processes=True, dashboard_address=":0") as cluster, \
-            Client(cluster) as client:  # fmt: skip
+    with (
+        LocalCluster(n_workers=workers, threads_per_worker=threads, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
         kvs.install(client, model, torch_threads=1)
         client.run(workload._warm_up)
         ctx = workload.contexts(client, [context_tokens])[context_tokens]
@@ -151,20 +173,28 @@ def memory_live(model: str, context_tokens: int, ks, new_tokens: int, workers: i
                 runs["kvstate_one_copy"] = workload.run(client, "kvstate", ctx, k, new_tokens)
             bar.update()
             peak = {m: r["kv_peak_bytes"] for m, r in runs.items()}
-            rows.append({"branches": k, "context_tokens": min(runs["replay"]["prompt_tokens"]), "threads": threads,
-                         **{f"peak_{m}_bytes": b for m, b in peak.items()},
-                         **{f"wall_{m}_s": r["wall_s"] for m, r in runs.items()},
-                         "ratio_vs_replay": peak["replay"] / max(peak["kvstate"], 1),
-                         "ratio_vs_prefix": peak["prefix"] / max(peak["kvstate"], 1),
-                         "one_copy_ratio_vs_replay": peak["replay"] / max(peak["kvstate_one_copy"], 1),
-                         "one_copy_ratio_vs_prefix": peak["prefix"] / max(peak["kvstate_one_copy"], 1),
-                         "identical": _identical(list(runs.values()))})  # fmt: skip
+            rows.append(
+                {
+                    "branches": k,
+                    "context_tokens": min(runs["replay"]["prompt_tokens"]),
+                    "threads": threads,
+                    **{f"peak_{m}_bytes": b for m, b in peak.items()},
+                    **{f"wall_{m}_s": r["wall_s"] for m, r in runs.items()},
+                    "ratio_vs_replay": peak["replay"] / max(peak["kvstate"], 1),
+                    "ratio_vs_prefix": peak["prefix"] / max(peak["kvstate"], 1),
+                    "one_copy_ratio_vs_replay": peak["replay"] / max(peak["kvstate_one_copy"], 1),
+                    "one_copy_ratio_vs_prefix": peak["prefix"] / max(peak["kvstate_one_copy"], 1),
+                    "identical": _identical(list(runs.values())),
+                }
+            )
             r = rows[-1]
-            progress.write(f"exp4 (all live) k={k}: peak replay {peak['replay'] / 2**20:.0f} MiB, prefix "
-                           f"{peak['prefix'] / 2**20:.0f} MiB, kvstate {peak['kvstate'] / 2**20:.0f} MiB -> "
-                           f"{r['ratio_vs_replay']:.1f}x / {r['ratio_vs_prefix']:.1f}x; one copy "
-                           f"{peak['kvstate_one_copy'] / 2**20:.0f} MiB -> {r['one_copy_ratio_vs_replay']:.1f}x / "
-                           f"{r['one_copy_ratio_vs_prefix']:.1f}x")  # fmt: skip
+            progress.write(
+                f"exp4 (all live) k={k}: peak replay {peak['replay'] / 2**20:.0f} MiB, prefix "
+                f"{peak['prefix'] / 2**20:.0f} MiB, kvstate {peak['kvstate'] / 2**20:.0f} MiB -> "
+                f"{r['ratio_vs_replay']:.1f}x / {r['ratio_vs_prefix']:.1f}x; one copy "
+                f"{peak['kvstate_one_copy'] / 2**20:.0f} MiB -> {r['one_copy_ratio_vs_replay']:.1f}x / "
+                f"{r['one_copy_ratio_vs_prefix']:.1f}x"
+            )
     return rows
 
 
@@ -175,9 +205,18 @@ def throughput(scaling_rows: list[dict]) -> list[dict]:
     for r in row["runs"]:
         busy = r["wall_s"] * r["workers"]  # every worker runs one task at a time
         omega = busy - r["model_s"]
-        out.append({"variant": r["variant"], "k": r["k"] if "k" in r else row["k"], "wall_s": r["wall_s"],
-                    "generated_tokens": r["generated_tokens"], "tokens_per_s": r["generated_tokens"] / r["wall_s"],
-                    "model_s": r["model_s"], "omega_s": omega, "omega_pct": 100 * omega / busy})  # fmt: skip
+        out.append(
+            {
+                "variant": r["variant"],
+                "k": r["k"] if "k" in r else row["k"],
+                "wall_s": r["wall_s"],
+                "generated_tokens": r["generated_tokens"],
+                "tokens_per_s": r["generated_tokens"] / r["wall_s"],
+                "model_s": r["model_s"],
+                "omega_s": omega,
+                "omega_pct": 100 * omega / busy,
+            }
+        )
     return out
 
 
@@ -201,9 +240,11 @@ def crossover_sweep(model: str, bandwidths, contexts, repeats: int, bar) -> list
     xo = _examples()
     cells = []
     for bw in bandwidths:
-        with dask.config.set({"kvstate.transport.emulated-bandwidth": bw}), \
-                LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
-                Client(cluster) as client:  # fmt: skip
+        with (
+            dask.config.set({"kvstate.transport.emulated-bandwidth": bw}),
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+            Client(cluster) as client,
+        ):
             kvs.install(client, model, torch_threads=1)
             a, b = sorted(client.scheduler_info()["workers"])
             for n in contexts:
@@ -231,8 +272,12 @@ def non_llm_graph(tasks: int, salt: str = ""):
     level = 0
     while len(leaves) > 1:
         level += 1
-        leaves = [dask.delayed(_add, pure=True)(*leaves[i : i + 2], dask_key_name=f"add-{salt}-{level}-{i}")
-                  if i + 1 < len(leaves) else leaves[i] for i in range(0, len(leaves), 2)]  # fmt: skip
+        leaves = [
+            dask.delayed(_add, pure=True)(*leaves[i : i + 2], dask_key_name=f"add-{salt}-{level}-{i}")
+            if i + 1 < len(leaves)
+            else leaves[i]
+            for i in range(0, len(leaves), 2)
+        ]
     return leaves[0]
 
 
@@ -280,18 +325,22 @@ def overhead(model: str, tasks: int, repeats: int, bar) -> dict:
     import dask_kvstate as kvs
 
     expected = sum(range(1, tasks // 2 + 1))
-    opts = dict(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0")
+    opts = {"n_workers": 2, "threads_per_worker": 1, "processes": True, "dashboard_address": ":0"}
     names = ("plain", "plugins", "plugins+compiler")
     load_start = [round(x, 2) for x in os.getloadavg()]
     times = {k: [] for k in names}
     cpu = {k: {"scheduler": [], "workers": []} for k in names}
-    with LocalCluster(**opts) as c1, Client(c1, set_as_default=False) as plain, \
-            LocalCluster(**opts) as c2, Client(c2, set_as_default=False) as ours:  # fmt: skip
+    with (
+        LocalCluster(**opts) as c1,
+        Client(c1, set_as_default=False) as plain,
+        LocalCluster(**opts) as c2,
+        Client(c2, set_as_default=False) as ours,
+    ):
         kvs.install(ours, model, torch_threads=1)
         clients = {"plain": plain, "plugins": ours, "plugins+compiler": ours}
         n_tasks = len(non_llm_graph(tasks).__dask_graph__())
         for i in range(repeats + 1):  # the first round warms both up and is not counted
-            for name in names[i % 3:] + names[: i % 3]:
+            for name in names[i % 3 :] + names[: i % 3]:
                 client = clients[name]
                 bar.set_postfix_str(f"overhead {name}")
                 graph = non_llm_graph(tasks, f"{name}-{i}")
@@ -313,13 +362,19 @@ def overhead(model: str, tasks: int, repeats: int, bar) -> dict:
             bar.update()
     med = {k: statistics.median(v) for k, v in times.items()}
     cpu_med = {k: {part: statistics.median(v) for part, v in parts.items()} for k, parts in cpu.items()}
-    return {"tasks": n_tasks, "repeats": repeats, "times_s": times, "median_s": med,
-            "spread_s": {k: [min(v), max(v)] for k, v in times.items()},
-            "cpu_s": cpu, "cpu_median_s": cpu_med,
-            "scheduler_us_per_task": {k: 1e6 * v["scheduler"] / n_tasks for k, v in cpu_med.items()},
-            "worker_us_per_task": {k: 1e6 * v["workers"] / n_tasks for k, v in cpu_med.items()},
-            "scheduler_cpu_overhead_pct": 100 * (cpu_med["plugins"]["scheduler"] / cpu_med["plain"]["scheduler"] - 1),
-            "worker_cpu_overhead_pct": 100 * (cpu_med["plugins"]["workers"] / cpu_med["plain"]["workers"] - 1),
-            "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
-            "overhead_pct": 100 * (med["plugins"] / med["plain"] - 1),
-            "overhead_with_compiler_pct": 100 * (med["plugins+compiler"] / med["plain"] - 1)}  # fmt: skip
+    return {
+        "tasks": n_tasks,
+        "repeats": repeats,
+        "times_s": times,
+        "median_s": med,
+        "spread_s": {k: [min(v), max(v)] for k, v in times.items()},
+        "cpu_s": cpu,
+        "cpu_median_s": cpu_med,
+        "scheduler_us_per_task": {k: 1e6 * v["scheduler"] / n_tasks for k, v in cpu_med.items()},
+        "worker_us_per_task": {k: 1e6 * v["workers"] / n_tasks for k, v in cpu_med.items()},
+        "scheduler_cpu_overhead_pct": 100 * (cpu_med["plugins"]["scheduler"] / cpu_med["plain"]["scheduler"] - 1),
+        "worker_cpu_overhead_pct": 100 * (cpu_med["plugins"]["workers"] / cpu_med["plain"]["workers"] - 1),
+        "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
+        "overhead_pct": 100 * (med["plugins"] / med["plain"] - 1),
+        "overhead_with_compiler_pct": 100 * (med["plugins+compiler"] / med["plain"] - 1),
+    }

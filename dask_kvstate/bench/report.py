@@ -1,4 +1,5 @@
 """Write a bench run: ``results.json``, ``report.md`` (markdown tables) and PNG plots."""
+
 from __future__ import annotations
 
 import json
@@ -22,80 +23,244 @@ def _table(header: list[str], rows: list[list]) -> str:
 
 def markdown(res: dict) -> str:
     meta = res["meta"]
-    out = [f"# dask-kvstate bench: {meta['model']}{' (quick)' if meta['quick'] else ''}", "",
-           f"`{meta['command']}` on {meta['machine']}, {meta['workers']} workers x 1 thread, "
-           f"{meta['started']}, {meta['seconds']:.0f} s in all. Every baseline ran in this same session on the same "
-           "cluster and prompts; ratios are side by side measurements.", ""]  # fmt: skip
+    out = [
+        f"# dask-kvstate bench: {meta['model']}{' (quick)' if meta['quick'] else ''}",
+        "",
+        f"`{meta['command']}` on {meta['machine']}, {meta['workers']} workers x 1 thread, "
+        f"{meta['started']}, {meta['seconds']:.0f} s in all. Every baseline ran in this same session on the same "
+        "cluster and prompts; ratios are side by side measurements.",
+        "",
+    ]
     if "ttft" in res:
-        out += ["## 1. TTFT vs context length", "",
-                f"{res['ttft'][0]['agents']} agents, suffix ~32 tokens; median per-agent time to first token "
-                "(kvstate unbatched: TTFT is a per-request latency).", "",
-                _table(["L", "context tok", "replay s", "prefix cache s", "kvstate s", "vs replay", "vs prefix",
-                        "fork ms", "identical"],
-                       [[r["L"], r["context_tokens"], r["ttft_replay_s"], r["ttft_prefix_s"], r["ttft_kvstate_s"],
-                         r["speedup_vs_replay"], r["speedup_vs_prefix"], r["fork_ms"], r["identical"]]
-                        for r in res["ttft"]]), ""]  # fmt: skip
+        out += [
+            "## 1. TTFT vs context length",
+            "",
+            f"{res['ttft'][0]['agents']} agents, suffix ~32 tokens; median per-agent time to first token "
+            "(kvstate unbatched: TTFT is a per-request latency).",
+            "",
+            _table(
+                [
+                    "L",
+                    "context tok",
+                    "replay s",
+                    "prefix cache s",
+                    "kvstate s",
+                    "vs replay",
+                    "vs prefix",
+                    "fork ms",
+                    "identical",
+                ],
+                [
+                    [
+                        r["L"],
+                        r["context_tokens"],
+                        r["ttft_replay_s"],
+                        r["ttft_prefix_s"],
+                        r["ttft_kvstate_s"],
+                        r["speedup_vs_replay"],
+                        r["speedup_vs_prefix"],
+                        r["fork_ms"],
+                        r["identical"],
+                    ]
+                    for r in res["ttft"]
+                ],
+            ),
+            "",
+        ]
     if "scaling" in res:
         variants = [r["variant"] for r in res["scaling"][0]["runs"]]
-        out += ["## 2. Multi-agent scaling", "",
-                f"L = {meta['scaling_context']} tokens, Y = {meta['new_tokens']}; aggregate wall time (s).", "",
-                _table(["k", *variants, "kvstate vs replay", "kvstate vs prefix", "identical"],
-                       [[r["k"], *[r[f"wall_{v}_s"] for v in variants], r["speedup_vs_replay"], r["speedup_vs_prefix"],
-                         r["identical"]] for r in res["scaling"]]), ""]  # fmt: skip
+        out += [
+            "## 2. Multi-agent scaling",
+            "",
+            f"L = {meta['scaling_context']} tokens, Y = {meta['new_tokens']}; aggregate wall time (s).",
+            "",
+            _table(
+                ["k", *variants, "kvstate vs replay", "kvstate vs prefix", "identical"],
+                [
+                    [
+                        r["k"],
+                        *[r[f"wall_{v}_s"] for v in variants],
+                        r["speedup_vs_replay"],
+                        r["speedup_vs_prefix"],
+                        r["identical"],
+                    ]
+                    for r in res["scaling"]
+                ],
+            ),
+            "",
+        ]
     if "crossover" in res:
-        out += ["## 3. Transfer vs recompute crossover", "",
-                "examples/crossover.py's `sweep_cell`: the rule's choice vs both options measured.", "",
-                _table(["bandwidth", "tokens", "MiB", "rule", "pull s", "recompute s", "right"],
-                       [[c["bandwidth"], c["tokens"], c["mib"], c["choice"], c["t_pull"], c["t_recompute"], c["right"]]
-                        for c in res["crossover"]]), ""]  # fmt: skip
+        out += [
+            "## 3. Transfer vs recompute crossover",
+            "",
+            "examples/crossover.py's `sweep_cell`: the rule's choice vs both options measured.",
+            "",
+            _table(
+                ["bandwidth", "tokens", "MiB", "rule", "pull s", "recompute s", "right"],
+                [
+                    [c["bandwidth"], c["tokens"], c["mib"], c["choice"], c["t_pull"], c["t_recompute"], c["right"]]
+                    for c in res["crossover"]
+                ],
+            ),
+            "",
+        ]
     if "memory" in res:
-        out += ["## 4. KV memory vs branch factor", "",
-                "Peak: most KV held at once (block store device tier + live decode caches, summed over workers). "
-                "Computed: KV bytes prefilled.", "",
-                _table(["branches", "peak replay MiB", "peak prefix MiB", "peak kvstate MiB", "replay/kvstate",
-                        "prefix/kvstate", "computed replay MiB", "computed kvstate MiB", "computed ratio"],
-                       [[r["branches"], r["peak_replay_bytes"] / MIB, r["peak_prefix_bytes"] / MIB,
-                         r["peak_kvstate_bytes"] / MIB, r["peak_ratio_vs_replay"], r["peak_ratio_vs_prefix"],
-                         r["computed_replay_bytes"] / MIB, r["computed_kvstate_bytes"] / MIB,
-                         r["computed_ratio_vs_replay"]] for r in res["memory"]]), ""]  # fmt: skip
+        out += [
+            "## 4. KV memory vs branch factor",
+            "",
+            "Peak: most KV held at once (block store device tier + live decode caches, summed over workers). "
+            "Computed: KV bytes prefilled.",
+            "",
+            _table(
+                [
+                    "branches",
+                    "peak replay MiB",
+                    "peak prefix MiB",
+                    "peak kvstate MiB",
+                    "replay/kvstate",
+                    "prefix/kvstate",
+                    "computed replay MiB",
+                    "computed kvstate MiB",
+                    "computed ratio",
+                ],
+                [
+                    [
+                        r["branches"],
+                        r["peak_replay_bytes"] / MIB,
+                        r["peak_prefix_bytes"] / MIB,
+                        r["peak_kvstate_bytes"] / MIB,
+                        r["peak_ratio_vs_replay"],
+                        r["peak_ratio_vs_prefix"],
+                        r["computed_replay_bytes"] / MIB,
+                        r["computed_kvstate_bytes"] / MIB,
+                        r["computed_ratio_vs_replay"],
+                    ]
+                    for r in res["memory"]
+                ],
+            ),
+            "",
+        ]
     if "memory_live" in res:
         live = res["memory_live"]
-        out += ["### 4b. Peak KV with every branch in flight", "",
-                f"A cluster whose workers run {live[0]['threads']} tasks at once, so all k agents of every mode are live "
-                f"together; context {live[0]['context_tokens']} tokens.", "",
-                _table(["branches", "peak replay MiB", "peak prefix MiB", "peak kvstate MiB", "replay/kvstate",
-                        "prefix/kvstate", "identical"],
-                       [[r["branches"], r["peak_replay_bytes"] / MIB, r["peak_prefix_bytes"] / MIB,
-                         r["peak_kvstate_bytes"] / MIB, r["ratio_vs_replay"], r["ratio_vs_prefix"], r["identical"]]
-                        for r in live]), ""]  # fmt: skip
+        out += [
+            "### 4b. Peak KV with every branch in flight",
+            "",
+            f"A cluster whose workers run {live[0]['threads']} tasks at once, so all k agents of every mode are live "
+            f"together; context {live[0]['context_tokens']} tokens.",
+            "",
+            _table(
+                [
+                    "branches",
+                    "peak replay MiB",
+                    "peak prefix MiB",
+                    "peak kvstate MiB",
+                    "replay/kvstate",
+                    "prefix/kvstate",
+                    "identical",
+                ],
+                [
+                    [
+                        r["branches"],
+                        r["peak_replay_bytes"] / MIB,
+                        r["peak_prefix_bytes"] / MIB,
+                        r["peak_kvstate_bytes"] / MIB,
+                        r["ratio_vs_replay"],
+                        r["ratio_vs_prefix"],
+                        r["identical"],
+                    ]
+                    for r in live
+                ],
+            ),
+            "",
+        ]
         if "peak_kvstate_one_copy_bytes" in live[0]:
-            out += ["kvstate with `placement.max-copies: 1` (one copy of the state; every branch on its holder) against "
-                    "default placement (a copy on each worker that runs branches), and what it costs in time:", "",
-                    _table(["branches", "one copy MiB", "replay/one copy", "prefix/one copy", "kvstate wall s",
-                            "one copy wall s"],
-                           [[r["branches"], r["peak_kvstate_one_copy_bytes"] / MIB, r["one_copy_ratio_vs_replay"],
-                             r["one_copy_ratio_vs_prefix"], r["wall_kvstate_s"], r["wall_kvstate_one_copy_s"]]
-                            for r in live]), ""]  # fmt: skip
+            out += [
+                "kvstate with `placement.max-copies: 1` (one copy of the state; every branch on its holder) against "
+                "default placement (a copy on each worker that runs branches), and what it costs in time:",
+                "",
+                _table(
+                    [
+                        "branches",
+                        "one copy MiB",
+                        "replay/one copy",
+                        "prefix/one copy",
+                        "kvstate wall s",
+                        "one copy wall s",
+                    ],
+                    [
+                        [
+                            r["branches"],
+                            r["peak_kvstate_one_copy_bytes"] / MIB,
+                            r["one_copy_ratio_vs_replay"],
+                            r["one_copy_ratio_vs_prefix"],
+                            r["wall_kvstate_s"],
+                            r["wall_kvstate_one_copy_s"],
+                        ]
+                        for r in live
+                    ],
+                ),
+                "",
+            ]
     if "throughput" in res:
-        out += ["## 5. Throughput and framework overhead", "",
-                "Omega = worker busy time (wall x workers) - (prefill + decode time inside the model).", "",
-                _table(["variant", "k", "wall s", "tokens", "tokens/s", "model s", "Omega s", "Omega %"],
-                       [[r["variant"], r["k"], r["wall_s"], r["generated_tokens"], r["tokens_per_s"], r["model_s"],
-                         r["omega_s"], r["omega_pct"]] for r in res["throughput"]]), ""]  # fmt: skip
+        out += [
+            "## 5. Throughput and framework overhead",
+            "",
+            "Omega = worker busy time (wall x workers) - (prefill + decode time inside the model).",
+            "",
+            _table(
+                ["variant", "k", "wall s", "tokens", "tokens/s", "model s", "Omega s", "Omega %"],
+                [
+                    [
+                        r["variant"],
+                        r["k"],
+                        r["wall_s"],
+                        r["generated_tokens"],
+                        r["tokens_per_s"],
+                        r["model_s"],
+                        r["omega_s"],
+                        r["omega_pct"],
+                    ]
+                    for r in res["throughput"]
+                ],
+            ),
+            "",
+        ]
     if "overhead" in res:
         o = res["overhead"]
-        out += [f"Plugins on a {o['tasks']}-task non-LLM graph (median of {o['repeats']}): plain Dask "
-                f"{o['median_s']['plain']:.2f} s, with the kvstate plugins {o['median_s']['plugins']:.2f} s "
-                f"({o['overhead_pct']:+.1f}%), plugins + compiler pass {o['median_s']['plugins+compiler']:.2f} s "
-                f"({o['overhead_with_compiler_pct']:+.1f}%).", ""]  # fmt: skip
+        out += [
+            f"Plugins on a {o['tasks']}-task non-LLM graph (median of {o['repeats']}): plain Dask "
+            f"{o['median_s']['plain']:.2f} s, with the kvstate plugins {o['median_s']['plugins']:.2f} s "
+            f"({o['overhead_pct']:+.1f}%), plugins + compiler pass {o['median_s']['plugins+compiler']:.2f} s "
+            f"({o['overhead_with_compiler_pct']:+.1f}%).",
+            "",
+        ]
         if "cpu_median_s" in o:  # results written before issue 8's profile lack these
-            out += [_table(["column", "wall median s", "wall min-max s", "scheduler+client CPU us/task",
-                            "workers CPU us/task"],
-                           [[k, o["median_s"][k], "%.2f-%.2f" % tuple(o["spread_s"][k]),
-                             o["scheduler_us_per_task"][k], o["worker_us_per_task"][k]] for k in o["median_s"]]),
-                    "", f"CPU overhead of the plugins: scheduler {o['scheduler_cpu_overhead_pct']:+.1f}%, workers "
-                    f"{o['worker_cpu_overhead_pct']:+.1f}%. Load average (1, 5, 15 min) at start "
-                    f"{o['load_average']['start']}, at end {o['load_average']['end']}.", ""]  # fmt: skip
+            out += [
+                _table(
+                    [
+                        "column",
+                        "wall median s",
+                        "wall min-max s",
+                        "scheduler+client CPU us/task",
+                        "workers CPU us/task",
+                    ],
+                    [
+                        [
+                            k,
+                            o["median_s"][k],
+                            "{:.2f}-{:.2f}".format(*o["spread_s"][k]),
+                            o["scheduler_us_per_task"][k],
+                            o["worker_us_per_task"][k],
+                        ]
+                        for k in o["median_s"]
+                    ],
+                ),
+                "",
+                f"CPU overhead of the plugins: scheduler {o['scheduler_cpu_overhead_pct']:+.1f}%, workers "
+                f"{o['worker_cpu_overhead_pct']:+.1f}%. Load average (1, 5, 15 min) at start "
+                f"{o['load_average']['start']}, at end {o['load_average']['end']}.",
+                "",
+            ]
     return "\n".join(out)
 
 
@@ -117,11 +282,19 @@ def plots(res: dict, out: Path) -> list[str]:
     if "ttft" in res:
         fig, ax = plt.subplots(figsize=(6, 4))
         xs = [r["L"] for r in res["ttft"]]
-        for key, label in (("ttft_replay_s", "text replay"), ("ttft_prefix_s", "local prefix cache"),
-                           ("ttft_kvstate_s", "kvstate")):  # fmt: skip
+        for key, label in (
+            ("ttft_replay_s", "text replay"),
+            ("ttft_prefix_s", "local prefix cache"),
+            ("ttft_kvstate_s", "kvstate"),
+        ):
             ax.plot(xs, [r[key] for r in res["ttft"]], marker="o", label=label)
-        ax.set(xscale="log", yscale="log", xlabel="context tokens L", ylabel="median TTFT (s)",
-               title="Exp 1: TTFT vs context")  # fmt: skip
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="context tokens L",
+            ylabel="median TTFT (s)",
+            title="Exp 1: TTFT vs context",
+        )
         ax.legend()
         save(fig, "exp1_ttft.png")
     if "scaling" in res:
@@ -140,7 +313,9 @@ def plots(res: dict, out: Path) -> list[str]:
             ax.plot([c["tokens"] for c in cells], [c["t_pull"] for c in cells], marker="o", label=f"pull @ {bw}")
         cells = [c for c in res["crossover"] if c["bandwidth"] == res["crossover"][0]["bandwidth"]]
         ax.plot([c["tokens"] for c in cells], [c["t_recompute"] for c in cells], "k--", marker="s", label="recompute")
-        ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="seconds", title="Exp 3: transfer vs recompute")
+        ax.set(
+            xscale="log", yscale="log", xlabel="context tokens", ylabel="seconds", title="Exp 3: transfer vs recompute"
+        )
         ax.legend(fontsize=8)
         save(fig, "exp3_crossover.png")
     if "memory" in res:
@@ -148,8 +323,9 @@ def plots(res: dict, out: Path) -> list[str]:
         bs = [r["branches"] for r in res["memory"]]
         for v in ("replay", "prefix", "kvstate"):
             ax.plot(bs, [r[f"peak_{v}_bytes"] / MIB for r in res["memory"]], marker="o", label=f"peak {v}")
-            ax.plot(bs, [r[f"computed_{v}_bytes"] / MIB for r in res["memory"]], ls=":", marker=".",
-                    label=f"computed {v}")  # fmt: skip
+            ax.plot(
+                bs, [r[f"computed_{v}_bytes"] / MIB for r in res["memory"]], ls=":", marker=".", label=f"computed {v}"
+            )
         ax.set(xscale="log", xlabel="branch factor", ylabel="KV MiB", title="Exp 4: KV memory vs branches")
         ax.set_xticks(bs, [str(b) for b in bs])
         ax.legend(fontsize=8)
@@ -157,8 +333,13 @@ def plots(res: dict, out: Path) -> list[str]:
             live = res["memory_live"]
             for v in ("replay", "prefix", "kvstate", "kvstate_one_copy"):
                 if f"peak_{v}_bytes" in live[0]:
-                    ax.plot([r["branches"] for r in live], [r[f"peak_{v}_bytes"] / MIB for r in live], ls="--",
-                            marker="^", label=f"peak {v.replace('_', ' ')}, all live")  # fmt: skip
+                    ax.plot(
+                        [r["branches"] for r in live],
+                        [r[f"peak_{v}_bytes"] / MIB for r in live],
+                        ls="--",
+                        marker="^",
+                        label=f"peak {v.replace('_', ' ')}, all live",
+                    )
         save(fig, "exp4_memory.png")
     if "throughput" in res:
         fig, ax = plt.subplots(figsize=(6, 4))

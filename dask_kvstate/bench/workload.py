@@ -12,6 +12,7 @@ modes, all from the same ``kvs.generate`` code:
 
 Between runs every worker's store is emptied, so no mode profits from another's blocks.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,7 +51,9 @@ def context_text(lines: int) -> str:
 def suffix(i: int) -> str:
     """Agent ``i``'s own part of the prompt (about 32 tokens)."""
     q = QUESTIONS[i % len(QUESTIONS)]
-    return f"\nYou are agent {i} of the review team. {q} Answer in one short sentence.<|im_end|>\n<|im_start|>assistant\n"
+    return (
+        f"\nYou are agent {i} of the review team. {q} Answer in one short sentence.<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def _fit_lines(tokens: int, dask_worker=None) -> int:
@@ -109,7 +112,9 @@ def _warm_up(dask_worker) -> None:
 
 
 def kv_bytes_per_token(client) -> int:
-    return next(iter(client.run(lambda dask_worker: dask_worker.plugins["kvstate"].runtime.backend.kv_bytes_per_token).values()))
+    return next(
+        iter(client.run(lambda dask_worker: dask_worker.plugins["kvstate"].runtime.backend.kv_bytes_per_token).values())
+    )
 
 
 def _counters(client) -> dict:
@@ -142,20 +147,30 @@ def run(client, mode: str, context: str, k: int, new_tokens: int, *, batch: int 
         wall = time.perf_counter() - t0
     after = _counters(client)
     del futures
-    delta = {c: sum(after[w].get(c, 0) - before.get(w, {}).get(c, 0) for w in after)
-             for c in ("prefill_tokens", "reused_tokens", "transfer_bytes", "transfers", "resume_batches")}  # fmt: skip
+    delta = {
+        c: sum(after[w].get(c, 0) - before.get(w, {}).get(c, 0) for w in after)
+        for c in ("prefill_tokens", "reused_tokens", "transfer_bytes", "transfers", "resume_batches")
+    }
     # Model time: prefill per agent, decode once per batch (rows of a batch share its steps).
     decode = {}
     for g in results:
         decode[getattr(g, "batch_id", id(g))] = g.decode_s
     model_s = sum(g.prefill_s for g in results) + sum(decode.values())
     return {
-        "mode": mode, "agents": k, "new_tokens": new_tokens, "wall_s": wall, "batch": batch if mode == "kvstate" else 1,
-        "ttft_s": [g.ttft for g in results], "prompt_tokens": [g.prompt_tokens for g in results],
+        "mode": mode,
+        "agents": k,
+        "new_tokens": new_tokens,
+        "wall_s": wall,
+        "batch": batch if mode == "kvstate" else 1,
+        "ttft_s": [g.ttft for g in results],
+        "prompt_tokens": [g.prompt_tokens for g in results],
         "token_ids": [list(g.token_ids) for g in results],
         "generated_tokens": sum(len(g.token_ids) for g in results),
-        "prefill_s": sum(g.prefill_s for g in results), "decode_s": sum(decode.values()), "model_s": model_s,
+        "prefill_s": sum(g.prefill_s for g in results),
+        "decode_s": sum(decode.values()),
+        "model_s": model_s,
         "kv_peak_bytes": sum(after[w].get("kv_peak_bytes", 0) for w in after),
         "kv_peak_bytes_max_worker": max(after[w].get("kv_peak_bytes", 0) for w in after),
-        "workers": n_workers, **delta,
-    }  # fmt: skip
+        "workers": n_workers,
+        **delta,
+    }

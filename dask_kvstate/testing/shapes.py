@@ -4,6 +4,7 @@ Each builder returns the list of ``Delayed`` outputs of one multi-agent shape. T
 compiler (``with kvs.stateflow():``) finds what they share; the tests and
 ``examples/compiler_shapes.py`` run each shape with it off and on.
 """
+
 from __future__ import annotations
 
 import dask
@@ -41,8 +42,10 @@ def retrieve(query: str) -> str:
 
 def rag(questions: int = 3, n: int = 12) -> list:
     doc = retrieve("who retries after a failure")
-    return [kvs.generate(SYSTEM, doc, f"Question {i}: who acts after the tests fail?", max_new_tokens=n)
-            for i in range(questions)]  # fmt: skip
+    return [
+        kvs.generate(SYSTEM, doc, f"Question {i}: who acts after the tests fail?", max_new_tokens=n)
+        for i in range(questions)
+    ]
 
 
 def nested(n: int = 10) -> list:

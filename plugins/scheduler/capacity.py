@@ -26,6 +26,7 @@ sent to that worker; only a worker with no donor task on it is picked), the work
 bottleneck unit and dispatches ``no-worker`` tasks that fit it. Work already queued
 on the bottleneck's other workers reaches the new unit by stealing.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,8 +38,8 @@ from time import perf_counter, time
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
-from dask_kvstate.plugins.worker.scheduling import SET_RESOURCES
 from dask_kvstate.plugins.scheduler.sessions import PLUGIN_NAME as SESSIONS
+from dask_kvstate.plugins.worker.scheduling import SET_RESOURCES
 
 logger = logging.getLogger("dask_kvstate")
 
@@ -59,8 +60,9 @@ def normalized_capacity(units: float, per_unit_rate: float, visits: float, delta
     return units * per_unit_rate / max(visits, delta)
 
 
-def best_move(x: dict, units: dict, rates: dict, visits: dict, bottleneck: str, donors, *,
-              limits: dict, epsilon: float) -> tuple[str, float] | None:  # fmt: skip
+def best_move(
+    x: dict, units: dict, rates: dict, visits: dict, bottleneck: str, donors, *, limits: dict, epsilon: float
+) -> tuple[str, float] | None:
     """The donor whose unit, given to ``bottleneck``, raises ``min_v x_v`` the most.
 
     Returns ``(donor, predicted throughput)`` or None when no donor is feasible (above its
@@ -103,16 +105,24 @@ class CapacityController(SchedulerPlugin):
     name = PLUGIN_NAME
     idempotent = True
 
-    def __init__(self, interval=None, persistence: int | None = None, epsilon: float | None = None,
-                 prefix: str | None = None, limits: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        interval=None,
+        persistence: int | None = None,
+        epsilon: float | None = None,
+        prefix: str | None = None,
+        limits: dict | None = None,
+    ):
         self.interval_s = config.seconds("scheduling.capacity.interval", interval, strict=True)
         self.k = int(config.get("scheduling.capacity.persistence") if persistence is None else persistence)
         self.epsilon = float(config.get("scheduling.capacity.epsilon") if epsilon is None else epsilon)
         self.prefix = config.get("scheduling.capacity.resource-prefix") if prefix is None else prefix
         self.limits = dict(config.get("scheduling.capacity.limits") if limits is None else limits)
         if self.k < 1 or self.epsilon < 0 or not self.prefix:
-            raise ValueError(f"capacity settings out of range: persistence={self.k} "
-                             f"epsilon={self.epsilon} resource-prefix={self.prefix!r}")  # fmt: skip
+            raise ValueError(
+                f"capacity settings out of range: persistence={self.k} "
+                f"epsilon={self.epsilon} resource-prefix={self.prefix!r}"
+            )
         for role, lim in self.limits.items():
             if not role.startswith(self.prefix):
                 raise ValueError(f"capacity limit for {role!r}: roles are resources named {self.prefix}<name>")
@@ -132,6 +142,7 @@ class CapacityController(SchedulerPlugin):
         self.bottleneck: str | None = None
         self.streak = 0
         self.moving = False
+        self._moves: set[asyncio.Future] = set()
         self.moves: deque = deque(maxlen=100)
         self.last: dict = {}
         self.latency: deque = deque(maxlen=1000)
@@ -200,7 +211,9 @@ class CapacityController(SchedulerPlugin):
             for r, n in per_role.items():
                 if r not in ws.resources:
                     ready[r] += n
-        held = getattr(s.plugins.get("kvstate-hints"), "held_comp", {})  # held by max-concurrency: not for want of units
+        held = getattr(
+            s.plugins.get("kvstate-hints"), "held_comp", {}
+        )  # held by max-concurrency: not for want of units
         for ts in s.unrunnable:
             r = role_of.get(ts.key)
             if r is not None and ts.key not in held:
@@ -216,8 +229,13 @@ class CapacityController(SchedulerPlugin):
         p = {r: visits[r] / max(len(sessions), 1) for r in units}
         x = {r: normalized_capacity(units[r], rates[r], p[r]) if r in rates else math.inf for r in units}
         measured = {r: v for r, v in x.items() if r in rates and p[r] > 0}
-        self.last = {"units": dict(units), "ready": dict(ready), "rate": rates, "visits": p,
-                     "x": {r: (v if v != math.inf else None) for r, v in x.items()}}  # fmt: skip
+        self.last = {
+            "units": dict(units),
+            "ready": dict(ready),
+            "rate": rates,
+            "visits": p,
+            "x": {r: (v if v != math.inf else None) for r, v in x.items()},
+        }
         if not measured:
             self.bottleneck, self.streak = None, 0
             return
@@ -239,13 +257,18 @@ class CapacityController(SchedulerPlugin):
             self.counters["no_free_unit"] += 1
             return
         self.moving = True
-        asyncio.ensure_future(self._move(ws, donor, b, predicted, min(x.values())))
+        task = asyncio.ensure_future(self._move(ws, donor, b, predicted, min(x.values())))
+        self._moves.add(task)  # a reference until done: the loop keeps only a weak one
+        task.add_done_callback(self._moves.discard)
 
     def _donor_worker(self, donor: str):
         """A running worker offering a ``donor`` unit with no donor task on it (none gets stranded)."""
         for ws in sorted(self.scheduler.running, key=lambda w: w.address):
-            if ws.resources.get(donor, 0) >= 1 and ws.address in self.tracker.control_workers and \
-                    not any(self.role_of.get(ts.key) == donor for ts in ws.processing):  # fmt: skip
+            if (
+                ws.resources.get(donor, 0) >= 1
+                and ws.address in self.tracker.control_workers
+                and not any(self.role_of.get(ts.key) == donor for ts in ws.processing)
+            ):
                 return ws
         return None
 
@@ -271,8 +294,15 @@ class CapacityController(SchedulerPlugin):
             self._set(ws, to, new_b)
             stimulus_id = f"kvstate-capacity-{time()}"
             s.transitions(s.bulk_schedule_unrunnable_after_adding_worker(ws), stimulus_id)
-            move = {"kind": "move", "worker": ws.address, "from": donor, "to": to, "before": before,
-                    "predicted": predicted, "time": time()}  # fmt: skip
+            move = {
+                "kind": "move",
+                "worker": ws.address,
+                "from": donor,
+                "to": to,
+                "before": before,
+                "predicted": predicted,
+                "time": time(),
+            }
             self.moves.append(move)
             self.counters["moves"] += 1
             s.log_event(EVENT, move)
@@ -282,5 +312,10 @@ class CapacityController(SchedulerPlugin):
     def stats(self) -> dict:
         from dask_kvstate.plugins.scheduler.control import latency_summary
 
-        return {**dict(self.counters), "k": self.k, "last": self.last, "recent_moves": list(self.moves)[-20:],
-                "latency": latency_summary(self.latency)}  # fmt: skip
+        return {
+            **dict(self.counters),
+            "k": self.k,
+            "last": self.last,
+            "recent_moves": list(self.moves)[-20:],
+            "latency": latency_summary(self.latency),
+        }

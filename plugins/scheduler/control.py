@@ -7,6 +7,7 @@ scheduler that is a tornado ``PeriodicCallback`` on the scheduler's event loop (
 no two policies race. Each pass is timed per policy and in total: the loop's latency
 is what ``kvs.scheduling_stats`` reports.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,9 +35,14 @@ def latency_summary(samples) -> dict:
     xs = sorted(samples)
     if not xs:
         return {"count": 0}
-    pick = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3  # noqa: E731
-    return {"count": len(xs), "mean_ms": sum(xs) / len(xs) * 1e3, "p50_ms": pick(0.5), "p99_ms": pick(0.99),
-            "max_ms": xs[-1] * 1e3}  # fmt: skip
+    pick = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3
+    return {
+        "count": len(xs),
+        "mean_ms": sum(xs) / len(xs) * 1e3,
+        "p50_ms": pick(0.5),
+        "p99_ms": pick(0.99),
+        "max_ms": xs[-1] * 1e3,
+    }
 
 
 class ControlLoop:
@@ -80,5 +86,8 @@ class ControlLoop:
         self.latency["total"].append(perf_counter() - t0)
 
     def stats(self) -> dict:
-        return {"interval_ms": self.interval_s * 1e3, "passes": self.passes,
-                **{name: latency_summary(v) for name, v in self.latency.items()}}  # fmt: skip
+        return {
+            "interval_ms": self.interval_s * 1e3,
+            "passes": self.passes,
+            **{name: latency_summary(v) for name, v in self.latency.items()},
+        }

@@ -11,6 +11,7 @@ a second, one-page Bokeh application: ``http_application.add_application`` (Dask
 Everything shown comes from the observe extension's memory (pushed by workers) and
 the scheduler's event log; nothing here waits on a worker.
 """
+
 from __future__ import annotations
 
 import html
@@ -33,10 +34,18 @@ th:first-child, td:first-child { text-align: left; }
 TIER_COLORS = ("#1f77b4", "#ff7f0e", "#7f7f7f")
 ACTION_COLORS = {"pull": "#1f77b4", "recompute": "#d62728"}
 #: Totals shown in the header; each is a ``<span data-kvstate=NAME>`` so tests and users can find it.
-SHOWN_TOTALS = (("workers", "workers"), ("blocks", "KV blocks"), ("bytes", "KV bytes"), ("hits", "block hits"),
-                ("misses", "misses"), ("transfers", "blocks pulled"), ("transfer_bytes", "bytes pulled"),
-                ("recomputes", "blocks recomputed"), ("prefill_tokens_avoided", "prefill tokens avoided"),
-                ("prefill_tokens", "tokens prefilled"))  # fmt: skip
+SHOWN_TOTALS = (
+    ("workers", "workers"),
+    ("blocks", "KV blocks"),
+    ("bytes", "KV bytes"),
+    ("hits", "block hits"),
+    ("misses", "misses"),
+    ("transfers", "blocks pulled"),
+    ("transfer_bytes", "bytes pulled"),
+    ("recomputes", "blocks recomputed"),
+    ("prefill_tokens_avoided", "prefill tokens avoided"),
+    ("prefill_tokens", "tokens prefilled"),
+)
 
 
 def _bokeh_app_of(scheduler):
@@ -86,9 +95,10 @@ def unregister_page(scheduler, app) -> None:
 
 def kvstate_doc(scheduler, extra, doc):
     """The Bokeh document of ``/kvstate``."""
-    from dask_kvstate.plugins.scheduler.observe import PLUGIN_NAME
     from distributed.dashboard.components import add_periodic_callback
     from distributed.dashboard.components.scheduler import BOKEH_THEME, env
+
+    from dask_kvstate.plugins.scheduler.observe import PLUGIN_NAME
 
     page = KVStatePage(scheduler, scheduler.plugins.get(PLUGIN_NAME))
     page.update()
@@ -103,14 +113,18 @@ def kvstate_doc(scheduler, extra, doc):
 def totals_html(totals: dict | None, refresh_s: float) -> str:
     """The header: totals as labelled numbers, or the empty state."""
     if not totals or not totals.get("workers"):
-        return ("<h3>KV state</h3><p data-kvstate='empty'>No KV state yet: install the plugins with "
-                "<code>kvs.install(client, model)</code> and run a workflow. This page refreshes every "
-                f"{refresh_s:g} s.</p>")  # fmt: skip
+        return (
+            "<h3>KV state</h3><p data-kvstate='empty'>No KV state yet: install the plugins with "
+            "<code>kvs.install(client, model)</code> and run a workflow. This page refreshes every "
+            f"{refresh_s:g} s.</p>"
+        )
     cells = []
     for key, label in SHOWN_TOTALS:
         v = int(totals.get(key, 0))
         shown = format_bytes(v) if key.endswith("bytes") else f"{v:,}"
-        cells.append(f"<span style='margin-right:1.5em'>{label}: <b data-kvstate='{key}' title='{v}'>{shown}</b></span>")
+        cells.append(
+            f"<span style='margin-right:1.5em'>{label}: <b data-kvstate='{key}' title='{v}'>{shown}</b></span>"
+        )
     rate = totals.get("hit_rate")
     cells.append(f"<span>hit rate: <b data-kvstate='hit_rate'>{'-' if rate is None else f'{rate:.1%}'}</b></span>")
     return "<h3>KV state</h3><div style='font-size:14px'>" + " ".join(cells) + "</div>"
@@ -127,8 +141,10 @@ def lineage_html(chains: list[list[dict]]) -> str:
             f"{html.escape(s['op'])} <code>{s['state'][:8]}</code> ({s['tokens']:,} tok)" for s in chain
         )
         status = "live" if head.get("live") else "released"
-        items.append(f"<li><b>{format_bytes(head['nbytes'])}</b> ({status}) on {html.escape(str(head['holder']))} "
-                     f"[{html.escape(str(head['model']))}]: {steps}</li>")  # fmt: skip
+        items.append(
+            f"<li><b>{format_bytes(head['nbytes'])}</b> ({status}) on {html.escape(str(head['holder']))} "
+            f"[{html.escape(str(head['model']))}]: {steps}</li>"
+        )
     return "<h4>Largest states (lineage, newest first)</h4><ol>" + "".join(items) + "</ol>"
 
 
@@ -140,7 +156,7 @@ def sessions_html(plugin) -> str:
     """
     try:
         rows = plugin.progress() or {}
-    except Exception as e:  # noqa: BLE001 - a page must render whatever the extension does
+    except Exception as e:
         return f"<h4>Sessions</h4><p>unavailable: {html.escape(repr(e))}</p>"
     if not rows:
         return "<h4>Sessions</h4><p>No live sessions.</p>"
@@ -176,10 +192,22 @@ class KVStatePage:
         self.header = Div(text="", name="kvstate-totals", sizing_mode="stretch_width")
 
         self.tier_source = ColumnDataSource({"worker": [], **{t: [] for t in TIERS}})
-        self.tiers = figure(title="KV bytes per worker and tier", y_range=FactorRange(), height=220,
-                            sizing_mode="stretch_width", tools="", toolbar_location=None)  # fmt: skip
-        self.tiers.hbar_stack(list(TIERS), y="worker", height=0.8, color=list(TIER_COLORS), source=self.tier_source,
-                              legend_label=list(TIERS))  # fmt: skip
+        self.tiers = figure(
+            title="KV bytes per worker and tier",
+            y_range=FactorRange(),
+            height=220,
+            sizing_mode="stretch_width",
+            tools="",
+            toolbar_location=None,
+        )
+        self.tiers.hbar_stack(
+            list(TIERS),
+            y="worker",
+            height=0.8,
+            color=list(TIER_COLORS),
+            source=self.tier_source,
+            legend_label=list(TIERS),
+        )
         self.tiers.xaxis.formatter = NumeralTickFormatter(format="0.0 b")
         self.tiers.legend.orientation = "horizontal"
         self.tiers.add_layout(self.tiers.legend[0], "above")  # beside the bars, never over them
@@ -187,60 +215,142 @@ class KVStatePage:
         # The per-worker table as HTML, the same one kvs.stats renders in Jupyter. Not a
         # Bokeh DataTable: in Bokeh 3.9 its cells stop redrawing after the first update
         # (bokeh/bokeh#13859 and relatives), so the page would show stale numbers.
-        self.table = Div(text="", name="kvstate-workers", sizing_mode="stretch_width",
-                         stylesheets=[_TABLE_CSS])  # fmt: skip
+        self.table = Div(text="", name="kvstate-workers", sizing_mode="stretch_width", stylesheets=[_TABLE_CSS])
 
-        self.history_source = ColumnDataSource({k: [] for k in ("time", "transfers", "recomputes", "transfer_bytes",
-                                                                 "prefill_tokens", "tokens_avoided")})  # fmt: skip
-        self.flow = figure(title="Blocks pulled vs recomputed (cumulative)", x_axis_type="datetime", height=220,
-                           sizing_mode="stretch_width", tools="")  # fmt: skip
-        self.flow.line("time", "transfers", source=self.history_source, color=ACTION_COLORS["pull"],
-                       legend_label="pulled", line_width=2)  # fmt: skip
-        self.flow.line("time", "recomputes", source=self.history_source, color=ACTION_COLORS["recompute"],
-                       legend_label="recomputed", line_width=2)  # fmt: skip
+        self.history_source = ColumnDataSource(
+            {k: [] for k in ("time", "transfers", "recomputes", "transfer_bytes", "prefill_tokens", "tokens_avoided")}
+        )
+        self.flow = figure(
+            title="Blocks pulled vs recomputed (cumulative)",
+            x_axis_type="datetime",
+            height=220,
+            sizing_mode="stretch_width",
+            tools="",
+        )
+        self.flow.line(
+            "time",
+            "transfers",
+            source=self.history_source,
+            color=ACTION_COLORS["pull"],
+            legend_label="pulled",
+            line_width=2,
+        )
+        self.flow.line(
+            "time",
+            "recomputes",
+            source=self.history_source,
+            color=ACTION_COLORS["recompute"],
+            legend_label="recomputed",
+            line_width=2,
+        )
         self.flow.legend.location = "top_left"
-        self.flow.add_tools(HoverTool(tooltips=[("pulled", "@transfers blocks, @transfer_bytes{0.0 b}"),
-                                                ("recomputed", "@recomputes blocks")], mode="vline"))  # fmt: skip
-        self.tokens = figure(title="Prefill tokens: computed vs avoided (cumulative)", x_axis_type="datetime",
-                             height=220, sizing_mode="stretch_width", tools="")  # fmt: skip
-        self.tokens.line("time", "prefill_tokens", source=self.history_source, color="#7f7f7f",
-                         legend_label="prefilled", line_width=2)  # fmt: skip
-        self.tokens.line("time", "tokens_avoided", source=self.history_source, color="#2ca02c",
-                         legend_label="avoided (reused KV)", line_width=2)  # fmt: skip
+        self.flow.add_tools(
+            HoverTool(
+                tooltips=[
+                    ("pulled", "@transfers blocks, @transfer_bytes{0.0 b}"),
+                    ("recomputed", "@recomputes blocks"),
+                ],
+                mode="vline",
+            )
+        )
+        self.tokens = figure(
+            title="Prefill tokens: computed vs avoided (cumulative)",
+            x_axis_type="datetime",
+            height=220,
+            sizing_mode="stretch_width",
+            tools="",
+        )
+        self.tokens.line(
+            "time",
+            "prefill_tokens",
+            source=self.history_source,
+            color="#7f7f7f",
+            legend_label="prefilled",
+            line_width=2,
+        )
+        self.tokens.line(
+            "time",
+            "tokens_avoided",
+            source=self.history_source,
+            color="#2ca02c",
+            legend_label="avoided (reused KV)",
+            line_width=2,
+        )
         self.tokens.legend.location = "top_left"
 
-        self.rule_source = ColumnDataSource({k: [] for k in ("time", "seconds", "estimate", "action", "color",
-                                                              "bytes", "t_transfer", "t_recompute", "worker")})
-        self.rule = figure(title="Pull or recompute: measured seconds (o) vs the rule's estimate (x)",
-                           x_axis_type="datetime", height=220, sizing_mode="stretch_width", tools="")  # fmt: skip
+        self.rule_source = ColumnDataSource(
+            {
+                k: []
+                for k in (
+                    "time",
+                    "seconds",
+                    "estimate",
+                    "action",
+                    "color",
+                    "bytes",
+                    "t_transfer",
+                    "t_recompute",
+                    "worker",
+                )
+            }
+        )
+        self.rule = figure(
+            title="Pull or recompute: measured seconds (o) vs the rule's estimate (x)",
+            x_axis_type="datetime",
+            height=220,
+            sizing_mode="stretch_width",
+            tools="",
+        )
         self.rule.scatter("time", "seconds", source=self.rule_source, color="color", size=8, legend_field="action")
         self.rule.scatter("time", "estimate", source=self.rule_source, color="color", size=10, marker="x")
-        self.rule.add_tools(HoverTool(tooltips=[("action", "@action"), ("worker", "@worker"), ("bytes", "@bytes"),
-                                                ("measured s", "@seconds"), ("est. transfer s", "@t_transfer"),
-                                                ("est. recompute s", "@t_recompute")]))  # fmt: skip
+        self.rule.add_tools(
+            HoverTool(
+                tooltips=[
+                    ("action", "@action"),
+                    ("worker", "@worker"),
+                    ("bytes", "@bytes"),
+                    ("measured s", "@seconds"),
+                    ("est. transfer s", "@t_transfer"),
+                    ("est. recompute s", "@t_recompute"),
+                ]
+            )
+        )
         self.lineage = Div(text="", name="kvstate-lineage", sizing_mode="stretch_width")
         self.sessions = Div(text="", name="kvstate-sessions", visible=False, sizing_mode="stretch_width")
-        self.root = column(self.header, row(self.tiers, self.table, sizing_mode="stretch_width"),
-                           row(self.flow, self.tokens, sizing_mode="stretch_width"), self.rule, self.sessions,
-                           self.lineage, sizing_mode="stretch_width")  # fmt: skip
+        self.root = column(
+            self.header,
+            row(self.tiers, self.table, sizing_mode="stretch_width"),
+            row(self.flow, self.tokens, sizing_mode="stretch_width"),
+            self.rule,
+            self.sessions,
+            self.lineage,
+            sizing_mode="stretch_width",
+        )
 
     def update(self) -> None:
         obs = self.observer
         stats = dict(obs.stats) if obs is not None else {}
         self.header.text = totals_html(obs.totals() if obs is not None else None, self.refresh_s)
         workers = sorted(w for w, s in stats.items() if s.get("installed", True))
-        tier = lambda s, t, f: s.get("tiers", {}).get(t, {}).get(f, 0)  # noqa: E731
+        tier = lambda s, t, f: s.get("tiers", {}).get(t, {}).get(f, 0)
         if list(self.tiers.y_range.factors) != workers:
             self.tiers.y_range.factors = workers
-        _update(self.tier_source, {"worker": workers, **{t: [tier(stats[w], t, "bytes") for w in workers] for t in TIERS}})
+        _update(
+            self.tier_source, {"worker": workers, **{t: [tier(stats[w], t, "bytes") for w in workers] for t in TIERS}}
+        )
         self.table.text = html_table({w: stats[w] for w in workers}, title="per worker") if workers else ""
         history = list(obs.history) if obs is not None else []
-        _update(self.history_source, {
-            "time": [datetime.fromtimestamp(t) for t, _ in history],
-            **{k: [h.get(k, 0) for _, h in history] for k in ("transfers", "recomputes", "transfer_bytes",
-                                                               "prefill_tokens")},
-            "tokens_avoided": [h.get("prefill_tokens_avoided", 0) for _, h in history],
-        })  # fmt: skip
+        _update(
+            self.history_source,
+            {
+                "time": [datetime.fromtimestamp(t) for t, _ in history],
+                **{
+                    k: [h.get(k, 0) for _, h in history]
+                    for k in ("transfers", "recomputes", "transfer_bytes", "prefill_tokens")
+                },
+                "tokens_avoided": [h.get("prefill_tokens_avoided", 0) for _, h in history],
+            },
+        )
         self._update_rule()
         plugin = obs.sessions_plugin() if obs is not None else None
         self.sessions.visible = plugin is not None
@@ -249,15 +359,23 @@ class KVStatePage:
 
     def _update_rule(self) -> None:
         """Outcomes of placement decisions, from the scheduler's event log (last 500)."""
-        events = [(t, m) for t, m in self.scheduler.get_events(PLACEMENT)[-500:]
-                  if isinstance(m, dict) and m.get("kind") == "outcome"]  # fmt: skip
-        est = lambda m: m.get("t_transfer") if m.get("action") == "pull" else m.get("t_recompute")  # noqa: E731
-        _update(self.rule_source, {
-            "time": [datetime.fromtimestamp(t) for t, _ in events], "seconds": [m.get("seconds") for _, m in events],
-            "estimate": [est(m) for _, m in events], "action": [str(m.get("action")) for _, m in events],
-            "color": [ACTION_COLORS.get(m.get("action"), "#7f7f7f") for _, m in events],
-            "bytes": [m.get("missing_bytes", 0) for _, m in events],
-            "t_transfer": [m.get("t_transfer") for _, m in events],
-            "t_recompute": [m.get("t_recompute") for _, m in events],
-            "worker": [str(m.get("worker")) for _, m in events],
-        })  # fmt: skip
+        events = [
+            (t, m)
+            for t, m in self.scheduler.get_events(PLACEMENT)[-500:]
+            if isinstance(m, dict) and m.get("kind") == "outcome"
+        ]
+        est = lambda m: m.get("t_transfer") if m.get("action") == "pull" else m.get("t_recompute")
+        _update(
+            self.rule_source,
+            {
+                "time": [datetime.fromtimestamp(t) for t, _ in events],
+                "seconds": [m.get("seconds") for _, m in events],
+                "estimate": [est(m) for _, m in events],
+                "action": [str(m.get("action")) for _, m in events],
+                "color": [ACTION_COLORS.get(m.get("action"), "#7f7f7f") for _, m in events],
+                "bytes": [m.get("missing_bytes", 0) for _, m in events],
+                "t_transfer": [m.get("t_transfer") for _, m in events],
+                "t_recompute": [m.get("t_recompute") for _, m in events],
+                "worker": [str(m.get("worker")) for _, m in events],
+            },
+        )

@@ -36,6 +36,7 @@ root-ish queue, so they can meet in a worker's ready heap, where the ``kvstate-b
 worker plugin (``plugins/batching.py``, registered on every worker, present and future,
 by this extension) runs them as one call.
 """
+
 from __future__ import annotations
 
 import operator
@@ -113,7 +114,7 @@ class ComponentHints(SchedulerPlugin):
             held = [k for k in self.held_comp if getattr(s.tasks.get(k), "state", None) == "no-worker"]
             self.held_comp.clear()
             if held and s.status.name == "running":
-                s.transitions({k: "processing" for k in held}, stimulus_id=f"kvstate-hints-close-{time()}")
+                s.transitions(dict.fromkeys(held, "processing"), stimulus_id=f"kvstate-hints-close-{time()}")
 
     # -- the gate ---------------------------------------------------------------------
     def _install_gate(self, s) -> None:
@@ -241,7 +242,12 @@ class ComponentHints(SchedulerPlugin):
 
     # -- reads ---------------------------------------------------------------------------
     def stats(self) -> dict:
-        return {"limits": dict(self.limits), "batchable": dict(self.batch), "batch_window": self.batch_window,
-                "running": {c: len(r) for c, r in self.running.items()},
-                "held": {c: len(h) for c, h in self.held.items()}, "peak": dict(self.peak),
-                **dict(self.counters)}  # fmt: skip
+        return {
+            "limits": dict(self.limits),
+            "batchable": dict(self.batch),
+            "batch_window": self.batch_window,
+            "running": {c: len(r) for c, r in self.running.items()},
+            "held": {c: len(h) for c, h in self.held.items()},
+            "peak": dict(self.peak),
+            **dict(self.counters),
+        }

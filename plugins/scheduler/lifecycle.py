@@ -25,6 +25,7 @@ When a session ends (the sessions extension's ``on_end`` hook) every worker drop
 blocks held only for that session (``kvstate_lifecycle_invalidate``), and the bytes
 freed / left / still shared with live sessions are logged.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,6 +33,11 @@ import logging
 from collections import Counter, defaultdict
 from time import time
 
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from dask_kvstate import config
+from dask_kvstate.plugins.scheduler.sessions import PLUGIN_NAME as SESSIONS
+from dask_kvstate.plugins.scheduler.sessions import component_of
 from dask_kvstate.plugins.worker.lifecycle import (
     DONE,
     INVALIDATE,
@@ -39,11 +45,6 @@ from dask_kvstate.plugins.worker.lifecycle import (
     PREFETCH,
     REPORT,
 )
-from dask_kvstate.plugins.scheduler.sessions import PLUGIN_NAME as SESSIONS
-from dask_kvstate.plugins.scheduler.sessions import component_of
-from distributed.diagnostics.plugin import SchedulerPlugin
-
-from dask_kvstate import config
 
 logger = logging.getLogger("dask_kvstate")
 
@@ -87,8 +88,9 @@ def predict_idle(waits: list[tuple[float | None, float]]) -> float | None:
     return max(max(mean - elapsed, 0.0) for mean, elapsed in waits)
 
 
-def lifecycle_action(predicted_s: float | None, device_bytes: int, lower_bytes: int, costs: dict,
-                     margin_s: float, host_room: bool = True) -> tuple[str | None, str | None]:  # fmt: skip
+def lifecycle_action(
+    predicted_s: float | None, device_bytes: int, lower_bytes: int, costs: dict, margin_s: float, host_room: bool = True
+) -> tuple[str | None, str | None]:
     """The lifecycle rule for one suspended session's KV on one worker (Nalar Algorithm 3).
 
     Parameters
@@ -172,8 +174,9 @@ class KVLifecycle(SchedulerPlugin):
     name = PLUGIN_NAME
     idempotent = True
 
-    def __init__(self, margin: str | float | None = None, reserve: float | None = None,
-                 latency: str | float | None = None):  # fmt: skip
+    def __init__(
+        self, margin: str | float | None = None, reserve: float | None = None, latency: str | float | None = None
+    ):
         self.margin_s = config.seconds("lifecycle.prefetch-margin", margin)
         self.latency_s = config.seconds("lifecycle.message-latency", latency)
         reserve = reserve if reserve is not None else config.get("lifecycle.device-reserve")
@@ -191,6 +194,7 @@ class KVLifecycle(SchedulerPlugin):
         self.last: dict[tuple[str, str], dict] = {}  # (session, worker) -> last decision sent
         self.counters: Counter[str] = Counter()
         self.ended_bytes: dict[str, dict] = {}  # session -> {worker: invalidate answer}
+        self._invalidations: set[asyncio.Future] = set()
         scheduler.handlers["kvstate_lifecycle_hello"] = self._hello
         scheduler.stream_handlers.update({REPORT: self._on_report, DONE: self._on_done})
         tracker = scheduler.plugins.get(SESSIONS)
@@ -217,8 +221,10 @@ class KVLifecycle(SchedulerPlugin):
     def _on_done(self, worker=None, action=None, session=None, decision=None, **outcome) -> None:
         outcome.pop("op", None)
         self.counters[f"{action}_done"] += 1
-        self.scheduler.log_event(EVENT, {"kind": action, "phase": "done", "session": session, "worker": worker,
-                                         "decision": decision, **outcome})  # fmt: skip
+        self.scheduler.log_event(
+            EVENT,
+            {"kind": action, "phase": "done", "session": session, "worker": worker, "decision": decision, **outcome},
+        )
 
     # -- durations, from this scheduler's own task history ------------------------------
     def transition(self, key, start, finish, *args, **kwargs) -> None:
@@ -266,15 +272,22 @@ class KVLifecycle(SchedulerPlugin):
             if ts.state != "waiting" or not uses_kv(ts):
                 continue
             awaited = [d for d in ts.dependencies if d.state != "memory"]
-            p = predict_idle([(self.mean_duration(component_of(d)), now - self.started.get(d.key, now)) for d in awaited])
+            p = predict_idle(
+                [(self.mean_duration(component_of(d)), now - self.started.get(d.key, now)) for d in awaited]
+            )
             if p is not None and (best is None or p < best):
                 best, spread = p, max(self.spread(component_of(d)) for d in awaited)
         return best, False, spread
 
     def costs(self, worker: str, nbytes: int) -> dict:
         rates = self.reports.get(worker, {}).get("rates", {})
-        return {t: (move_seconds(nbytes, rates.get(f"offload:{t}"), self.latency_s),
-                    move_seconds(nbytes, rates.get(f"restore:{t}"), self.latency_s)) for t in ("host", "disk")}  # fmt: skip
+        return {
+            t: (
+                move_seconds(nbytes, rates.get(f"offload:{t}"), self.latency_s),
+                move_seconds(nbytes, rates.get(f"restore:{t}"), self.latency_s),
+            )
+            for t in ("host", "disk")
+        }
 
     def run_once(self) -> None:
         sessions = self.tracker.sessions
@@ -297,11 +310,21 @@ class KVLifecycle(SchedulerPlugin):
                     continue
                 costs = self.costs(worker, per["device"] or lower)
                 host_room = host["bytes"] + per["device"] <= host["capacity"]
-                action, tier = lifecycle_action(predicted, per["device"], lower, costs, self.margin_s + spread,
-                                                host_room)  # fmt: skip
+                action, tier = lifecycle_action(
+                    predicted, per["device"], lower, costs, self.margin_s + spread, host_room
+                )
                 if action is not None:
-                    self._send(worker, sid, action, tier, predicted, costs, per, why="prediction",
-                               margin=self.margin_s + spread)  # fmt: skip
+                    self._send(
+                        worker,
+                        sid,
+                        action,
+                        tier,
+                        predicted,
+                        costs,
+                        per,
+                        why="prediction",
+                        margin=self.margin_s + spread,
+                    )
                 # Pressure never takes a session that is due back (it was just fetched, or is
                 # predicted within restore + margin): that would only move it twice.
                 due = predicted is not None and predicted <= min(c[1] for c in costs.values()) + self.margin_s + spread
@@ -315,15 +338,33 @@ class KVLifecycle(SchedulerPlugin):
                 if self.last.get((sid, worker), {}).get("action") == "offload":
                     continue  # already on its way out
                 tier = "host" if host["bytes"] + sizes[sid] <= host["capacity"] else "disk"
-                self._send(worker, sid, "offload", tier, None, self.costs(worker, sizes[sid]), report["sessions"][sid],
-                           why="pressure")  # fmt: skip
+                self._send(
+                    worker,
+                    sid,
+                    "offload",
+                    tier,
+                    None,
+                    self.costs(worker, sizes[sid]),
+                    report["sessions"][sid],
+                    why="pressure",
+                )
 
     def _send(self, worker, sid, action, tier, predicted, costs, per, why, margin=None) -> None:
         last = self.last.get((sid, worker))
         if last is not None and last["action"] == action and last.get("tier") == tier:
             return  # already asked; the next report shows whether it happened
-        decision = {"kind": action, "phase": "decision", "session": sid, "worker": worker, "tier": tier,
-                    "predicted_s": predicted, "costs": costs, "bytes": per, "why": why, "at": time()}  # fmt: skip
+        decision = {
+            "kind": action,
+            "phase": "decision",
+            "session": sid,
+            "worker": worker,
+            "tier": tier,
+            "predicted_s": predicted,
+            "costs": costs,
+            "bytes": per,
+            "why": why,
+            "at": time(),
+        }
         if margin is not None:
             decision["margin_s"] = margin  # the prefetch margin plus the prediction's spread
         self.last[(sid, worker)] = {"action": action, "tier": tier, "at": decision["at"], "predicted_s": predicted}
@@ -341,21 +382,32 @@ class KVLifecycle(SchedulerPlugin):
                 continue
             del self.last[(s, worker)]
             actual = now - last["at"]
-            self.scheduler.log_event(EVENT, {"kind": last["action"], "phase": "outcome", "session": sid,
-                                             "worker": worker, "predicted_s": last["predicted_s"],
-                                             "actual_s": actual, "decision": last["at"]})  # fmt: skip
+            self.scheduler.log_event(
+                EVENT,
+                {
+                    "kind": last["action"],
+                    "phase": "outcome",
+                    "session": sid,
+                    "worker": worker,
+                    "predicted_s": last["predicted_s"],
+                    "actual_s": actual,
+                    "decision": last["at"],
+                },
+            )
 
     # -- invalidation --------------------------------------------------------------------
     def _on_end(self, session) -> None:
-        for (s, w) in [k for k in self.last if k[0] == session.id]:
+        for s, w in [k for k in self.last if k[0] == session.id]:
             del self.last[(s, w)]
         for worker in list(self.workers):
-            asyncio.ensure_future(self._invalidate(worker, session.id))
+            task = asyncio.ensure_future(self._invalidate(worker, session.id))
+            self._invalidations.add(task)  # a reference until done: the loop keeps only a weak one
+            task.add_done_callback(self._invalidations.discard)
 
     async def _invalidate(self, worker: str, sid: str) -> None:
         try:
             res = await getattr(self.scheduler.rpc(worker), INVALIDATE)(session=sid)
-        except Exception as e:  # noqa: BLE001 - a worker that left holds nothing any more
+        except Exception as e:
             logger.info("kvstate lifecycle: invalidating %s on %s failed: %s", sid, worker, e)
             return
         if not isinstance(res, dict):  # a closing worker answers nothing useful
@@ -365,12 +417,18 @@ class KVLifecycle(SchedulerPlugin):
         self.ended_bytes.setdefault(sid, {})[worker] = res
         while len(self.ended_bytes) > 1000:
             self.ended_bytes.pop(next(iter(self.ended_bytes)))
-        self.scheduler.log_event(EVENT, {"kind": "invalidate", "phase": "done", "session": sid, "worker": worker,
-                                         **res})  # fmt: skip
+        self.scheduler.log_event(
+            EVENT, {"kind": "invalidate", "phase": "done", "session": sid, "worker": worker, **res}
+        )
 
     def stats(self) -> dict:
-        return {**dict(self.counters), "workers": len(self.workers),
-                "components": {c: self.mean_duration(c) for c in self.durations},
-                "ended": dict(list(self.ended_bytes.items())[-100:]),
-                "reports": {w: {"device": r["device"], "host": r["host"], "sessions": r["sessions"],
-                                "rates": r["rates"]} for w, r in self.reports.items()}}  # fmt: skip
+        return {
+            **dict(self.counters),
+            "workers": len(self.workers),
+            "components": {c: self.mean_duration(c) for c in self.durations},
+            "ended": dict(list(self.ended_bytes.items())[-100:]),
+            "reports": {
+                w: {"device": r["device"], "host": r["host"], "sessions": r["sessions"], "rates": r["rates"]}
+                for w, r in self.reports.items()
+            },
+        }

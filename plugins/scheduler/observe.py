@@ -17,6 +17,7 @@ event per worker and interval with counts, instead of one per block.
 It serves the ``/kvstate`` page (:mod:`dask_kvstate.plugins.scheduler.dashboard`) when the
 scheduler runs a dashboard and Bokeh is importable.
 """
+
 from __future__ import annotations
 
 import logging
@@ -176,5 +177,10 @@ class KVObserver(SchedulerPlugin):
 
     def snapshot(self) -> dict:
         """Everything the page shows, as plain data (``client.run_on_scheduler``)."""
-        return {"workers": dict(self.stats), "totals": self.totals(), "history": list(self.history),
-                "largest": self.largest(), "sessions": self.sessions_plugin() is not None}  # fmt: skip
+        return {
+            "workers": dict(self.stats),
+            "totals": self.totals(),
+            "history": list(self.history),
+            "largest": self.largest(),
+            "sessions": self.sessions_plugin() is not None,
+        }

@@ -20,6 +20,7 @@ recomputes accordingly and falls back to recompute if the pull fails. Tasks the 
 restricted are left alone. Every decision and outcome goes to
 ``scheduler.log_event("kvstate-placement", ...)``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -54,12 +55,18 @@ def _guarded(what: str):
         def run(self, *args, **kwargs):
             try:
                 return method(self, *args, **kwargs)
-            except Exception as e:  # noqa: BLE001 - see above: placement must never take a worker down
+            except Exception as e:
                 self.counters["errors"] += 1
                 logger.exception("kvstate placement: %s failed; keeping the last decisions", what)
                 if self.scheduler is not None:
-                    self.scheduler.log_event(ERROR_EVENT, {"where": what, "error": f"{type(e).__name__}: {e}",
-                                                           "traceback": traceback.format_exc(limit=5)})  # fmt: skip
+                    self.scheduler.log_event(
+                        ERROR_EVENT,
+                        {
+                            "where": what,
+                            "error": f"{type(e).__name__}: {e}",
+                            "traceback": traceback.format_exc(limit=5),
+                        },
+                    )
 
         return run
 
@@ -83,10 +90,14 @@ class KVPlacement(SchedulerPlugin):
         self.scheduler = scheduler
         scheduler.handlers["kvstate_placement"] = self._hello
         scheduler.handlers["kvstate_idle_threads"] = self._idle_threads
-        scheduler.stream_handlers.update({
-            "kvstate-ref": self._on_ref, "kvstate-blocks": self._on_blocks,
-            "kvstate-metrics": self._on_metrics, "kvstate-outcome": self._on_outcome,
-        })  # fmt: skip
+        scheduler.stream_handlers.update(
+            {
+                "kvstate-ref": self._on_ref,
+                "kvstate-blocks": self._on_blocks,
+                "kvstate-metrics": self._on_metrics,
+                "kvstate-outcome": self._on_outcome,
+            }
+        )
 
     async def _hello(self, comm=None) -> bool:
         """Workers ask before reporting: Dask drops a worker's stream on an unknown op."""
@@ -97,8 +108,11 @@ class KVPlacement(SchedulerPlugin):
         ws = self.scheduler.workers.get(worker)
         if ws is None:
             return 0
-        return sum(max(0, o.nthreads - len(o.processing)) for o in self.scheduler.workers.values()
-                   if o.host == ws.host and o is not ws)  # fmt: skip
+        return sum(
+            max(0, o.nthreads - len(o.processing))
+            for o in self.scheduler.workers.values()
+            if o.host == ws.host and o is not ws
+        )
 
     # -- reports from workers ------------------------------------------------------
     @_guarded("a ref report")
@@ -123,8 +137,14 @@ class KVPlacement(SchedulerPlugin):
     @_guarded("a metrics report")
     def _on_metrics(self, worker=None, prefill=None, bandwidth=None, seed_bandwidth=None, latency=None, **_) -> None:
         m = self.metrics.setdefault(worker, {})
-        m.update({"prefill": prefill or {}, "bandwidth": bandwidth or {}, "seed_bandwidth": seed_bandwidth,
-                  "latency": latency})  # fmt: skip
+        m.update(
+            {
+                "prefill": prefill or {},
+                "bandwidth": bandwidth or {},
+                "seed_bandwidth": seed_bandwidth,
+                "latency": latency,
+            }
+        )
 
     @_guarded("an outcome report")
     def _on_outcome(self, worker=None, **outcome) -> None:
@@ -205,9 +225,14 @@ class KVPlacement(SchedulerPlugin):
         missing_tokens = max(ref["num_tokens"] - first * bt, 0)
         bandwidth = m["bandwidth"].get(ref["holder"]) or m.get("seed_bandwidth") or 1e8
         action, tt, tr = transfer_or_recompute(
-            missing_tokens * ref["bytes_per_token"], missing_tokens, first * bt, bandwidth=bandwidth,
-            latency=m.get("latency") or 1e-3, per_token_s=coeffs[0], per_pair_s=coeffs[1],
-        )  # fmt: skip
+            missing_tokens * ref["bytes_per_token"],
+            missing_tokens,
+            first * bt,
+            bandwidth=bandwidth,
+            latency=m.get("latency") or 1e-3,
+            per_token_s=coeffs[0],
+            per_pair_s=coeffs[1],
+        )
         return {"action": action, "t_transfer": tt, "t_recompute": tr, "missing_tokens": missing_tokens}
 
     def holders(self, ref: dict) -> set[str]:
@@ -235,8 +260,13 @@ class KVPlacement(SchedulerPlugin):
             wait = ws.occupancy / max(ws.nthreads, 1) + planned[ws.address]
             start = wait + min(est["t_transfer"], est["t_recompute"])
             if best is None or start < best["expected_start"]:
-                best = {"worker": ws.address, "holder": ref["holder"], "expected_start": start, "occupancy": wait,
-                        **est}  # fmt: skip
+                best = {
+                    "worker": ws.address,
+                    "holder": ref["holder"],
+                    "expected_start": start,
+                    "occupancy": wait,
+                    **est,
+                }
         if best is not None and best["action"] == "local":
             best["action"] = "pull"  # nothing missing there: the worker finds every block local
         return best

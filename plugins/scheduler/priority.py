@@ -20,6 +20,7 @@ sessions whose progress changed: on the scheduler for queued (root-ish, the
 scheduler's ``queued`` heap is re-keyed) and ``no-worker`` tasks, and on the workers,
 through the ``kvstate-reprioritize`` handler, for tasks already sent to them.
 """
+
 from __future__ import annotations
 
 from collections import Counter, defaultdict
@@ -28,8 +29,8 @@ from time import time
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
-from dask_kvstate.plugins.worker.scheduling import REPRIORITIZE
 from dask_kvstate.plugins.scheduler.sessions import PLUGIN_NAME as SESSIONS
+from dask_kvstate.plugins.worker.scheduling import REPRIORITIZE
 
 PLUGIN_NAME = "kvstate-priority"
 EVENT = "kvstate-priority"
@@ -123,8 +124,9 @@ class ProgressPriority(SchedulerPlugin):
             if comm is not None:
                 comm.send({"op": REPRIORITIZE, "priorities": prios})
         if to_workers:
-            s_.log_event(EVENT, {"kind": "revise", "workers": len(to_workers),
-                                 "tasks": sum(map(len, to_workers.values()))})  # fmt: skip
+            s_.log_event(
+                EVENT, {"kind": "revise", "workers": len(to_workers), "tasks": sum(map(len, to_workers.values()))}
+            )
 
     @staticmethod
     def _resident(placement, ts, worker: str) -> bool:

@@ -14,6 +14,7 @@ the KV lifecycle extension invalidates the session's KV there), and an
 ``{"kind": "end", ...}`` event goes to the ``kvstate-session`` topic, so clients can
 ``client.subscribe_topic`` to it. A failing hook is logged, never raised.
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,9 +57,18 @@ class Session:
         return self.completed
 
     def summary(self) -> dict:
-        return {"id": self.id, "seq": self.seq, "arrival": self.arrival, "created": self.created,
-                "completed": self.completed, "failed": self.failed, "visits": dict(self.visits),
-                "live": len(self.live), "closed_at": self.closed_at, "ended_at": self.ended_at}  # fmt: skip
+        return {
+            "id": self.id,
+            "seq": self.seq,
+            "arrival": self.arrival,
+            "created": self.created,
+            "completed": self.completed,
+            "failed": self.failed,
+            "visits": dict(self.visits),
+            "live": len(self.live),
+            "closed_at": self.closed_at,
+            "ended_at": self.ended_at,
+        }
 
 
 def component_of(ts) -> str:
@@ -94,6 +104,7 @@ class SessionTracker(SchedulerPlugin):
         # handler to read it, so sub-tasks inherit their parent's session.
         original = scheduler.stream_handlers["update-graph"]
         if not getattr(original, "_kvstate_wrapped", False):
+
             async def update_graph(*args, submitting_task=None, annotations=None, **kwargs):
                 parent = self.key_session.get(submitting_task) if submitting_task is not None else None
                 if parent is not None and ANNOTATION not in (annotations or {}):
@@ -198,12 +209,20 @@ class SessionTracker(SchedulerPlugin):
     def progress(self) -> dict:
         """Live sessions' progress, ``{id: {"done": completed, "total": created}}``: the
         dashboard's sessions panel reads this."""
-        return {sid: {"done": s.completed, "total": s.created, "closed": s.closed_at is not None}
-                for sid, s in list(self.sessions.items())[:100]}  # fmt: skip
+        return {
+            sid: {"done": s.completed, "total": s.created, "closed": s.closed_at is not None}
+            for sid, s in list(self.sessions.items())[:100]
+        }
 
     def stats(self) -> dict:
-        return {"open": sum(s.closed_at is None for s in self.sessions.values()), "closing": len(self.closing),
-                "ended": self.counters["ended"], "inherited_graphs": self.counters["inherited_graphs"],
-                "late_tasks": self.counters["late_tasks"], "workers": len(self.control_workers),
-                "sessions": {sid: s.summary() for sid, s in list(self.sessions.items())[:100]},
-                "recently_ended": list(self.ended)[-100:], "control_loop": self.loop.stats()}  # fmt: skip
+        return {
+            "open": sum(s.closed_at is None for s in self.sessions.values()),
+            "closing": len(self.closing),
+            "ended": self.counters["ended"],
+            "inherited_graphs": self.counters["inherited_graphs"],
+            "late_tasks": self.counters["late_tasks"],
+            "workers": len(self.control_workers),
+            "sessions": {sid: s.summary() for sid, s in list(self.sessions.items())[:100]},
+            "recently_ended": list(self.ended)[-100:],
+            "control_loop": self.loop.stats(),
+        }

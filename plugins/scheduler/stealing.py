@@ -29,6 +29,7 @@ each to the first worker with a free thread, in priority order (which the priori
 extension keeps current). This extension counts them each pass (``queued`` in its
 stats, and in the ``kvstate-stealing`` events) and leaves their dispatch to that queue.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -48,8 +49,9 @@ def _priority(ts):
     return ts.priority
 
 
-def migration_benefit(q_src: int, q_dst: int, w_src: float, w_dst: float, c_mig: float, *,
-                      alpha: float = 0.2, beta: float = 1e-3) -> float | None:  # fmt: skip
+def migration_benefit(
+    q_src: int, q_dst: int, w_src: float, w_dst: float, c_mig: float, *, alpha: float = 0.2, beta: float = 1e-3
+) -> float | None:
     """Nalar's migration test: ``Δ = W_i - W_j - C_mig`` when moving pays, else None.
 
     ``q_*`` are ready-queue lengths (tasks waiting behind the worker's threads), ``w_*``
@@ -79,8 +81,13 @@ class LateBindingStealing(SchedulerPlugin):
     name = PLUGIN_NAME
     idempotent = True
 
-    def __init__(self, alpha: float | None = None, beta: str | float | None = None, max_moves: int | None = None,
-                 components: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        alpha: float | None = None,
+        beta: str | float | None = None,
+        max_moves: int | None = None,
+        components: dict | None = None,
+    ):
         self.alpha = float(config.get("scheduling.stealing.alpha") if alpha is None else alpha)
         self.max_moves = int(config.get("scheduling.stealing.max-moves") if max_moves is None else max_moves)
         hints = config.get("scheduling.components") if components is None else components
@@ -169,8 +176,13 @@ class LateBindingStealing(SchedulerPlugin):
         """Running workers that may run ``ts``, cached per restriction signature for one pass."""
         # A placement capped by ``placement.max-copies`` keeps the task on a copy's holder.
         capped = bool(((ts.annotations or {}).get("kvstate-placement") or {}).get("capped"))
-        sig = (frozenset(ts.worker_restrictions or ()), frozenset(ts.host_restrictions or ()),
-               tuple(sorted((ts.resource_restrictions or {}).items())), ts.loose_restrictions, capped)  # fmt: skip
+        sig = (
+            frozenset(ts.worker_restrictions or ()),
+            frozenset(ts.host_restrictions or ()),
+            tuple(sorted((ts.resource_restrictions or {}).items())),
+            ts.loose_restrictions,
+            capped,
+        )
         thieves = cache.get(sig)
         if thieves is None:
             # Loose restrictions (``allow_other_workers``, KV placement) are preferences: any
@@ -193,8 +205,12 @@ class LateBindingStealing(SchedulerPlugin):
         thief = min((ws for ws in self._thieves(ts, running, cache) if ws is not victim), key=wait, default=None)
         if thief is None:
             return False
-        return migration_benefit(q[victim], q[thief], occ[victim] / victim.nthreads, wait(thief), 0.0,
-                                 alpha=self.alpha, beta=self.beta) is not None  # fmt: skip
+        return (
+            migration_benefit(
+                q[victim], q[thief], occ[victim] / victim.nthreads, wait(thief), 0.0, alpha=self.alpha, beta=self.beta
+            )
+            is not None
+        )
 
     def balance(self) -> None:
         s = self.scheduler
@@ -208,16 +224,20 @@ class LateBindingStealing(SchedulerPlugin):
         # with heartbeats and lags; a steal of a task that already started is refused by
         # the worker, so counting by threads is safe.)
         q = {ws: max(len(ws.processing) - len(ws.long_running) - ws.nthreads, 0) for ws in running}
-        wait = lambda ws: occ[ws] / ws.nthreads  # noqa: E731
+        wait = lambda ws: occ[ws] / ws.nthreads
         thieves_by_sig: dict = {}
         in_flight = self.stock.in_flight
         moves = 0
         for victim in sorted((ws for ws in running if q[ws] > 0), key=q.__getitem__, reverse=True):
             if moves >= self.max_moves:
                 break
+
             def waiting(victim=victim):
-                return (ts for ts in victim.processing
-                        if ts not in victim.executing and ts not in victim.long_running and ts not in in_flight)
+                return (
+                    ts
+                    for ts in victim.processing
+                    if ts not in victim.executing and ts not in victim.long_running and ts not in in_flight
+                )
 
             sample = next(waiting(), None)
             if sample is None or not self._may_move(sample, victim, q, occ, wait, running, thieves_by_sig):
@@ -226,14 +246,24 @@ class LateBindingStealing(SchedulerPlugin):
                 if self._stateful_session(ts) is not None:
                     self.counters["affinity_kept"] += 1
                     continue
-                thief = min((ws for ws in self._thieves(ts, running, thieves_by_sig) if ws is not victim), key=wait,
-                            default=None)  # fmt: skip
+                thief = min(
+                    (ws for ws in self._thieves(ts, running, thieves_by_sig) if ws is not victim),
+                    key=wait,
+                    default=None,
+                )
                 if thief is None:
                     continue
                 duration = s._get_prefix_duration(ts.prefix)  # what WorkStealing uses too
                 w_src = max(occ[victim] - duration, 0.0) / victim.nthreads
-                delta = migration_benefit(q[victim], q[thief], w_src, wait(thief), self._move_cost(ts, victim, thief),
-                                          alpha=self.alpha, beta=self.beta)  # fmt: skip
+                delta = migration_benefit(
+                    q[victim],
+                    q[thief],
+                    w_src,
+                    wait(thief),
+                    self._move_cost(ts, victim, thief),
+                    alpha=self.alpha,
+                    beta=self.beta,
+                )
                 if delta is None:
                     self.counters["kept"] += 1
                     break  # the rest of this queue waits no longer than this task: same verdict
@@ -244,9 +274,22 @@ class LateBindingStealing(SchedulerPlugin):
                     q[thief] += 1
                     moves += 1
                     self.counters["moves"] += 1
-                    s.log_event(EVENT, {"kind": "move", "key": str(ts.key), "victim": victim.address,
-                                        "thief": thief.address, "gain": delta})  # fmt: skip
+                    s.log_event(
+                        EVENT,
+                        {
+                            "kind": "move",
+                            "key": str(ts.key),
+                            "victim": victim.address,
+                            "thief": thief.address,
+                            "gain": delta,
+                        },
+                    )
 
     def stats(self) -> dict:
-        return {**dict(self.counters), "alpha": self.alpha, "beta": self.beta, "affinities": len(self.affinity),
-                "stateful": sorted(self.stateful)}  # fmt: skip
+        return {
+            **dict(self.counters),
+            "alpha": self.alpha,
+            "beta": self.beta,
+            "affinities": len(self.affinity),
+            "stateful": sorted(self.stateful),
+        }

@@ -13,6 +13,7 @@ cache of its own (it calls ``posix_memalign``), so glibc's settings are the leve
 The cost is memory the worker keeps: up to ``retain`` bytes of freed heap stay mapped,
 which Dask's memory monitor then sees as unmanaged memory.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -39,7 +40,8 @@ def retain_freed_memory(retain: int) -> bool:
     try:
         libc = ctypes.CDLL(name)
         mallopt = libc.mallopt
-        libc.gnu_get_libc_version  # glibc only: musl has mallopt as a no-op
+        if not hasattr(libc, "gnu_get_libc_version"):  # glibc only: musl has mallopt as a no-op
+            return False
     except (OSError, AttributeError, TypeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int

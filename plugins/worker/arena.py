@@ -21,6 +21,7 @@ left (:func:`overhang` reports it, ``kvs.stats`` shows it as ``arena_overhang_by
 Blocks of one arena belong to one state, are used together and score alike, so they
 usually spill and drop together.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -103,8 +104,13 @@ def span(tensors: Sequence):
     base = storage.data_ptr()
     end = first.data_ptr()
     for t in tensors:
-        if (t.device.type != "cpu" or t.dtype != first.dtype or not t.is_contiguous()
-                or t.untyped_storage().data_ptr() != base or t.data_ptr() != end):  # fmt: skip
+        if (
+            t.device.type != "cpu"
+            or t.dtype != first.dtype
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != base
+            or t.data_ptr() != end
+        ):
             return None
         end += nbytes(t)
     out = torch.empty(0, dtype=torch.uint8)

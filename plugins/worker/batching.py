@@ -27,6 +27,7 @@ The scheduler extension ``kvstate-hints`` registers this plugin on every worker 
 component is hinted ``batchable`` and sends such tasks to workers instead of its
 root-ish queue, so they can meet here.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -142,8 +143,9 @@ class BatchingWorkerPlugin(WorkerPlugin):
                     calls.append(capture_args(run_spec, data))
                     taken.append((key, slot))
                 except Exception:
-                    logger.warning("kvstate batching: could not read the arguments of %s; it runs alone", key,
-                                   exc_info=True)  # fmt: skip
+                    logger.warning(
+                        "kvstate batching: could not read the arguments of %s; it runs alone", key, exc_info=True
+                    )
                     slot.done.set()
             try:
                 outcomes = [(True, r) for r in call.run(calls)]
@@ -168,8 +170,13 @@ class BatchingWorkerPlugin(WorkerPlugin):
         for heap in (st.ready, st.constrained):
             for ts in heap:
                 func = getattr(ts.run_spec, "func", None)
-                if ts.key != key and isinstance(func, BatchedCall) and func.name == name and \
-                        ts.key not in self.claims and component_of_task(ts) == comp:  # fmt: skip
+                if (
+                    ts.key != key
+                    and isinstance(func, BatchedCall)
+                    and func.name == name
+                    and ts.key not in self.claims
+                    and component_of_task(ts) == comp
+                ):
                     found.append(ts)
         found.sort(key=lambda ts: ts.priority)
         return found if cap is None else found[: cap - 1]
@@ -211,12 +218,19 @@ class BatchingWorkerPlugin(WorkerPlugin):
     def _drop_stale_claims(self) -> None:
         st = self.worker.state
         with self.lock:
-            for key in [k for k, slot in self.claims.items() if slot.done.is_set() and
-                        getattr(st.tasks.get(k), "state", None) not in (*_HEAPED, "executing")]:  # fmt: skip
+            for key in [
+                k
+                for k, slot in self.claims.items()
+                if slot.done.is_set() and getattr(st.tasks.get(k), "state", None) not in (*_HEAPED, "executing")
+            ]:
                 del self.claims[key]
                 self.counters["dropped_claims"] += 1
 
     def stats(self) -> dict:
-        return {"sizes": dict(self.sizes), "batches": sum(n for s, n in self.sizes.items() if s > 1),
-                "batched_tasks": sum(s * n for s, n in self.sizes.items() if s > 1),
-                "claims": len(self.claims), **dict(self.counters)}  # fmt: skip
+        return {
+            "sizes": dict(self.sizes),
+            "batches": sum(n for s, n in self.sizes.items() if s > 1),
+            "batched_tasks": sum(s * n for s, n in self.sizes.items() if s > 1),
+            "claims": len(self.claims),
+            **dict(self.counters),
+        }

@@ -23,6 +23,7 @@ exception: the caller pulls the block from a peer or recomputes it. A full disk 
 blocks in the tier above; if that tier is over budget too, unreferenced blocks are
 dropped to be recomputed later.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import zict
 
-from dask_kvstate.plugins.worker.arena import overhang
 from dask_kvstate.cost import eviction_score
+from dask_kvstate.plugins.worker.arena import overhang
 from dask_kvstate.plugins.worker.disk_format import CorruptBlockError
 from dask_kvstate.plugins.worker.tiers import DiskTier, ScoredBuffer, nbytes
 
@@ -100,8 +101,16 @@ class TieredBlockStore:
 
     tier = "device"
 
-    def __init__(self, directory: str | None = None, *, device_bytes: int, host_bytes: int, disk_bytes: int,
-                 half_life_s: float = 60.0, device: str | torch.device | None = None):  # fmt: skip
+    def __init__(
+        self,
+        directory: str | None = None,
+        *,
+        device_bytes: int,
+        host_bytes: int,
+        disk_bytes: int,
+        half_life_s: float = 60.0,
+        device: str | torch.device | None = None,
+    ):
         for name, v in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("disk_bytes", disk_bytes)):
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be a non-negative number of bytes, got {v!r}")
@@ -123,20 +132,29 @@ class TieredBlockStore:
 
         self.disk = DiskTier(self.directory, disk_bytes, victims=self._disk_victims, on_drop=self._dropped)
         self._host = ScoredBuffer(
-            {}, self.disk, host_bytes, score=self._score, movable=self._movable,
+            {},
+            self.disk,
+            host_bytes,
+            score=self._score,
+            movable=self._movable,
             fast_to_slow_callbacks=[self._count("host", "spills")],
             slow_to_fast_callbacks=[self._count("host", "unspills")],
-        )  # fmt: skip
+        )
         host_side = self._host
         if self.device_type.type == "cuda":
             # Host copies are pinned, so moving them back up is an async DMA.
-            host_side = zict.Func(lambda t: t.to("cpu").pin_memory(), lambda t: t.to(self.device_type, non_blocking=True),
-                                  self._host)  # fmt: skip
+            host_side = zict.Func(
+                lambda t: t.to("cpu").pin_memory(), lambda t: t.to(self.device_type, non_blocking=True), self._host
+            )
         self._device = ScoredBuffer(
-            {}, host_side, device_bytes, score=self._score, movable=self._movable,
+            {},
+            host_side,
+            device_bytes,
+            score=self._score,
+            movable=self._movable,
             fast_to_slow_callbacks=[self._count("device", "spills")],
             slow_to_fast_callbacks=[self._count("device", "unspills")],
-        )  # fmt: skip
+        )
         #: The tiers as mappings, so ``h in store.host`` says where a block lives.
         self.device = self._device.fast
         self.host = self._host.fast
@@ -417,8 +435,8 @@ class TieredBlockStore:
         with self._lock:
             try:
                 if not any(self._movable(k) for k in self.host) and self.device:
-                    k, _, _ = self.device.evict()  # down to host first
-                key, value, w = self.host.evict()
+                    self.device.evict()  # down to host first
+                key, _, w = self.host.evict()
                 return int(w) if key is not None else -1
             except KeyError:
                 return -1
@@ -434,11 +452,15 @@ class TieredBlockStore:
     def stats(self) -> dict:
         with self._lock:
             tiers = {
-                "device": {"blocks": len(self.device), "bytes": int(self.device.total_weight),
-                           "capacity": int(self.device.n), "peak_bytes": int(self.device_peak)},
+                "device": {
+                    "blocks": len(self.device),
+                    "bytes": int(self.device.total_weight),
+                    "capacity": int(self.device.n),
+                    "peak_bytes": int(self.device_peak),
+                },
                 "host": {"blocks": len(self.host), "bytes": int(self.host.total_weight), "capacity": int(self.host.n)},
                 "disk": {"blocks": len(self.disk), "bytes": int(self.disk.total), "capacity": self.disk.capacity},
-            }  # fmt: skip
+            }
             for t in TIERS:
                 tiers[t].update({w: self.counters[t][w] for w in ("hits", "misses", "spills", "unspills")})
             tiers["disk"].update({w: self.counters["disk"][w] for w in ("checksum_failures", "full")})

@@ -7,9 +7,11 @@ that anything else could have written is code execution. The layout::
 
 with the header holding dtype, shape, payload length and a CRC-32 of the payload (a
 corruption check, not a signature: the files are 0600 in a 0700 folder; CRC-32 runs at
-~2.6 GB/s here against BLAKE2b's 0.7, and spilling is on the critical path). Any mismatch (truncation, bit flip, foreign file) raises
+~2.6 GB/s here against BLAKE2b's 0.7, and spilling is on the critical path). Any mismatch (truncation, bit flip,
+foreign file) raises
 :class:`CorruptBlockError`; the store treats that as a miss.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,8 +54,12 @@ def encode(tensor: torch.Tensor) -> list:
     t = tensor.detach().to("cpu").contiguous()
     payload = t.view(torch.uint8).numpy().reshape(-1).data if t.nelement() else memoryview(b"")
     header = json.dumps(
-        {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "nbytes": payload.nbytes,
-         "crc32": _checksum(payload)}  # fmt: skip
+        {
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+            "nbytes": payload.nbytes,
+            "crc32": _checksum(payload),
+        }
     ).encode()
     header += b" " * (-(8 + len(header)) % 64)  # payload starts 64-byte aligned
     return [MAGIC, _LEN.pack(len(header)), header, payload]
@@ -85,14 +91,14 @@ def decode(buf) -> torch.Tensor:
     # Typed checks before any arithmetic: the header is outside input (found by fuzzing:
     # a string shape reached numpy, a negative one reached reshape).
     if not (isinstance(shape, list) and all(_is_count(n) for n in shape) and _is_count(nbytes) and _is_count(digest)):
-        raise CorruptBlockError(f"KV block header inconsistent: {str(header):.200}")
+        raise CorruptBlockError(f"KV block header inconsistent: {header!s:.200}")
     payload = mv[8 + hlen :]
     if len(payload) != nbytes:
         raise CorruptBlockError(f"KV block truncated: {len(payload)} of {nbytes} payload bytes")
     if _checksum(payload) != digest:
         raise CorruptBlockError("KV block checksum mismatch")
     if math.prod(shape) * dtype.itemsize != nbytes:
-        raise CorruptBlockError(f"KV block header inconsistent: {str(header):.200}")
+        raise CorruptBlockError(f"KV block header inconsistent: {header!s:.200}")
     if not nbytes:
         return torch.empty(shape, dtype=dtype)
     # zict.File hands back a fresh bytearray: wrap it in place rather than copy it.

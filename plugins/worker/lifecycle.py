@@ -19,6 +19,7 @@ Moves are timed per tier (bytes per second, offload and restore apart) and those
 probed once at setup on a scratch store with the model's block size and then updated by
 every real move, are what the scheduler prices moves with. Nothing here is assumed.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -87,6 +88,7 @@ def probe_rates(block_bytes: int, blocks: int = 4) -> Rates:
     Seeds the rates before the first real move; a real store would need real KV to move.
     """
     import torch
+
     from dask_kvstate.plugins.worker.block_store import TieredBlockStore
 
     rates = Rates()
@@ -145,7 +147,7 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
             self.rates = await asyncio.to_thread(self._probe)
         try:  # report only to a scheduler that runs the lifecycle extension
             ok = bool(await worker.scheduler.kvstate_lifecycle_hello(worker=worker.address))
-        except Exception as e:  # noqa: BLE001 - extension off: the handlers stay unused
+        except Exception as e:
             logger.info("kvstate lifecycle: scheduler has no lifecycle extension (%s)", e)
             ok = False
         if ok:
@@ -209,7 +211,9 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         store = self.store
         if store is None or session not in self.blocks:
             return
-        hashes = [h for h in self._own(session) if store.where(h) == "device" or (tier == "disk" and store.where(h) == "host")]
+        hashes = [
+            h for h in self._own(session) if store.where(h) == "device" or (tier == "disk" and store.where(h) == "host")
+        ]
         # Writing to disk (bytes + checksum) must not stall the event loop: one thread, in order.
         self._mover.submit(self._offload_now, store, session, hashes, tier, decision)
 
@@ -222,8 +226,9 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
             self.rates.add("offload", tier, nbytes, seconds)
         self.counters["offloads"] += 1
         self.counters["offloaded_bytes"] += nbytes
-        self.worker.loop.add_callback(self._done, "offload", session, decision, tier=tier, blocks=moved,
-                                      nbytes=nbytes, seconds=seconds)  # fmt: skip
+        self.worker.loop.add_callback(
+            self._done, "offload", session, decision, tier=tier, blocks=moved, nbytes=nbytes, seconds=seconds
+        )
 
     def _prefetch(self, session=None, decision=None, **_) -> None:
         store = self.store
@@ -243,8 +248,9 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
                 self.rates.add("restore", tier, nbytes, seconds)
             self.counters["prefetches"] += 1
             self.counters["prefetched_bytes"] += nbytes
-            self.worker.loop.add_callback(self._done, "prefetch", session, decision, tier=tier, blocks=moved,
-                                          nbytes=nbytes, seconds=seconds)  # fmt: skip
+            self.worker.loop.add_callback(
+                self._done, "prefetch", session, decision, tier=tier, blocks=moved, nbytes=nbytes, seconds=seconds
+            )
 
         fut.add_done_callback(finished)
 
@@ -265,8 +271,9 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
 
     def _done(self, action: str, session: str, decision, **outcome) -> None:
         if self._reporter is not None and self.worker.batched_stream is not None:
-            self.worker.batched_stream.send({"op": DONE, "action": action, "session": session,
-                                             "decision": decision, **outcome})  # fmt: skip
+            self.worker.batched_stream.send(
+                {"op": DONE, "action": action, "session": session, "decision": decision, **outcome}
+            )
 
     def _report(self) -> None:
         store = self.store
@@ -275,9 +282,12 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         if not self.rates.per_s:  # the kvstate plugin came after this one: probe now, once
             self.rates = self._probe()
         s = store.stats()["tiers"]
-        msg = {"sessions": self.session_bytes(store), "rates": self.rates.as_dict(),
-               "device": {"bytes": s["device"]["bytes"], "capacity": s["device"]["capacity"]},
-               "host": {"bytes": s["host"]["bytes"], "capacity": s["host"]["capacity"]}}  # fmt: skip
+        msg = {
+            "sessions": self.session_bytes(store),
+            "rates": self.rates.as_dict(),
+            "device": {"bytes": s["device"]["bytes"], "capacity": s["device"]["capacity"]},
+            "host": {"bytes": s["host"]["bytes"], "capacity": s["host"]["capacity"]},
+        }
         if msg != self._sent:
             self._sent = msg
             self.worker.batched_stream.send({"op": REPORT, **msg})

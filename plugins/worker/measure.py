@@ -6,6 +6,7 @@
 * :class:`LinkMeter` keeps an exponential moving average of KV pull bandwidth per
   peer, seeded from Dask's own bandwidth estimate until a real pull is seen.
 """
+
 from __future__ import annotations
 
 from collections import deque

@@ -10,6 +10,7 @@ mapping: every mapping operation goes to the wrapped one, and ``evict`` first mo
 the lowest-scored KV block from memory to the disk tier, falling back to the wrapped
 mapping's own ``evict`` when no block can move.
 """
+
 from __future__ import annotations
 
 from collections.abc import MutableMapping

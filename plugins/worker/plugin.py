@@ -9,6 +9,7 @@ settings, ``setup`` does the work. It also
 * pins a running task's blocks until it finishes, so they never vanish mid-use;
 * serves blocks to peers (``kvstate_get_blocks``) and evictions (``kvstate_evict``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,12 +24,12 @@ from distributed import WorkerPlugin
 from tornado.ioloop import PeriodicCallback
 
 from dask_kvstate import config
-from dask_kvstate.plugins.worker.allocator import retain_freed_memory
 from dask_kvstate.backends import check_model_name
+from dask_kvstate.plugins.worker.allocator import retain_freed_memory
 from dask_kvstate.plugins.worker.memory import KVStateSpillData
 from dask_kvstate.plugins.worker.reporter import StatsReporter
-from dask_kvstate.state import KVStateRef
 from dask_kvstate.plugins.worker.transport import HANDLER, PackingBuffers, serve_blocks, serve_inline, serve_run
+from dask_kvstate.state import KVStateRef
 
 logger = logging.getLogger("dask_kvstate")
 
@@ -76,9 +77,15 @@ class KVStateWorkerPlugin(WorkerPlugin):
 
     name = PLUGIN_NAME
 
-    def __init__(self, model: str | list[str] | None = None, *, torch_threads: int | None = None,
-                 device_bytes: int | str | None = None, host_bytes: int | str | None = None,
-                 disk_bytes: int | str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: str | list[str] | None = None,
+        *,
+        torch_threads: int | None = None,
+        device_bytes: int | str | None = None,
+        host_bytes: int | str | None = None,
+        disk_bytes: int | str | None = None,
+    ):
         # A bad key fails here, on the client (or in the preload), not later in a task.
         config.check(dask.config.get("kvstate"))
         names = [model] if isinstance(model, str) or model is None else list(model)
@@ -90,7 +97,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
         self.budgets = {
             name: _parse_budget(name, value, config.get(f"worker.{name.replace('_', '-')}"))
             for name, value in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("disk_bytes", disk_bytes))
-        }  # fmt: skip
+        }
         self.config = {"kvstate": dask.config.get("kvstate")}
         self.placement = False  # whether the scheduler runs the placement extension
         self.runtime = None  # of the default (first) model
@@ -128,7 +135,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
         self._reporter = None
         try:  # report only to a scheduler that runs the placement extension
             self.placement = bool(await worker.scheduler.kvstate_placement())
-        except Exception:  # noqa: BLE001 - no such handler (extension off): stay quiet
+        except Exception:
             self.placement = False
         if self.placement:
             self._reporter = PeriodicCallback(self._report, 200)
@@ -165,9 +172,11 @@ class KVStateWorkerPlugin(WorkerPlugin):
             backends = [load_backend(m) for m in self.models]
             # One store for every model: block hashes carry the model identity.
             store = TieredBlockStore(
-                os.path.join(worker.local_directory, "kvstate-blocks"), **self.budgets,
-                half_life_s=config.get_seconds("worker.recency-half-life"), device=backends[0].device,
-            )  # fmt: skip
+                os.path.join(worker.local_directory, "kvstate-blocks"),
+                **self.budgets,
+                half_life_s=config.get_seconds("worker.recency-half-life"),
+                device=backends[0].device,
+            )
             counters = Counter()
             runtimes = {b.name: StateRuntime(b, store, worker, counters=counters) for b in backends}
             for rt in runtimes.values():  # seed each model's prefill cost model on this worker
@@ -187,12 +196,18 @@ class KVStateWorkerPlugin(WorkerPlugin):
             current = set(rt.store)
             added, removed = current - self._sent_blocks, self._sent_blocks - current
             if added or removed:
-                self.worker.batched_stream.send({"op": "kvstate-blocks", "added": list(added), "removed": list(removed)})
+                self.worker.batched_stream.send(
+                    {"op": "kvstate-blocks", "added": list(added), "removed": list(removed)}
+                )
                 self._sent_blocks = current
         metrics = {
-            "prefill": {name: r.prefill_meter.coefficients() for name, r in self.runtimes.items() if r.prefill_meter.obs},
-            "bandwidth": dict(rt.links.per_peer), "seed_bandwidth": rt.links.seed, "latency": rt.links.latency,
-        }  # fmt: skip
+            "prefill": {
+                name: r.prefill_meter.coefficients() for name, r in self.runtimes.items() if r.prefill_meter.obs
+            },
+            "bandwidth": dict(rt.links.per_peer),
+            "seed_bandwidth": rt.links.seed,
+            "latency": rt.links.latency,
+        }
         if metrics != self._sent_metrics:
             self.worker.batched_stream.send({"op": "kvstate-metrics", **metrics})
             self._sent_metrics = metrics
@@ -243,9 +258,14 @@ class KVStateWorkerPlugin(WorkerPlugin):
             rt.store.unpin(("task", key))
 
     def _send_ref(self, key, ref: KVStateRef) -> None:
-        summary = {"blocks": list(ref.blocks), "num_tokens": ref.num_tokens, "block_tokens": ref.block_tokens,
-                   "bytes_per_token": ref.nbytes // max(ref.num_tokens, 1), "holder": ref.placement.worker,
-                   "model": ref.model_name}  # fmt: skip
+        summary = {
+            "blocks": list(ref.blocks),
+            "num_tokens": ref.num_tokens,
+            "block_tokens": ref.block_tokens,
+            "bytes_per_token": ref.nbytes // max(ref.num_tokens, 1),
+            "holder": ref.placement.worker,
+            "model": ref.model_name,
+        }
         if self.worker.batched_stream is not None:
             self.worker.batched_stream.send({"op": "kvstate-ref", "key": key, "refs": [summary]})
 

@@ -11,6 +11,7 @@ The block store and the hash chain (``dask_kvstate/blocks.py``) already do the w
 this module is the lookup-prefill-store loop around them. Cached blocks are not held by
 any ref, so the store's scored eviction may drop them, as an engine's LRU would.
 """
+
 from __future__ import annotations
 
 import time
@@ -20,8 +21,9 @@ from dask_kvstate.blocks import join_blocks
 from dask_kvstate.generation import Generation
 
 
-def generate(rt, text: str, namespace: str, *, max_new_tokens: int, temperature: float, top_p: float,
-             seed: int | None) -> Generation:  # fmt: skip
+def generate(
+    rt, text: str, namespace: str, *, max_new_tokens: int, temperature: float, top_p: float, seed: int | None
+) -> Generation:
     """Generate from ``text`` on runtime ``rt``, reusing and filling its local prefix cache.
 
     Token-identical to text replay: the reused blocks are the KV of exactly the
@@ -56,11 +58,17 @@ def generate(rt, text: str, namespace: str, *, max_new_tokens: int, temperature:
         p1 = time.perf_counter()
         if len(present) < len(hashes):
             rt._store_kv(backend.kv_from_cache(cache), hashes, len(present))
-        out, first_at = backend.decode(cache, logits, max_new_tokens=max_new_tokens, temperature=temperature,
-                                       top_p=top_p, seed=seed)  # fmt: skip
-    res = GenerationResult(token_ids=out, ttft=(first_at - t0) if out else 0.0, prefill_s=p1 - p0,
-                           decode_s=time.perf_counter() - p1, prefill_tokens=len(ids) - keep,
-                           reused_tokens=keep)  # fmt: skip
+        out, first_at = backend.decode(
+            cache, logits, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
+        )
+    res = GenerationResult(
+        token_ids=out,
+        ttft=(first_at - t0) if out else 0.0,
+        prefill_s=p1 - p0,
+        decode_s=time.perf_counter() - p1,
+        prefill_tokens=len(ids) - keep,
+        reused_tokens=keep,
+    )
     rt.counters["generations"] += 1
     rt.prefill_meter.add(res.prefill_tokens, res.reused_tokens, res.prefill_s)
     return Generation.from_result(backend, res, ids)

@@ -5,6 +5,7 @@ workers push instead, over the batched stream they already keep open: their
 ``kvs.stats`` entry when it changed, and the states a task just computed (for the
 lineage panel). The scheduler half is :mod:`dask_kvstate.plugins.scheduler.observe`.
 """
+
 from __future__ import annotations
 
 from tornado.ioloop import PeriodicCallback
@@ -19,8 +20,14 @@ def worker_stats(plugin) -> dict:
 
 def state_summary(ref) -> dict:
     """What the extension keeps of a state: enough for a lineage line, never the text."""
-    return {"state": ref.state_id, "op": ref.lineage.op, "parents": list(ref.lineage.parents),
-            "tokens": ref.num_tokens, "nbytes": ref.nbytes, "model": ref.model_name}  # fmt: skip
+    return {
+        "state": ref.state_id,
+        "op": ref.lineage.op,
+        "parents": list(ref.lineage.parents),
+        "tokens": ref.num_tokens,
+        "nbytes": ref.nbytes,
+        "model": ref.model_name,
+    }
 
 
 class StatsReporter:
@@ -37,7 +44,7 @@ class StatsReporter:
         """A started reporter, or None when the scheduler runs no observe extension."""
         try:
             hello = await worker.scheduler.kvstate_observe()
-        except Exception:  # noqa: BLE001 - no such handler (extension off): stay quiet
+        except Exception:
             return None
         if not isinstance(hello, dict) or "interval" not in hello:  # not our extension's answer
             return None

@@ -11,9 +11,11 @@ state's text. An incompatible state (other model, config or tokenizer) is never 
 its text is prefilled from scratch. No path raises because KV went missing, and
 every path yields the KV of tokenize(text), so output equals text replay.
 """
+
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -27,12 +29,12 @@ import torch
 from dask_kvstate import config
 from dask_kvstate.blocks import block_hashes, join_blocks, split_blocks
 from dask_kvstate.cost import transfer_or_recompute
-from dask_kvstate.plugins.worker.measure import LinkMeter, PrefillMeter
 from dask_kvstate.errors import MergeError
 from dask_kvstate.events import COMPATIBILITY, LIFECYCLE, worker_event
 from dask_kvstate.generation import Generation
-from dask_kvstate.state import KVState, KVStateRef, Lineage, Placement, incompatibility, new_state_id
+from dask_kvstate.plugins.worker.measure import LinkMeter, PrefillMeter
 from dask_kvstate.plugins.worker.transport import pull_blocks
+from dask_kvstate.state import KVState, KVStateRef, Lineage, Placement, incompatibility, new_state_id
 
 logger = logging.getLogger("dask_kvstate")
 
@@ -70,8 +72,10 @@ class StateRuntime:
         # Seeded with Dask's own estimate (or the emulated link, when one is configured)
         # until real pulls are measured.
         seed = getattr(worker, "bandwidth", None) or 1e8
-        self.links = LinkMeter(seed_bandwidth=min(seed, self.emulated_bandwidth or seed),
-                               latency=max(getattr(worker, "latency", 0.0) or 0.0, 1e-3))  # fmt: skip
+        self.links = LinkMeter(
+            seed_bandwidth=min(seed, self.emulated_bandwidth or seed),
+            latency=max(getattr(worker, "latency", 0.0) or 0.0, 1e-3),
+        )
         self.counters: Counter[str] = Counter() if counters is None else counters
         self._live_bytes = 0  # KV in decode caches now (see live_kv)
         self._live_lock = threading.Lock()
@@ -92,14 +96,29 @@ class StateRuntime:
                 key = None
         return ("task", key)
 
-    def _new_ref(self, op: str, parents: tuple[str, ...], text: str, ids: Sequence[int],
-                 hashes: tuple[bytes, ...], namespace: str) -> KVStateRef:  # fmt: skip
+    def _new_ref(
+        self,
+        op: str,
+        parents: tuple[str, ...],
+        text: str,
+        ids: Sequence[int],
+        hashes: tuple[bytes, ...],
+        namespace: str,
+    ) -> KVStateRef:
         return KVStateRef(
-            state_id=new_state_id(), model_name=self.backend.name, model=self.backend.model_fingerprint,
-            config=self.backend.config_fingerprint, namespace=namespace, block_tokens=self.block_tokens,
-            num_tokens=len(ids), blocks=hashes, text=text, nbytes=len(ids) * self.backend.kv_bytes_per_token,
-            lineage=Lineage(op, parents), placement=Placement(self.address, self.store.tier),
-        )  # fmt: skip
+            state_id=new_state_id(),
+            model_name=self.backend.name,
+            model=self.backend.model_fingerprint,
+            config=self.backend.config_fingerprint,
+            namespace=namespace,
+            block_tokens=self.block_tokens,
+            num_tokens=len(ids),
+            blocks=hashes,
+            text=text,
+            nbytes=len(ids) * self.backend.kv_bytes_per_token,
+            lineage=Lineage(op, parents),
+            placement=Placement(self.address, self.store.tier),
+        )
 
     def _store_kv(self, kv: torch.Tensor, hashes: tuple[bytes, ...], first_block: int) -> list[torch.Tensor]:
         """Cut ``kv`` into blocks ``first_block...``, store them, return their tensors."""
@@ -139,8 +158,14 @@ class StateRuntime:
             from distributed.utils import sync
 
             try:
-                extra = int(sync(self.worker.loop, self.worker.scheduler.kvstate_idle_threads, worker=self.address,
-                                 callback_timeout=self.connect_timeout))  # fmt: skip
+                extra = int(
+                    sync(
+                        self.worker.loop,
+                        self.worker.scheduler.kvstate_idle_threads,
+                        worker=self.address,
+                        callback_timeout=self.connect_timeout,
+                    )
+                )
             except Exception as e:  # no placement extension, a scheduler away: just don't borrow
                 logger.debug("kvstate: not borrowing threads (%s)", e)
         threads = min(own + max(extra, 0), os.cpu_count() or own)
@@ -161,7 +186,9 @@ class StateRuntime:
         Never raises for missing blocks, dead holders or incompatible states.
         """
         if not isinstance(ref, KVStateRef):
-            raise TypeError(f"expected a KVStateRef (the result of kvs.materialize/extend/fork), got {type(ref).__name__}")
+            raise TypeError(
+                f"expected a KVStateRef (the result of kvs.materialize/extend/fork), got {type(ref).__name__}"
+            )
         ids = self.backend.tokenize(ref.text)
         why = incompatibility(ref, model=self.backend.model_fingerprint, config=self.backend.config_fingerprint)
         if why is None and (len(ids) != ref.num_tokens or self.hashes(ids, ref.namespace) != ref.blocks):
@@ -170,10 +197,18 @@ class StateRuntime:
             self.counters["incompatible"] += 1
             logger.info("kvstate: not reusing state %s (%s); recomputing from text", ref.state_id[:8], why)
             # One event per refusal: rare by nature, and each names a state a user may be debugging.
-            worker_event(self.worker, COMPATIBILITY, {
-                "kind": "refused", "state": ref.state_id, "model": ref.model_name, "here": self.backend.name,
-                "tokens": ref.num_tokens, "reason": why,
-            })  # fmt: skip
+            worker_event(
+                self.worker,
+                COMPATIBILITY,
+                {
+                    "kind": "refused",
+                    "state": ref.state_id,
+                    "model": ref.model_name,
+                    "here": self.backend.name,
+                    "tokens": ref.num_tokens,
+                    "reason": why,
+                },
+            )
             return KVState(ref, ids, None)
         if not ids:
             return KVState(ref, ids, None)
@@ -245,8 +280,7 @@ class StateRuntime:
         ann = ((ts.annotations or {}).get("kvstate-placement") if ts is not None else None) or {}
         d = self._rule(ref, first, holder)
         if ann.get("worker") == self.address and ann.get("action") in ("pull", "recompute"):
-            d.update(action=ann["action"], t_transfer=ann["t_transfer"], t_recompute=ann["t_recompute"],
-                     by="scheduler")  # fmt: skip
+            d.update(action=ann["action"], t_transfer=ann["t_transfer"], t_recompute=ann["t_recompute"], by="scheduler")
         if self.rule in ("pull", "recompute"):
             d.update(action=self.rule, by="config")
         self.counters[f"chose_{d['action']}"] += 1
@@ -258,11 +292,22 @@ class StateRuntime:
         missing_bytes = missing_tokens * self.backend.kv_bytes_per_token
         per_token, per_pair = self.prefill_meter.coefficients()
         action, tt, tr = transfer_or_recompute(
-            missing_bytes, missing_tokens, first * ref.block_tokens, bandwidth=self.links.bandwidth(holder),
-            latency=self.links.latency, per_token_s=per_token, per_pair_s=per_pair,
-        )  # fmt: skip
-        return {"action": action, "t_transfer": tt, "t_recompute": tr, "by": "worker",
-                "missing_bytes": missing_bytes, "missing_tokens": missing_tokens}  # fmt: skip
+            missing_bytes,
+            missing_tokens,
+            first * ref.block_tokens,
+            bandwidth=self.links.bandwidth(holder),
+            latency=self.links.latency,
+            per_token_s=per_token,
+            per_pair_s=per_pair,
+        )
+        return {
+            "action": action,
+            "t_transfer": tt,
+            "t_recompute": tr,
+            "by": "worker",
+            "missing_bytes": missing_bytes,
+            "missing_tokens": missing_tokens,
+        }
 
     def _outcome(self, d: dict) -> None:
         """Count a decision that was slower than the other option's estimate, and tell the scheduler."""
@@ -315,13 +360,25 @@ class StateRuntime:
         from distributed.utils import sync
 
         try:
-            res = sync(self.worker.loop, pull_blocks, self.worker.rpc, holder, hashes,
-                       connect_timeout=self.connect_timeout, timeout=self.pull_timeout,
-                       emulated_bandwidth=self.emulated_bandwidth)  # fmt: skip
-        except Exception as e:  # noqa: BLE001 - whatever the peer or the comm raised, recompute instead
+            res = sync(
+                self.worker.loop,
+                pull_blocks,
+                self.worker.rpc,
+                holder,
+                hashes,
+                connect_timeout=self.connect_timeout,
+                timeout=self.pull_timeout,
+                emulated_bandwidth=self.emulated_bandwidth,
+            )
+        except Exception as e:
             self.counters["transfer_failures"] += 1
-            logger.warning("kvstate: pulling %d blocks from %s failed (%s: %s); recomputing", len(hashes), holder,
-                           type(e).__name__, e)  # fmt: skip
+            logger.warning(
+                "kvstate: pulling %d blocks from %s failed (%s: %s); recomputing",
+                len(hashes),
+                holder,
+                type(e).__name__,
+                e,
+            )
             return {}
         for h, t in res.blocks.items():  # the store moves them to its device; resolve to the model's
             self.store.put(h, t)
@@ -381,13 +438,15 @@ class StateRuntime:
         self.counters["extensions"] += 1
         return self._new_ref("extend", (ref.state_id,), full, ids, hashes, ref.namespace)
 
-    def generate(self, text: str, *, max_new_tokens: int, temperature: float, top_p: float,
-                 seed: int | None) -> Generation:  # fmt: skip
+    def generate(
+        self, text: str, *, max_new_tokens: int, temperature: float, top_p: float, seed: int | None
+    ) -> Generation:
         """Text replay: the whole prompt through the model, no state involved."""
         t0 = time.perf_counter()
         ids = self.backend.tokenize(text)
-        return self._generate(ids, None, t0, max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_p=top_p, seed=seed)  # fmt: skip
+        return self._generate(
+            ids, None, t0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
+        )
 
     def _generate(self, ids: list[int], past: torch.Tensor | None, started: float, **params) -> Generation:
         """Decode from ``ids`` with ``past`` as the KV of their leading tokens; counts and measures."""
@@ -400,18 +459,28 @@ class StateRuntime:
         self.prefill_meter.add(res.prefill_tokens, res.reused_tokens, res.prefill_s)
         return Generation.from_result(self.backend, res, ids)
 
-    def resume(self, ref: KVStateRef, text: str, *, max_new_tokens: int, temperature: float, top_p: float,
-               seed: int | None) -> Generation:  # fmt: skip
+    def resume(
+        self, ref: KVStateRef, text: str, *, max_new_tokens: int, temperature: float, top_p: float, seed: int | None
+    ) -> Generation:
         """Generate from ``ref`` followed by ``text``; equals ``generate(ref.text + text)``.
 
         The state's KV is read in place (shared-prefix attention, ``backends/cascade.py``),
         not copied into a transformers cache.
         """
-        return self._resume_rows(ref, [text], max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                 seed=seed)[0]  # fmt: skip
+        return self._resume_rows(
+            ref, [text], max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
+        )[0]
 
-    def resume_many(self, ref: KVStateRef, texts: Sequence[str], *, max_new_tokens: int, temperature: float,
-                    top_p: float, seed: int | None) -> list[Generation]:  # fmt: skip
+    def resume_many(
+        self,
+        ref: KVStateRef,
+        texts: Sequence[str],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+    ) -> list[Generation]:
         """Sibling resumes from one state, decoded as one batch; one ``Generation`` per text.
 
         Each equals ``resume(ref, text)``: the state is resolved once, every sibling's
@@ -420,11 +489,20 @@ class StateRuntime:
         """
         self.counters["batched_resumes"] += len(texts)
         self.counters["resume_batches"] += 1
-        return self._resume_rows(ref, texts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                 seed=seed)  # fmt: skip
+        return self._resume_rows(
+            ref, texts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
+        )
 
-    def _resume_rows(self, ref: KVStateRef, texts: Sequence[str], *, max_new_tokens: int, temperature: float,
-                     top_p: float, seed: int | None) -> list[Generation]:  # fmt: skip
+    def _resume_rows(
+        self,
+        ref: KVStateRef,
+        texts: Sequence[str],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+    ) -> list[Generation]:
         from dask_kvstate.backends.batch import Row, generate_batch, kv_bytes
 
         t0 = time.perf_counter()
@@ -446,8 +524,15 @@ class StateRuntime:
         if prefix is not None and not _same_storage(prefix, held):
             live += prefix.nbytes
         with self.live_kv(live):
-            results = generate_batch(self.backend, rows, prefix, max_new_tokens=max_new_tokens,
-                                     temperature=temperature, top_p=top_p, started=t0)  # fmt: skip
+            results = generate_batch(
+                self.backend,
+                rows,
+                prefix,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                started=t0,
+            )
         self.counters["generations"] += len(rows)
         out = []
         batch_id = new_state_id()  # rows of one batch share its decode time (decode_s is the batch's)
@@ -501,12 +586,14 @@ class StateRuntime:
         # text is a prefix of b's; the token boundary between them is re-checked when
         # the merged state is resumed or extended, as for extend().
         ordered = sorted(refs, key=lambda r: len(r.text))
-        for a, b in zip(ordered, ordered[1:]):
+        for a, b in itertools.pairwise(ordered):
             why = incompatibility(a, model=b.model, config=b.config, namespace=b.namespace)
             if why:
-                raise MergeError(f"cannot merge state {a.state_id[:8]} with {b.state_id[:8]}: {why}. Merge only "
-                                 "states of one model, config and namespace; to combine texts across them, "
-                                 "kvs.extend one state with the other's text")  # fmt: skip
+                raise MergeError(
+                    f"cannot merge state {a.state_id[:8]} with {b.state_id[:8]}: {why}. Merge only "
+                    "states of one model, config and namespace; to combine texts across them, "
+                    "kvs.extend one state with the other's text"
+                )
             if not b.text.startswith(a.text):
                 at = common_prefix(a.text, b.text)
                 raise MergeError(
@@ -526,8 +613,11 @@ class StateRuntime:
             self.store.release(owner)
         freed = self.store.discard(ref.blocks)
         self.counters["evicted_bytes"] += freed
-        worker_event(self.worker, LIFECYCLE, {"kind": "evict", "state": ref.state_id, "blocks": len(ref.blocks),
-                                              "freed_bytes": freed})  # fmt: skip
+        worker_event(
+            self.worker,
+            LIFECYCLE,
+            {"kind": "evict", "state": ref.state_id, "blocks": len(ref.blocks), "freed_bytes": freed},
+        )
         return freed
 
     def stats(self) -> dict:

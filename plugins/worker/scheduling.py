@@ -14,6 +14,7 @@ Two handlers Dask has no API for:
   processing there; the controller updates the scheduler itself, so this only
   updates the worker's own totals (the same arithmetic as ``Worker.set_resources``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -76,8 +77,9 @@ class SchedulingWorkerPlugin(WorkerPlugin):
     async def _set_resources(self, resources: dict) -> dict:
         state = self.worker.state
         for r, quantity in resources.items():
-            state.available_resources[r] = state.available_resources.get(r, 0) + quantity - \
-                state.total_resources.get(r, 0)
+            state.available_resources[r] = (
+                state.available_resources.get(r, 0) + quantity - state.total_resources.get(r, 0)
+            )
             state.total_resources[r] = quantity
         self.resource_changes += 1
         return dict(state.total_resources)

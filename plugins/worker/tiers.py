@@ -10,6 +10,7 @@
   ``DiskFullError`` when nothing more fits so the tier above keeps the block (zict's
   contract: a failing ``on_evict`` leaves the key where it was).
 """
+
 from __future__ import annotations
 
 import os
@@ -59,9 +60,7 @@ class ScoredLRU(zict.LRU):
         if key is nodefault:
             with self.lock:
                 # Heavy keys (larger than the budget) go first, unless they are all pinned.
-                candidates = [k for k in self.heavy if self.movable(k)] or [
-                    k for k in self.order if self.movable(k)
-                ]
+                candidates = [k for k in self.heavy if self.movable(k)] or [k for k in self.order if self.movable(k)]
                 if not candidates:
                     raise KeyError("evict(): nothing movable")
                 now = time.monotonic()
@@ -76,9 +75,14 @@ class ScoredBuffer(zict.Buffer):
         super().__init__(fast, slow, n, weight=weight, **kwargs)
         # zict.Buffer builds a plain LRU; swap in the scored one, same wiring.
         self.fast = ScoredLRU(
-            n, fast, weight=weight, score=score, movable=movable,
-            on_evict=[self.fast_to_slow], on_cancel_evict=[self._cancel_evict],
-        )  # fmt: skip
+            n,
+            fast,
+            weight=weight,
+            score=score,
+            movable=movable,
+            on_evict=[self.fast_to_slow],
+            on_cancel_evict=[self._cancel_evict],
+        )
 
 
 class DiskTier(MutableMapping):
@@ -90,8 +94,14 @@ class DiskTier(MutableMapping):
     ``ENOSPC``, after removing the partial file.
     """
 
-    def __init__(self, directory: str, capacity: int, *, victims: Callable[[], Iterator[bytes]] = lambda: iter(()),
-                 on_drop: Callable[[bytes], None] = lambda key: None):  # fmt: skip
+    def __init__(
+        self,
+        directory: str,
+        capacity: int,
+        *,
+        victims: Callable[[], Iterator[bytes]] = lambda: iter(()),
+        on_drop: Callable[[bytes], None] = lambda key: None,
+    ):
         os.makedirs(directory, mode=0o700, exist_ok=True)
         os.chmod(directory, 0o700)
         for name in os.listdir(directory):  # stale files of a previous worker: not ours to trust

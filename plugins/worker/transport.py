@@ -9,6 +9,7 @@ The puller gives a holder ``transport.connect-timeout`` to answer: a dead holder
 cost seconds, not the 30 s default of ``distributed.comm.timeouts.connect``, because
 the caller falls back to recomputing the blocks.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -75,8 +76,9 @@ class PackingBuffers:
             return sum(b.nbytes for b in self._buffers)
 
 
-def serve_blocks(store, hashes: Sequence[bytes], buffers: PackingBuffers | None = None, *,
-                 zero_copy: bool = True) -> dict:  # fmt: skip
+def serve_blocks(
+    store, hashes: Sequence[bytes], buffers: PackingBuffers | None = None, *, zero_copy: bool = True
+) -> dict:
     """The handler's reply: the present blocks as frames, and the missing hashes.
 
     First (unless ``zero_copy`` is False: the caller tried already) the present blocks
@@ -169,8 +171,9 @@ def serve_run(store, hashes: Sequence[bytes]) -> dict | None:
             return None
         tensors.append(t)
         index.append(i)
-    if not tensors or not all(t.dim() == 5 and t.shape[:3] == tensors[0].shape[:3]
-                              and t.shape[4] == tensors[0].shape[4] for t in tensors):  # fmt: skip
+    if not tensors or not all(
+        t.dim() == 5 and t.shape[:3] == tensors[0].shape[:3] and t.shape[4] == tensors[0].shape[4] for t in tensors
+    ):
         return None
     run, order = span(tensors), []
     if run is None:
@@ -225,6 +228,7 @@ def _runs(values: Sequence[int], step: int) -> list[list[int]]:
 
 def _unruns(runs, step: int, limit: int, what: str) -> list[int]:
     """Inverse of :func:`_runs` for a peer's runs, at most ``limit`` values; ValueError otherwise."""
+
     # lists or tuples: Dask's msgpack reads arrays back as tuples
     def ok(r) -> bool:
         return isinstance(r, (list, tuple)) and len(r) == 2 and all(type(x) is int for x in r) and r[0] >= 0 < r[1]
@@ -294,8 +298,13 @@ def _unpack_run(resp: dict, hashes: Sequence[bytes]) -> dict:
     import math
 
     layout, frames = resp["arena"], resp.get("frames")
-    if not (isinstance(layout, (list, tuple)) and len(layout) in (4, 5) and isinstance(frames, (list, tuple))
-            and len(frames) == 1 and (len(layout) == 4 or layout[4] == "layer-major")):  # fmt: skip
+    if not (
+        isinstance(layout, (list, tuple))
+        and len(layout) in (4, 5)
+        and isinstance(frames, (list, tuple))
+        and len(frames) == 1
+        and (len(layout) == 4 or layout[4] == "layer-major")
+    ):
         raise ValueError(f"peer sent a malformed zero-copy reply: layout {layout!r:.200}")
     dtype_name, shape, token_runs, index_runs = layout[:4]
     layer_major = len(layout) == 5
@@ -305,13 +314,16 @@ def _unpack_run(resp: dict, hashes: Sequence[bytes]) -> dict:
     index = _unruns(index_runs, 1, len(hashes), "positions")
     tokens = _unruns(token_runs, 0, len(hashes), "token counts")
     if len(index) != len(tokens) or (index and (max(index) >= len(hashes) or len(set(index)) != len(index))):
-        raise ValueError(f"peer sent a zero-copy reply whose {len(tokens)} blocks do not match positions "
-                         f"{index_runs!r:.200} of the {len(hashes)} blocks asked for")  # fmt: skip
+        raise ValueError(
+            f"peer sent a zero-copy reply whose {len(tokens)} blocks do not match positions "
+            f"{index_runs!r:.200} of the {len(hashes)} blocks asked for"
+        )
     flat = _frame_tensor(frames[0])
     per_token = math.prod(shape) * dtype.itemsize
     if sum(tokens) * per_token != flat.numel():
-        raise ValueError(f"peer sent a zero-copy frame of {flat.numel()} bytes for {sum(tokens)} tokens of "
-                         f"{per_token} bytes")  # fmt: skip
+        raise ValueError(
+            f"peer sent a zero-copy frame of {flat.numel()} bytes for {sum(tokens)} tokens of {per_token} bytes"
+        )
     L, two, H, D = shape
     out, offset = {}, 0
     if layer_major:  # one joined [L, 2, H, P, D] tensor: its blocks are token slices of it
@@ -378,8 +390,15 @@ async def call(pool, address: str, op: str, *, connect_timeout: float, timeout: 
         pool.reuse(address, comm)
 
 
-async def pull_blocks(pool, address: str, hashes: Sequence[bytes], *, connect_timeout: float, timeout: float,
-                      emulated_bandwidth: float | None = None) -> PullResult:  # fmt: skip
+async def pull_blocks(
+    pool,
+    address: str,
+    hashes: Sequence[bytes],
+    *,
+    connect_timeout: float,
+    timeout: float,
+    emulated_bandwidth: float | None = None,
+) -> PullResult:
     """Fetch ``hashes`` from the worker at ``address``; raises OSError/TimeoutError on failure.
 
     Blocks the holder no longer has are simply absent from the result. With
