@@ -5,12 +5,13 @@ from __future__ import annotations
 from distributed import Client
 
 from dask_kvstate import config
-from dask_kvstate.plugins.worker.plugin import PLUGIN_NAME, KVStateWorkerPlugin
+from dask_kvstate.plugins.worker.plugin import KVStateWorkerPlugin
+from dask_kvstate.protocol import PLACEMENT_EXTENSION, SCHEDULING_EXTENSIONS, WORKER_PLUGIN
 from dask_kvstate.views import ClusterStats
 
 
 def _plugin_settings(dask_worker) -> dict | None:
-    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    plugin = dask_worker.plugins.get(WORKER_PLUGIN)
     return None if plugin is None or plugin.runtime is None else plugin.settings()
 
 
@@ -44,7 +45,7 @@ def install(
     install_scheduling(client)
     current = client.run(_plugin_settings)
     if not current or any(s != plugin.settings() for s in current.values()):
-        client.register_plugin(plugin, name=PLUGIN_NAME)
+        client.register_plugin(plugin, name=WORKER_PLUGIN)
         current = client.run(_plugin_settings)
     if config.get("lifecycle.enabled"):  # after the kvstate plugin: it times moves on its store
         from dask_kvstate.lifecycle import install_lifecycle
@@ -54,16 +55,14 @@ def install(
 
 
 def _worker_stats(dask_worker) -> dict:
-    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    plugin = dask_worker.plugins.get(WORKER_PLUGIN)
     if plugin is None or plugin.runtime is None:
         return {"installed": False}
     return {"installed": True, **plugin.runtime.stats(), "models": list(plugin.models)}
 
 
 def _placement_stats(dask_scheduler) -> dict:
-    from dask_kvstate.plugins.scheduler.placement import PLUGIN_NAME as NAME
-
-    plugin = dask_scheduler.plugins.get(NAME)
+    plugin = dask_scheduler.plugins.get(PLACEMENT_EXTENSION)
     return {"installed": False} if plugin is None else {"installed": True, **plugin.stats()}
 
 
@@ -161,7 +160,7 @@ def install_scheduling(client: Client) -> list[str]:
 
 def _scheduling_stats(dask_scheduler) -> dict:
     out = {}
-    for name in ("kvstate-sessions", "kvstate-priority", "kvstate-stealing", "kvstate-capacity", "kvstate-hints"):
+    for name in SCHEDULING_EXTENSIONS:
         plugin = dask_scheduler.plugins.get(name)
         out[name.removeprefix("kvstate-")] = (
             {"installed": False} if plugin is None else {"installed": True, **plugin.stats()}

@@ -30,9 +30,9 @@ def install_lifecycle(client: Client) -> list[str]:
 
 
 def _lifecycle_stats(dask_scheduler) -> dict:
-    from dask_kvstate.plugins.scheduler.lifecycle import PLUGIN_NAME
+    from dask_kvstate.protocol import LIFECYCLE_EXTENSION
 
-    plugin = dask_scheduler.plugins.get(PLUGIN_NAME)
+    plugin = dask_scheduler.plugins.get(LIFECYCLE_EXTENSION)
     return {"installed": False} if plugin is None else {"installed": True, **plugin.stats()}
 
 

@@ -25,11 +25,9 @@ from dataclasses import dataclass
 
 import dask
 
-logger = logging.getLogger("dask_kvstate")
+from dask_kvstate.protocol import COMPONENT_ANNOTATION, SESSION_ANNOTATION, SESSION_TOPIC
 
-ANNOTATION = "kvstate-session"
-COMPONENT = "kvstate-component"
-TOPIC = "kvstate-session"
+logger = logging.getLogger("dask_kvstate")
 
 
 @dataclass(frozen=True)
@@ -57,7 +55,7 @@ def new_session_id(name: str | None = None) -> str:
 
 def current_session() -> str | None:
     """The session id the caller's tasks get now, or None outside any session."""
-    return dask.get_annotations().get(ANNOTATION)
+    return dask.get_annotations().get(SESSION_ANNOTATION)
 
 
 def _client_or_none():
@@ -79,14 +77,14 @@ def _notify_close(session_id: str, client=None) -> None:
     msg = {"kind": "close", "session": session_id}
     if client.asynchronous:
         # Called from a coroutine: the notice must not block the event loop it runs on.
-        task = asyncio.ensure_future(client.log_event(TOPIC, msg))
+        task = asyncio.ensure_future(client.log_event(SESSION_TOPIC, msg))
         _PENDING.add(task)  # a reference until done: the loop keeps only a weak one
         task.add_done_callback(_PENDING.discard)
         return
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        client.log_event(TOPIC, msg)
+        client.log_event(SESSION_TOPIC, msg)
     else:  # a blocking client inside someone's event loop would deadlock or cross loops
         raise RuntimeError(
             f"session {session_id}: found a synchronous client inside a running event loop; "
@@ -117,7 +115,7 @@ def session(name: str | None = None, client=None) -> Iterator[SessionHandle]:
     True
     """
     handle = SessionHandle(new_session_id(name), name or "session")
-    with dask.annotate(**{ANNOTATION: handle.id}):
+    with dask.annotate(**{SESSION_ANNOTATION: handle.id}):
         try:
             yield handle
         finally:
@@ -141,4 +139,4 @@ def component(name: str):
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"component name must be a non-empty str, got {name!r}")
-    return dask.annotate(**{COMPONENT: name})
+    return dask.annotate(**{COMPONENT_ANNOTATION: name})

@@ -11,7 +11,6 @@ Each finds its worker's ``kvstate`` plugin and hands the work to its runtime.
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 from distributed import get_worker
@@ -19,17 +18,17 @@ from distributed.utils import sync
 
 from dask_kvstate import config
 from dask_kvstate.generation import Generation
+from dask_kvstate.protocol import WORKER_PLUGIN
 from dask_kvstate.state import KVStateRef
 
 
 def _plugin():
-    from dask_kvstate.plugins.worker.plugin import PLUGIN_NAME
-
+    """This task's worker's ``kvstate`` plugin, found by name: the core never imports the plugins."""
     try:
         worker = get_worker()
     except ValueError:
         raise RuntimeError("kvstate operators run inside Dask tasks on a worker; compute them with a Client") from None
-    plugin = worker.plugins.get(PLUGIN_NAME)
+    plugin = worker.plugins.get(WORKER_PLUGIN)
     if plugin is None or plugin.runtime is None:
         raise RuntimeError(f"worker {worker.address} has no kvstate plugin: call kvs.install(client) first")
     return plugin
@@ -196,24 +195,4 @@ def evict(state: KVStateRef) -> int:
     Blocks still used by another live state (a fork, an extension) stay. A holder
     that is gone is skipped: its blocks went with it.
     """
-    from distributed.protocol import to_serialize
-
-    from dask_kvstate.plugins.worker.plugin import PLUGIN_NAME
-    from dask_kvstate.plugins.worker.transport import call
-
-    rt = _runtime_for_state(state, None)
-    freed = rt.worker.plugins[PLUGIN_NAME].evict(state)
-    holder = state.placement.worker
-    if holder and holder != rt.address:
-        with contextlib.suppress(OSError, TimeoutError):  # a holder that is gone took its blocks along
-            freed += sync(
-                rt.worker.loop,
-                call,
-                rt.worker.rpc,
-                holder,
-                "kvstate_evict",
-                state=to_serialize(state),
-                connect_timeout=rt.connect_timeout,
-                timeout=rt.pull_timeout,
-            )
-    return freed
+    return _plugin().evict_everywhere(_check_state(state))

@@ -37,12 +37,12 @@ async def dask_setup(server) -> None:
     scheduling = scheduling_plugins()  # [scheduler extensions..., worker plugin] or []
     lifecycle = lifecycle_plugins() if config.get("lifecycle.enabled") else []  # the same shape
     if isinstance(server, Worker):
-        from dask_kvstate.plugins.worker.plugin import PLUGIN_NAME, KVStateWorkerPlugin
+        from dask_kvstate.plugins.worker.plugin import KVStateWorkerPlugin
 
         # The plugin reads every setting from the config when it is built, as kvs.install's does.
         plugin = KVStateWorkerPlugin(config.get("model"))
         # catch_errors=False: a model that fails to load must fail the preload loudly.
-        await server.plugin_add(plugin, name=PLUGIN_NAME, catch_errors=False)
+        await server.plugin_add(plugin, name=plugin.name, catch_errors=False)
         if scheduling:
             await server.plugin_add(scheduling[-1], catch_errors=False)
         if lifecycle:  # after the kvstate plugin: it times moves on its store

@@ -23,9 +23,10 @@ from distributed import Client, LocalCluster, wait
 from distributed.utils_test import poll_for
 
 import dask_kvstate as kvs
-from dask_kvstate import events, views
+from dask_kvstate import protocol, views
 from dask_kvstate.plugins.scheduler.dashboard import SHOWN_TOTALS, KVStatePage
-from dask_kvstate.plugins.scheduler.observe import PLUGIN_NAME, KVObserver
+from dask_kvstate.plugins.scheduler.observe import KVObserver
+from dask_kvstate.protocol import OBSERVE_EXTENSION, SESSIONS_EXTENSION
 from dask_kvstate.views import ClusterStats
 
 from .browser import Browser, find_chromium
@@ -50,15 +51,15 @@ def loopback(cluster, path: str) -> str:
 
 
 def _observer_snapshot(dask_scheduler):
-    return dask_scheduler.plugins[PLUGIN_NAME].snapshot()
+    return dask_scheduler.plugins[OBSERVE_EXTENSION].snapshot()
 
 
 def _lineages(ids, dask_scheduler):
-    return [dask_scheduler.plugins[PLUGIN_NAME].lineage(i) for i in ids]
+    return [dask_scheduler.plugins[OBSERVE_EXTENSION].lineage(i) for i in ids]
 
 
 def _page_header(dask_scheduler):
-    page = KVStatePage(dask_scheduler, dask_scheduler.plugins[PLUGIN_NAME])
+    page = KVStatePage(dask_scheduler, dask_scheduler.plugins[OBSERVE_EXTENSION])
     page.update()
     return {
         "header": page.header.text,
@@ -134,11 +135,11 @@ def test_refusals_and_evictions_reach_the_event_log(client):
     def logged(topic, **match):
         return [m for _, m in client.get_events(topic) if all(m.get(k) == v for k, v in match.items())]
 
-    poll_for(lambda: logged(events.COMPATIBILITY, state=ref.state_id), timeout=10)
-    (refusal,) = logged(events.COMPATIBILITY, state=ref.state_id)
+    poll_for(lambda: logged(protocol.COMPATIBILITY_TOPIC, state=ref.state_id), timeout=10)
+    (refusal,) = logged(protocol.COMPATIBILITY_TOPIC, state=ref.state_id)
     assert refusal["kind"] == "refused" and "config" in refusal["reason"] and refusal["tokens"] == ref.num_tokens
-    poll_for(lambda: logged(events.LIFECYCLE, kind="evict", state=ref.state_id), timeout=10)
-    evictions = logged(events.LIFECYCLE, kind="evict", state=ref.state_id)
+    poll_for(lambda: logged(protocol.STORE_TOPIC, kind="evict", state=ref.state_id), timeout=10)
+    evictions = logged(protocol.STORE_TOPIC, kind="evict", state=ref.state_id)
     assert sum(e["freed_bytes"] for e in evictions) == freed and freed > 0
 
 
@@ -152,7 +153,7 @@ def test_spills_are_logged_aggregated_per_report():
                 wait(refs)
                 (w,) = kvs.stats(client)
                 spills = lambda: kvs.stats(client)[w]["tiers"]["device"]["spills"]
-                logged = lambda: [m for _, m in client.get_events(events.LIFECYCLE) if m.get("kind") == "store"]
+                logged = lambda: [m for _, m in client.get_events(protocol.STORE_TOPIC) if m.get("kind") == "store"]
                 poll_for(lambda: sum(m.get("device_spills", 0) for m in logged()) == spills() > 0, timeout=15)
                 assert len(logged()) < spills()  # aggregated: fewer events than blocks moved
                 assert all(m["worker"] == w for m in logged())
@@ -206,14 +207,14 @@ def test_page_data_follows_a_workflow(client, workers):
     sizes = [c[0]["nbytes"] for c in largest]
     assert sizes == sorted(sizes, reverse=True) and largest[0][0]["op"] in shown["lineage"]
     # Placement decisions for these consumers went to Dask's event log under their topic.
-    assert any(m.get("kind") == "decision" for _, m in client.get_events(events.PLACEMENT))
+    assert any(m.get("kind") == "decision" for _, m in client.get_events(protocol.PLACEMENT_TOPIC))
     del held
 
 
 def _sessions_panel(dask_scheduler) -> str:
     from dask_kvstate.plugins.scheduler.dashboard import sessions_html
 
-    return sessions_html(dask_scheduler.plugins["kvstate-sessions"])
+    return sessions_html(dask_scheduler.plugins[SESSIONS_EXTENSION])
 
 
 def _inc(x):

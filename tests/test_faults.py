@@ -16,7 +16,7 @@ from distributed import wait
 from distributed.utils_test import async_poll_for
 
 import dask_kvstate as kvs
-from dask_kvstate.plugins.worker.transport import HANDLER
+from dask_kvstate.protocol import GET_BLOCKS
 
 from .conftest import CONTEXT, kv_cluster, on
 from .test_failures import FAST_FAIL, kill
@@ -92,7 +92,7 @@ async def _serve_half_then(dask_worker, how: str):
     from distributed.comm.tcp import _add_frames_header
     from distributed.comm.utils import to_frames
 
-    serve = dask_worker.handlers[HANDLER]
+    serve = dask_worker.handlers[GET_BLOCKS]
 
     async def broken(comm=None, hashes=()):
         reply = await serve(comm=comm, hashes=hashes)
@@ -106,10 +106,10 @@ async def _serve_half_then(dask_worker, how: str):
         if how == "die":
             os._exit(1)
         comm.abort()
-        dask_worker.handlers[HANDLER] = serve  # once
+        dask_worker.handlers[GET_BLOCKS] = serve  # once
         raise CommClosedError("aborted mid-reply (test)")
 
-    dask_worker.handlers[HANDLER] = broken
+    dask_worker.handlers[GET_BLOCKS] = broken
 
 
 def _blocks_here(dask_worker) -> list:

@@ -21,7 +21,7 @@ from dask_kvstate import config
 from dask_kvstate.hints import parse_hints
 from dask_kvstate.plugins.scheduler.hints import ComponentHints
 from dask_kvstate.plugins.scheduler.sessions import SessionTracker
-from dask_kvstate.plugins.worker.batching import PLUGIN_NAME as BATCHING
+from dask_kvstate.protocol import BATCHING_WORKER_PLUGIN as BATCHING
 
 FAST = {"kvstate.scheduling.interval": "20ms"}
 

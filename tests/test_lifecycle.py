@@ -20,6 +20,7 @@ from dask_kvstate.plugins.scheduler.lifecycle import (
     predict_idle,
     pressure_victims,
 )
+from dask_kvstate.protocol import LIFECYCLE_WORKER_PLUGIN
 
 from .conftest import CONTEXT, TEST_CONFIG, on
 
@@ -98,7 +99,7 @@ def test_invalidation_leaves_zero_bytes_and_keeps_shared_blocks(lc_client):
     del fb
     poll_for(lambda: [e for e in events(c, "invalidate", session=sb.id) if e["worker"] == w], timeout=20)
     assert c.run(where, ra.blocks + rb.blocks, workers=[w])[w] == [None] * len(ra.blocks + rb.blocks)
-    left = c.run(lambda dask_worker: dask_worker.plugins["kvstate-lifecycle"].stats()["sessions"])
+    left = c.run(lambda dask_worker: dask_worker.plugins[LIFECYCLE_WORKER_PLUGIN].stats()["sessions"])
     assert left == dict.fromkeys(left, 0)
     stats = kvs.lifecycle_stats(c)
     assert stats["ended"][sb.id][w]["left"] == 0

@@ -38,13 +38,10 @@ from time import perf_counter, time
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
-from dask_kvstate.plugins.scheduler.sessions import PLUGIN_NAME as SESSIONS
-from dask_kvstate.plugins.worker.scheduling import SET_RESOURCES
+from dask_kvstate.protocol import CAPACITY_EXTENSION, CAPACITY_TOPIC, HINTS_EXTENSION, SESSIONS_EXTENSION, SET_RESOURCES
 
 logger = logging.getLogger("dask_kvstate")
 
-PLUGIN_NAME = "kvstate-capacity"
-EVENT = "kvstate-capacity"
 WINDOW = 20  # capacity intervals of history behind mu and p
 DELTA = 1e-3  # numerical floor on visits per request
 
@@ -102,7 +99,7 @@ def best_move(
 class CapacityController(SchedulerPlugin):
     """Scheduler side of capacity reallocation (installed by ``kvs.install`` when enabled)."""
 
-    name = PLUGIN_NAME
+    name = CAPACITY_EXTENSION
     idempotent = True
 
     def __init__(
@@ -131,7 +128,7 @@ class CapacityController(SchedulerPlugin):
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
-        self.tracker = scheduler.plugins.get(SESSIONS)
+        self.tracker = scheduler.plugins.get(SESSIONS_EXTENSION)
         assert self.tracker is not None, "the capacity extension needs the sessions extension registered first"
         self.counters: Counter[str] = Counter()
         self._done = defaultdict(lambda: [0, 0.0])  # role -> [completions, busy seconds] this interval
@@ -212,7 +209,7 @@ class CapacityController(SchedulerPlugin):
                 if r not in ws.resources:
                     ready[r] += n
         held = getattr(
-            s.plugins.get("kvstate-hints"), "held_comp", {}
+            s.plugins.get(HINTS_EXTENSION), "held_comp", {}
         )  # held by max-concurrency: not for want of units
         for ts in s.unrunnable:
             r = role_of.get(ts.key)
@@ -305,7 +302,7 @@ class CapacityController(SchedulerPlugin):
             }
             self.moves.append(move)
             self.counters["moves"] += 1
-            s.log_event(EVENT, move)
+            s.log_event(CAPACITY_TOPIC, move)
         finally:
             self.moving = False
 

@@ -20,7 +20,7 @@ from datetime import datetime
 
 from dask.utils import format_bytes
 
-from dask_kvstate.events import PLACEMENT
+from dask_kvstate.protocol import OBSERVE_EXTENSION, PLACEMENT_TOPIC
 from dask_kvstate.views import TIERS, html_table
 
 logger = logging.getLogger("dask_kvstate")
@@ -98,9 +98,7 @@ def kvstate_doc(scheduler, extra, doc):
     from distributed.dashboard.components import add_periodic_callback
     from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 
-    from dask_kvstate.plugins.scheduler.observe import PLUGIN_NAME
-
-    page = KVStatePage(scheduler, scheduler.plugins.get(PLUGIN_NAME))
+    page = KVStatePage(scheduler, scheduler.plugins.get(OBSERVE_EXTENSION))
     page.update()
     add_periodic_callback(doc, page, page.interval_ms)
     doc.title = "Dask: KV state"
@@ -361,7 +359,7 @@ class KVStatePage:
         """Outcomes of placement decisions, from the scheduler's event log (last 500)."""
         events = [
             (t, m)
-            for t, m in self.scheduler.get_events(PLACEMENT)[-500:]
+            for t, m in self.scheduler.get_events(PLACEMENT_TOPIC)[-500:]
             if isinstance(m, dict) and m.get("kind") == "outcome"
         ]
         est = lambda m: m.get("t_transfer") if m.get("action") == "pull" else m.get("t_recompute")

@@ -48,10 +48,14 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
 from dask_kvstate.hints import parse_hints
-from dask_kvstate.session import COMPONENT
+from dask_kvstate.protocol import (
+    BATCHING_WORKER_PLUGIN,
+    COMPONENT_ANNOTATION,
+    HINTS_EXTENSION,
+    PRIORITY_EXTENSION,
+    SESSIONS_EXTENSION,
+)
 
-PLUGIN_NAME = "kvstate-hints"
-EVENT = "kvstate-hints"
 _EXITS = (("processing", "memory"), ("processing", "erred"), ("processing", "released"))
 
 
@@ -62,7 +66,7 @@ def _new_heap() -> HeapSet:
 class ComponentHints(SchedulerPlugin):
     """Scheduler side of the ``max-concurrency`` and ``batchable`` component hints."""
 
-    name = PLUGIN_NAME
+    name = HINTS_EXTENSION
     idempotent = True
 
     def __init__(self, components: dict | None = None, batch_window: str | float | None = None):
@@ -85,14 +89,13 @@ class ComponentHints(SchedulerPlugin):
         if self.batch:
             from distributed.protocol.pickle import dumps
 
-            from dask_kvstate.plugins.worker.batching import PLUGIN_NAME as BATCHING
             from dask_kvstate.plugins.worker.batching import BatchingWorkerPlugin
 
             plugin = BatchingWorkerPlugin(self.batch, self.batch_window)
-            await scheduler.register_worker_plugin(None, dumps(plugin), name=BATCHING, idempotent=False)
+            await scheduler.register_worker_plugin(None, dumps(plugin), name=BATCHING_WORKER_PLUGIN, idempotent=False)
         self._own_loop = None
         if self.limits:
-            tracker = scheduler.plugins.get("kvstate-sessions")
+            tracker = scheduler.plugins.get(SESSIONS_EXTENSION)
             if tracker is not None:  # the one global control loop, after the priority pass
                 tracker.loop.add("hints", self.revise)
             else:  # registered alone: a loop of its own, same period
@@ -152,7 +155,7 @@ class ComponentHints(SchedulerPlugin):
     def _hinted(self, ts) -> str | None:
         """The task's component when it has a hint handled here, else None (the fast path)."""
         a = ts.annotations
-        comp = (a.get(COMPONENT) if a else None) or ts.prefix.name
+        comp = (a.get(COMPONENT_ANNOTATION) if a else None) or ts.prefix.name
         return comp if comp in self.hinted and not ts.actor else None
 
     def _dispatch(self, ts, comp: str, stimulus_id: str, *, from_waiting: bool):
@@ -216,7 +219,7 @@ class ComponentHints(SchedulerPlugin):
         """Re-key the held heaps (priorities may have been revised), repair slots, renew stamps."""
         s = self.scheduler
         recs: dict = {}
-        rekey = "kvstate-priority" in s.plugins  # without it a task's priority never changes once queued
+        rekey = PRIORITY_EXTENSION in s.plugins  # without it a task's priority never changes once queued
         for comp in self.limits:
             heap = self.held[comp]
             if heap and rekey:

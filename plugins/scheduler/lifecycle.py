@@ -36,20 +36,21 @@ from time import time
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
-from dask_kvstate.plugins.scheduler.sessions import PLUGIN_NAME as SESSIONS
+from dask_kvstate.plugins.scheduler.handshake import serve_hello
 from dask_kvstate.plugins.scheduler.sessions import component_of
-from dask_kvstate.plugins.worker.lifecycle import (
-    DONE,
+from dask_kvstate.protocol import (
     INVALIDATE,
+    LIFECYCLE_DONE,
+    LIFECYCLE_EXTENSION,
+    LIFECYCLE_REPORT,
+    LIFECYCLE_TOPIC,
+    LIFECYCLE_WORKER_PLUGIN,
     OFFLOAD,
     PREFETCH,
-    REPORT,
+    SESSIONS_EXTENSION,
 )
 
 logger = logging.getLogger("dask_kvstate")
-
-PLUGIN_NAME = "kvstate-lifecycle"
-EVENT = "kvstate-lifecycle"
 
 
 def move_seconds(nbytes: int, rate: float | None, latency_s: float) -> float:
@@ -171,7 +172,7 @@ def uses_kv(ts) -> bool:
 class KVLifecycle(SchedulerPlugin):
     """Scheduler side of the KV lifecycle (installed by ``kvs.install`` when ``kvstate.lifecycle.enabled``)."""
 
-    name = PLUGIN_NAME
+    name = LIFECYCLE_EXTENSION
     idempotent = True
 
     def __init__(
@@ -195,17 +196,18 @@ class KVLifecycle(SchedulerPlugin):
         self.counters: Counter[str] = Counter()
         self.ended_bytes: dict[str, dict] = {}  # session -> {worker: invalidate answer}
         self._invalidations: set[asyncio.Future] = set()
-        scheduler.handlers["kvstate_lifecycle_hello"] = self._hello
-        scheduler.stream_handlers.update({REPORT: self._on_report, DONE: self._on_done})
-        tracker = scheduler.plugins.get(SESSIONS)
+        serve_hello(scheduler)
+        scheduler.stream_handlers.update({LIFECYCLE_REPORT: self._on_report, LIFECYCLE_DONE: self._on_done})
+        tracker = scheduler.plugins.get(SESSIONS_EXTENSION)
         if tracker is None:
             raise RuntimeError("the kvstate-lifecycle extension needs the kvstate-sessions extension registered first")
         self.tracker = tracker
         tracker.on_end.append(self._on_end)
         tracker.loop.add("lifecycle", self.run_once)
 
-    async def _hello(self, worker: str | None = None) -> bool:
-        if worker is not None:
+    def kvstate_hello(self, worker: str | None, plugin: str | None) -> bool:
+        """A worker's lifecycle plugin announces itself: it gets offload / prefetch / invalidate."""
+        if worker is not None and plugin == LIFECYCLE_WORKER_PLUGIN:
             self.workers.add(worker)
         return True
 
@@ -222,7 +224,7 @@ class KVLifecycle(SchedulerPlugin):
         outcome.pop("op", None)
         self.counters[f"{action}_done"] += 1
         self.scheduler.log_event(
-            EVENT,
+            LIFECYCLE_TOPIC,
             {"kind": action, "phase": "done", "session": session, "worker": worker, "decision": decision, **outcome},
         )
 
@@ -372,7 +374,7 @@ class KVLifecycle(SchedulerPlugin):
         self.counters[f"{action}_{why}"] += 1
         op = OFFLOAD if action == "offload" else PREFETCH
         self.scheduler.stream_comms[worker].send({"op": op, "session": sid, "tier": tier, "decision": decision["at"]})
-        self.scheduler.log_event(EVENT, decision)
+        self.scheduler.log_event(LIFECYCLE_TOPIC, decision)
 
     def _outcomes(self, sid: str) -> None:
         """The session runs again: log how long it really idled against each prediction."""
@@ -383,7 +385,7 @@ class KVLifecycle(SchedulerPlugin):
             del self.last[(s, worker)]
             actual = now - last["at"]
             self.scheduler.log_event(
-                EVENT,
+                LIFECYCLE_TOPIC,
                 {
                     "kind": last["action"],
                     "phase": "outcome",
@@ -418,7 +420,7 @@ class KVLifecycle(SchedulerPlugin):
         while len(self.ended_bytes) > 1000:
             self.ended_bytes.pop(next(iter(self.ended_bytes)))
         self.scheduler.log_event(
-            EVENT, {"kind": "invalidate", "phase": "done", "session": sid, "worker": worker, **res}
+            LIFECYCLE_TOPIC, {"kind": "invalidate", "phase": "done", "session": sid, "worker": worker, **res}
         )
 
     def stats(self) -> dict:

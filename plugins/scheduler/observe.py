@@ -28,17 +28,14 @@ from distributed.metrics import time
 from tornado.ioloop import PeriodicCallback
 
 from dask_kvstate import config
-from dask_kvstate.events import LIFECYCLE
+from dask_kvstate.plugins.scheduler.handshake import serve_hello
+from dask_kvstate.protocol import OBSERVE_EXTENSION, SESSIONS_EXTENSION, STATES, STATS, STORE_TOPIC
 from dask_kvstate.views import TIERS, totals
 
 logger = logging.getLogger("dask_kvstate")
 
-PLUGIN_NAME = "kvstate-observe"
-HELLO = "kvstate_observe"
 #: State summaries kept for lineage walks, live or not (parents are often forgotten early).
 MAX_STATES = 4096
-#: Scheduler plugins whose name starts with this are shown in the page's sessions panel.
-SESSIONS_PREFIX = "kvstate-sessions"
 
 
 def _seconds(key: str) -> float:
@@ -51,7 +48,7 @@ def _seconds(key: str) -> float:
 class KVObserver(SchedulerPlugin):
     """Scheduler side of kvstate observability (installed by ``kvs.install``)."""
 
-    name = PLUGIN_NAME
+    name = OBSERVE_EXTENSION
     idempotent = True
 
     def __init__(self):
@@ -73,8 +70,8 @@ class KVObserver(SchedulerPlugin):
         self.history: deque[tuple[float, dict]] = deque(maxlen=self.history_len)
         self.states: OrderedDict[str, dict] = OrderedDict()  # state id -> summary
         self.live: dict = {}  # key -> state ids its value holds
-        scheduler.handlers[HELLO] = self._hello
-        scheduler.stream_handlers.update({"kvstate-stats": self._on_stats, "kvstate-states": self._on_states})
+        serve_hello(scheduler)
+        scheduler.stream_handlers.update({STATS: self._on_stats, STATES: self._on_states})
         self._sampler = PeriodicCallback(self.sample, self.refresh_s * 1000)
         self._sampler.start()
         self._app = None
@@ -91,8 +88,8 @@ class KVObserver(SchedulerPlugin):
 
             unregister_page(self.scheduler, self._app)
 
-    async def _hello(self, comm=None) -> dict:
-        """Workers ask before reporting (Dask drops a worker's stream on an unknown op)."""
+    def kvstate_hello(self, worker: str | None, plugin: str | None) -> dict:
+        """Present: workers push their stats this often (the client's setting, carried here)."""
         return {"interval": self.report_s}  # the client's setting, carried by this plugin
 
     # -- reports from workers ------------------------------------------------------
@@ -116,7 +113,7 @@ class KVObserver(SchedulerPlugin):
         if dropped > 0:
             moved["dropped"] = dropped
         if moved:
-            self.scheduler.log_event(LIFECYCLE, {"kind": "store", "worker": worker, **moved})
+            self.scheduler.log_event(STORE_TOPIC, {"kind": "store", "worker": worker, **moved})
 
     def _on_states(self, worker=None, key=None, states=(), **_) -> None:
         for s in states:
@@ -169,11 +166,8 @@ class KVObserver(SchedulerPlugin):
         return [[{**c, "live": c["state"] in live} for c in self.lineage(sid)] for sid in top]
 
     def sessions_plugin(self):
-        """The sessions extension, when one runs (another issue builds it); else None."""
-        for name, plugin in self.scheduler.plugins.items():
-            if str(name).startswith(SESSIONS_PREFIX):
-                return plugin
-        return None
+        """The sessions extension, when one runs (the page's sessions panel); else None."""
+        return self.scheduler.plugins.get(SESSIONS_EXTENSION)
 
     def snapshot(self) -> dict:
         """Everything the page shows, as plain data (``client.run_on_scheduler``)."""

@@ -32,12 +32,20 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
 from dask_kvstate.cost import transfer_or_recompute
+from dask_kvstate.plugins.scheduler.handshake import serve_hello
+from dask_kvstate.protocol import (
+    BLOCKS,
+    ERROR_TOPIC,
+    IDLE_THREADS,
+    METRICS,
+    OUTCOME,
+    PLACEMENT_ANNOTATION,
+    PLACEMENT_EXTENSION,
+    PLACEMENT_TOPIC,
+    REF,
+)
 
 logger = logging.getLogger("dask_kvstate")
-
-PLUGIN_NAME = "kvstate-placement"
-EVENT = "kvstate-placement"
-ERROR_EVENT = "kvstate-error"
 
 
 def _guarded(what: str):
@@ -60,7 +68,7 @@ def _guarded(what: str):
                 logger.exception("kvstate placement: %s failed; keeping the last decisions", what)
                 if self.scheduler is not None:
                     self.scheduler.log_event(
-                        ERROR_EVENT,
+                        ERROR_TOPIC,
                         {
                             "where": what,
                             "error": f"{type(e).__name__}: {e}",
@@ -76,7 +84,7 @@ def _guarded(what: str):
 class KVPlacement(SchedulerPlugin):
     """Scheduler side of KV-aware placement (installed by ``kvs.install``)."""
 
-    name = PLUGIN_NAME
+    name = PLACEMENT_EXTENSION
     idempotent = True
 
     def __init__(self):
@@ -88,19 +96,14 @@ class KVPlacement(SchedulerPlugin):
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
-        scheduler.handlers["kvstate_placement"] = self._hello
-        scheduler.handlers["kvstate_idle_threads"] = self._idle_threads
+        serve_hello(scheduler)
+        scheduler.handlers[IDLE_THREADS] = self._idle_threads
         scheduler.stream_handlers.update(
-            {
-                "kvstate-ref": self._on_ref,
-                "kvstate-blocks": self._on_blocks,
-                "kvstate-metrics": self._on_metrics,
-                "kvstate-outcome": self._on_outcome,
-            }
+            {REF: self._on_ref, BLOCKS: self._on_blocks, METRICS: self._on_metrics, OUTCOME: self._on_outcome}
         )
 
-    async def _hello(self, comm=None) -> bool:
-        """Workers ask before reporting: Dask drops a worker's stream on an unknown op."""
+    def kvstate_hello(self, worker: str | None, plugin: str | None) -> bool:
+        """Present: the worker plugin may report refs, blocks, metrics and outcomes."""
         return True
 
     def _idle_threads(self, comm=None, worker=None) -> int:
@@ -153,7 +156,7 @@ class KVPlacement(SchedulerPlugin):
         slower = outcome["seconds"] > other
         self.counters["outcomes"] += 1
         self.counters["slower_choice"] += slower
-        self.scheduler.log_event(EVENT, {"kind": "outcome", "worker": worker, "slower": slower, **outcome})
+        self.scheduler.log_event(PLACEMENT_TOPIC, {"kind": "outcome", "worker": worker, "slower": slower, **outcome})
 
     # -- Dask hooks ----------------------------------------------------------------
     def transition(self, key, start, finish, *args, **kwargs) -> None:
@@ -208,10 +211,10 @@ class KVPlacement(SchedulerPlugin):
                 planned[ws.address] += self.scheduler._get_prefix_duration(dts.prefix) / max(ws.nthreads, 1)
             dts.worker_restrictions = {best["worker"]}
             dts.loose_restrictions = True
-            dts.annotations = {**(dts.annotations or {}), "kvstate-placement": best}
+            dts.annotations = {**(dts.annotations or {}), PLACEMENT_ANNOTATION: best}
             self.counters["decisions"] += 1
             self.counters[f"chose_{best['action']}"] += 1
-            self.scheduler.log_event(EVENT, {"kind": "decision", "key": str(dts.key), **best})
+            self.scheduler.log_event(PLACEMENT_TOPIC, {"kind": "decision", "key": str(dts.key), **best})
 
     def estimate(self, ref: dict, worker: str) -> dict | None:
         """Both estimates for serving ``ref`` on ``worker``; None without its measurements yet."""

@@ -29,11 +29,14 @@ from time import time
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
-from dask_kvstate.plugins.scheduler.sessions import PLUGIN_NAME as SESSIONS
-from dask_kvstate.plugins.worker.scheduling import REPRIORITIZE
+from dask_kvstate.protocol import (
+    PLACEMENT_EXTENSION,
+    PRIORITY_EXTENSION,
+    PRIORITY_TOPIC,
+    REPRIORITIZE,
+    SESSIONS_EXTENSION,
+)
 
-PLUGIN_NAME = "kvstate-priority"
-EVENT = "kvstate-priority"
 OURS = 6  # length of the priority tuples this extension writes
 
 
@@ -57,7 +60,7 @@ def progress_priority(stock: tuple, progress: int, arrival: float, resident: boo
 class ProgressPriority(SchedulerPlugin):
     """Scheduler side of workflow-progress priority (installed by ``kvs.install`` when enabled)."""
 
-    name = PLUGIN_NAME
+    name = PRIORITY_EXTENSION
     idempotent = True
 
     def __init__(self, kv_resident: bool | None = None):
@@ -68,7 +71,7 @@ class ProgressPriority(SchedulerPlugin):
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
-        self.tracker = scheduler.plugins.get(SESSIONS)
+        self.tracker = scheduler.plugins.get(SESSIONS_EXTENSION)
         assert self.tracker is not None, "the priority extension needs the sessions extension registered first"
         self.seen_progress: dict[str, int] = {}
         self.counters: Counter[str] = Counter()
@@ -90,7 +93,7 @@ class ProgressPriority(SchedulerPlugin):
         """Re-key the live tasks of sessions whose progress changed since the last pass."""
         s_ = self.scheduler
         to_workers: dict[str, dict] = defaultdict(dict)
-        placement = s_.plugins.get("kvstate-placement") if self.kv_resident else None
+        placement = s_.plugins.get(PLACEMENT_EXTENSION) if self.kv_resident else None
         live = self.tracker.sessions
         for sid in [sid for sid in self.seen_progress if sid not in live]:
             del self.seen_progress[sid]
@@ -125,7 +128,8 @@ class ProgressPriority(SchedulerPlugin):
                 comm.send({"op": REPRIORITIZE, "priorities": prios})
         if to_workers:
             s_.log_event(
-                EVENT, {"kind": "revise", "workers": len(to_workers), "tasks": sum(map(len, to_workers.values()))}
+                PRIORITY_TOPIC,
+                {"kind": "revise", "workers": len(to_workers), "tasks": sum(map(len, to_workers.values()))},
             )
 
     @staticmethod

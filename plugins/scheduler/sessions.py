@@ -3,8 +3,8 @@
 Per session (``kvs.session``) it keeps invocations created and completed (progress),
 arrival time and order, liveness (open, closed, ended) and visits per component. It
 also owns the global control loop the other scheduling extensions register with, and
-the worker handshake (``kvstate_scheduling_hello``) telling which workers run the
-``kvstate-scheduling`` worker plugin, so no extension ever sends a stream message a
+the worker handshake (its answer to :data:`~dask_kvstate.protocol.HELLO`) telling which
+workers run the ``kvstate-scheduling`` worker plugin, so no extension ever sends a stream message a
 worker cannot handle (Dask drops the stream of a worker on an unknown op).
 
 **End hook.** A session ends once its ``with`` block has exited and the scheduler
@@ -27,11 +27,17 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
 from dask_kvstate.plugins.scheduler.control import ControlLoop
-from dask_kvstate.session import ANNOTATION, COMPONENT, TOPIC
+from dask_kvstate.plugins.scheduler.handshake import serve_hello
+from dask_kvstate.protocol import (
+    COMPONENT_ANNOTATION,
+    SCHEDULING_WORKER_PLUGIN,
+    SESSION_ANNOTATION,
+    SESSION_TOPIC,
+    SESSIONS_EXTENSION,
+)
 
 logger = logging.getLogger("dask_kvstate")
 
-PLUGIN_NAME = "kvstate-sessions"
 ENDED_KEPT = 1000  # summaries of ended sessions kept for stats
 
 
@@ -73,13 +79,13 @@ class Session:
 
 def component_of(ts) -> str:
     """The ``kvstate-component`` annotation, else the key's prefix (the function name)."""
-    return (ts.annotations or {}).get(COMPONENT) or key_split(ts.key)
+    return (ts.annotations or {}).get(COMPONENT_ANNOTATION) or key_split(ts.key)
 
 
 class SessionTracker(SchedulerPlugin):
     """Scheduler side of ``kvs.session`` (installed by ``kvs.install`` when enabled)."""
 
-    name = PLUGIN_NAME
+    name = SESSIONS_EXTENSION
     idempotent = True
 
     def __init__(self, interval: str | float | None = None):
@@ -98,7 +104,7 @@ class SessionTracker(SchedulerPlugin):
         self._seq = 0
         self.loop = ControlLoop(self.interval_s)
         self.loop.add("sessions", self.sweep)
-        scheduler.handlers["kvstate_scheduling_hello"] = self._hello
+        serve_hello(scheduler)
         # Dask's SchedulerPlugin.update_graph does not receive ``submitting_task``, the
         # key of the task that submitted a graph from inside a worker: wrap the stream
         # handler to read it, so sub-tasks inherit their parent's session.
@@ -107,8 +113,8 @@ class SessionTracker(SchedulerPlugin):
 
             async def update_graph(*args, submitting_task=None, annotations=None, **kwargs):
                 parent = self.key_session.get(submitting_task) if submitting_task is not None else None
-                if parent is not None and ANNOTATION not in (annotations or {}):
-                    annotations = {**(annotations or {}), ANNOTATION: parent.id}
+                if parent is not None and SESSION_ANNOTATION not in (annotations or {}):
+                    annotations = {**(annotations or {}), SESSION_ANNOTATION: parent.id}
                     self.counters["inherited_graphs"] += 1
                 return await original(*args, submitting_task=submitting_task, annotations=annotations, **kwargs)
 
@@ -119,9 +125,9 @@ class SessionTracker(SchedulerPlugin):
     async def close(self) -> None:
         self.loop.stop()
 
-    async def _hello(self, worker: str | None = None) -> bool:
-        """A worker's ``kvstate-scheduling`` plugin announces its handlers."""
-        if worker is not None:
+    def kvstate_hello(self, worker: str | None, plugin: str | None) -> bool:
+        """A worker's ``kvstate-scheduling`` plugin announces its handlers: it may get their ops."""
+        if worker is not None and plugin == SCHEDULING_WORKER_PLUGIN:
             self.control_workers.add(worker)
         return True
 
@@ -130,7 +136,7 @@ class SessionTracker(SchedulerPlugin):
 
     # -- Dask hooks ----------------------------------------------------------------
     def update_graph(self, scheduler, *, tasks=(), annotations=None, **kwargs) -> None:
-        by_key = (annotations or {}).get(ANNOTATION) or {}
+        by_key = (annotations or {}).get(SESSION_ANNOTATION) or {}
         if not by_key:
             return
         now = time()
@@ -144,7 +150,7 @@ class SessionTracker(SchedulerPlugin):
             if s is None:
                 self._seq += 1
                 s = self.sessions[sid] = Session(sid, self._seq, now)
-                scheduler.log_event(TOPIC, {"kind": "start", "session": sid, "seq": s.seq})
+                scheduler.log_event(SESSION_TOPIC, {"kind": "start", "session": sid, "seq": s.seq})
             elif s.ended_at is not None:
                 self.counters["late_tasks"] += 1  # tasks arriving after the end: revive it
                 s.ended_at = None
@@ -168,7 +174,7 @@ class SessionTracker(SchedulerPlugin):
             s.live.discard(key)
 
     def log_event(self, topic, msg) -> None:
-        if topic == TOPIC and isinstance(msg, dict) and msg.get("kind") == "close":
+        if topic == SESSION_TOPIC and isinstance(msg, dict) and msg.get("kind") == "close":
             s = self.sessions.get(msg.get("session"))
             if s is None:  # a session that submitted nothing: it starts and ends here
                 self._seq += 1
@@ -200,7 +206,7 @@ class SessionTracker(SchedulerPlugin):
                 fn(s)
             except Exception:
                 logger.exception("kvstate session end hook %r failed for %s", fn, s.id)
-        self.scheduler.log_event(TOPIC, {"kind": "end", **s.summary()})
+        self.scheduler.log_event(SESSION_TOPIC, {"kind": "end", **s.summary()})
 
     # -- reads ---------------------------------------------------------------------
     def session_of(self, key) -> Session | None:

@@ -38,11 +38,14 @@ from collections import Counter
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
-from dask_kvstate.plugins.scheduler.sessions import PLUGIN_NAME as SESSIONS
 from dask_kvstate.plugins.scheduler.sessions import component_of
-
-PLUGIN_NAME = "kvstate-stealing"
-EVENT = "kvstate-stealing"
+from dask_kvstate.protocol import (
+    PLACEMENT_ANNOTATION,
+    PLACEMENT_EXTENSION,
+    SESSIONS_EXTENSION,
+    STEALING_EXTENSION,
+    STEALING_TOPIC,
+)
 
 
 def _priority(ts):
@@ -78,7 +81,7 @@ def migration_benefit(
 class LateBindingStealing(SchedulerPlugin):
     """Scheduler side of late-binding stealing (installed by ``kvs.install`` when enabled)."""
 
-    name = PLUGIN_NAME
+    name = STEALING_EXTENSION
     idempotent = True
 
     def __init__(
@@ -104,7 +107,7 @@ class LateBindingStealing(SchedulerPlugin):
         from distributed.stealing import WorkStealing
 
         self.scheduler = scheduler
-        self.tracker = scheduler.plugins.get(SESSIONS)
+        self.tracker = scheduler.plugins.get(SESSIONS_EXTENSION)
         assert self.tracker is not None, "the stealing extension needs the sessions extension registered first"
         self.counters: Counter[str] = Counter()
         self.affinity: dict[tuple[str, str], str] = {}  # (session, stateful component) -> worker
@@ -159,7 +162,7 @@ class LateBindingStealing(SchedulerPlugin):
     # -- the policy ----------------------------------------------------------------------
     def _move_cost(self, ts, victim, thief) -> float:
         cost = self.scheduler.get_comm_cost(ts, thief)
-        placement = self.scheduler.plugins.get("kvstate-placement")
+        placement = self.scheduler.plugins.get(PLACEMENT_EXTENSION)
         if placement is not None:
             for dts in ts.dependencies:
                 ref = placement.refs.get(dts.key)
@@ -175,7 +178,7 @@ class LateBindingStealing(SchedulerPlugin):
     def _thieves(self, ts, running, cache: dict) -> list:
         """Running workers that may run ``ts``, cached per restriction signature for one pass."""
         # A placement capped by ``placement.max-copies`` keeps the task on a copy's holder.
-        capped = bool(((ts.annotations or {}).get("kvstate-placement") or {}).get("capped"))
+        capped = bool(((ts.annotations or {}).get(PLACEMENT_ANNOTATION) or {}).get("capped"))
         sig = (
             frozenset(ts.worker_restrictions or ()),
             frozenset(ts.host_restrictions or ()),
@@ -275,7 +278,7 @@ class LateBindingStealing(SchedulerPlugin):
                     moves += 1
                     self.counters["moves"] += 1
                     s.log_event(
-                        EVENT,
+                        STEALING_TOPIC,
                         {
                             "kind": "move",
                             "key": str(ts.key),

@@ -41,17 +41,16 @@ from dask.utils import key_split
 from distributed import WorkerPlugin
 
 from dask_kvstate.hints import BatchedCall, capture_args
-from dask_kvstate.session import COMPONENT
+from dask_kvstate.protocol import BATCHING_WORKER_PLUGIN, COMPONENT_ANNOTATION
 
 logger = logging.getLogger("dask_kvstate")
 
-PLUGIN_NAME = "kvstate-batching"
 _HEAPED = ("ready", "constrained")
 
 
 def component_of_task(ts) -> str:
     """A worker task's component: the ``kvstate-component`` annotation, else its key prefix."""
-    return (ts.annotations or {}).get(COMPONENT) or key_split(ts.key)
+    return (ts.annotations or {}).get(COMPONENT_ANNOTATION) or key_split(ts.key)
 
 
 class _Slot:
@@ -87,7 +86,7 @@ def run_batched(call: BatchedCall, args: tuple):
         worker = get_worker()
     except ValueError:
         worker = None
-    plugin = worker.plugins.get(PLUGIN_NAME) if worker is not None else None
+    plugin = worker.plugins.get(BATCHING_WORKER_PLUGIN) if worker is not None else None
     key = getattr(thread_state, "key", None)
     if plugin is None or key is None:
         return _unwrap(_one(call, args))
@@ -97,7 +96,7 @@ def run_batched(call: BatchedCall, args: tuple):
 class BatchingWorkerPlugin(WorkerPlugin):
     """Coalesces ready tasks of batchable components on this worker (see the module doc)."""
 
-    name = PLUGIN_NAME
+    name = BATCHING_WORKER_PLUGIN
     idempotent = False  # new hints replace the old plugin
 
     def __init__(self, batch: dict, window: float = 0.0):

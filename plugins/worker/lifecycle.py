@@ -33,17 +33,22 @@ from concurrent.futures import ThreadPoolExecutor
 from distributed import WorkerPlugin
 from tornado.ioloop import PeriodicCallback
 
-from dask_kvstate.session import ANNOTATION
+from dask_kvstate.plugins.worker.handshake import hello
+from dask_kvstate.protocol import (
+    INVALIDATE,
+    LIFECYCLE_DONE,
+    LIFECYCLE_EXTENSION,
+    LIFECYCLE_REPORT,
+    LIFECYCLE_WORKER_PLUGIN,
+    OFFLOAD,
+    PREFETCH,
+    SESSION_ANNOTATION,
+    WORKER_PLUGIN,
+)
 from dask_kvstate.state import KVStateRef
 
 logger = logging.getLogger("dask_kvstate")
 
-PLUGIN_NAME = "kvstate-lifecycle"
-OFFLOAD = "kvstate-offload"
-PREFETCH = "kvstate-prefetch"
-INVALIDATE = "kvstate_lifecycle_invalidate"
-REPORT = "kvstate-lifecycle-report"
-DONE = "kvstate-lifecycle-done"
 LOWER = ("host", "disk")
 
 
@@ -123,7 +128,7 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         How often the per-session byte counts are sent (only when they changed).
     """
 
-    name = PLUGIN_NAME
+    name = LIFECYCLE_WORKER_PLUGIN
     idempotent = True
 
     def __init__(self, report_interval_ms: int = 200):
@@ -145,12 +150,8 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         worker.handlers[INVALIDATE] = self._invalidate
         if self.store is not None:
             self.rates = await asyncio.to_thread(self._probe)
-        try:  # report only to a scheduler that runs the lifecycle extension
-            ok = bool(await worker.scheduler.kvstate_lifecycle_hello(worker=worker.address))
-        except Exception as e:
-            logger.info("kvstate lifecycle: scheduler has no lifecycle extension (%s)", e)
-            ok = False
-        if ok:
+        # Report only to a scheduler that runs the lifecycle extension.
+        if LIFECYCLE_EXTENSION in await hello(worker, self.name):
             self._reporter = PeriodicCallback(self._report, self.report_interval_ms)
             self._reporter.start()
 
@@ -163,12 +164,12 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         self._mover.shutdown(wait=False)
 
     def _probe(self) -> Rates:
-        rt = self.worker.plugins["kvstate"].runtime
+        rt = self.worker.plugins[WORKER_PLUGIN].runtime
         return probe_rates(rt.backend.kv_bytes_per_token * rt.block_tokens)
 
     @property
     def store(self):
-        plugin = self.worker.plugins.get("kvstate") if self.worker is not None else None
+        plugin = self.worker.plugins.get(WORKER_PLUGIN) if self.worker is not None else None
         return None if plugin is None or plugin.runtime is None else plugin.runtime.store
 
     # -- session holds ---------------------------------------------------------------
@@ -176,7 +177,7 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         if finish != "memory" or start != "executing":
             return
         ts = self.worker.state.tasks.get(key)
-        sid = (ts.annotations or {}).get(ANNOTATION) if ts is not None else None
+        sid = (ts.annotations or {}).get(SESSION_ANNOTATION) if ts is not None else None
         store = self.store
         if sid is None or store is None or ts.type not in (KVStateRef, list, tuple) or key not in self.worker.data:
             return
@@ -272,7 +273,7 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
     def _done(self, action: str, session: str, decision, **outcome) -> None:
         if self._reporter is not None and self.worker.batched_stream is not None:
             self.worker.batched_stream.send(
-                {"op": DONE, "action": action, "session": session, "decision": decision, **outcome}
+                {"op": LIFECYCLE_DONE, "action": action, "session": session, "decision": decision, **outcome}
             )
 
     def _report(self) -> None:
@@ -290,7 +291,7 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         }
         if msg != self._sent:
             self._sent = msg
-            self.worker.batched_stream.send({"op": REPORT, **msg})
+            self.worker.batched_stream.send({"op": LIFECYCLE_REPORT, **msg})
 
     def stats(self) -> dict:
         return {**dict(self.counters), "sessions": len(self.blocks), "rates": self.rates.as_dict()}

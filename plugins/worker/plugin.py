@@ -7,12 +7,14 @@ settings, ``setup`` does the work. It also
   :class:`KVStateRef` (or a list of them) enters memory its blocks are pinned, when the
   key leaves memory (Dask forgot it) the pins go, through the ``transition`` hook;
 * pins a running task's blocks until it finishes, so they never vanish mid-use;
-* serves blocks to peers (``kvstate_get_blocks``) and evictions (``kvstate_evict``).
+* serves blocks to peers (:data:`~dask_kvstate.protocol.GET_BLOCKS`) and evictions
+  (:data:`~dask_kvstate.protocol.EVICT`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -21,19 +23,31 @@ from collections import Counter
 import dask.config
 from dask.utils import parse_bytes
 from distributed import WorkerPlugin
+from distributed.protocol import to_serialize
+from distributed.utils import sync
 from tornado.ioloop import PeriodicCallback
 
 from dask_kvstate import config
 from dask_kvstate.backends import check_model_name
 from dask_kvstate.plugins.worker.allocator import retain_freed_memory
+from dask_kvstate.plugins.worker.handshake import hello
 from dask_kvstate.plugins.worker.memory import KVStateSpillData
 from dask_kvstate.plugins.worker.reporter import StatsReporter
-from dask_kvstate.plugins.worker.transport import HANDLER, PackingBuffers, serve_blocks, serve_inline, serve_run
+from dask_kvstate.plugins.worker.transport import PackingBuffers, call, serve_blocks, serve_inline, serve_run
+from dask_kvstate.protocol import (
+    BLOCKS,
+    EVICT,
+    GET_BLOCKS,
+    METRICS,
+    OBSERVE_EXTENSION,
+    PLACEMENT_EXTENSION,
+    REF,
+    WORKER_PLUGIN,
+)
 from dask_kvstate.state import KVStateRef
 
 logger = logging.getLogger("dask_kvstate")
 
-PLUGIN_NAME = "kvstate"
 _RUNNING = ("executing", "long-running", "cancelled", "resumed")
 
 
@@ -75,7 +89,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
     blocks with the same block size and namespace rules.
     """
 
-    name = PLUGIN_NAME
+    name = WORKER_PLUGIN
 
     def __init__(
         self,
@@ -125,24 +139,22 @@ class KVStateWorkerPlugin(WorkerPlugin):
         self.packing = PackingBuffers(parse_bytes(packing) if isinstance(packing, str) else int(packing or 0))
         self.inline_copy_bytes = parse_bytes(dask.config.get("distributed.comm.offload"))
         self.zero_copy = bool(self.config["kvstate"]["transport"].get("zero-copy", True))
-        worker.handlers[HANDLER] = self._serve_blocks
-        worker.handlers["kvstate_evict"] = self._evict_handler
+        worker.handlers[GET_BLOCKS] = self._serve_blocks
+        worker.handlers[EVICT] = self._evict_handler
         if self.config["kvstate"]["worker"].get("memory-monitor", True):
             worker.memory_manager.data = KVStateSpillData(worker.memory_manager.data, self.runtime.store)
         self._sent_blocks: set[bytes] = set()
         self._sent_version = -1
         self._sent_metrics = None
         self._reporter = None
-        try:  # report only to a scheduler that runs the placement extension
-            self.placement = bool(await worker.scheduler.kvstate_placement())
-        except Exception:
-            self.placement = False
+        extensions = await hello(worker, self.name)
+        self.placement = PLACEMENT_EXTENSION in extensions  # report only to a placement extension
         if self.placement:
             self._reporter = PeriodicCallback(self._report, 200)
             self._reporter.start()
             self._report()  # the probe's numbers, before the first task can need them
         # Stats for the dashboard page, pushed only to a scheduler running the observe extension.
-        self._observer = await StatsReporter.connect(worker, self)
+        self._observer = StatsReporter.start(worker, self, extensions.get(OBSERVE_EXTENSION))
         logger.info("kvstate: %s ready on %s", ", ".join(self.models), worker.address)
 
     def runtime_for(self, model: str | None = None):
@@ -196,9 +208,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
             current = set(rt.store)
             added, removed = current - self._sent_blocks, self._sent_blocks - current
             if added or removed:
-                self.worker.batched_stream.send(
-                    {"op": "kvstate-blocks", "added": list(added), "removed": list(removed)}
-                )
+                self.worker.batched_stream.send({"op": BLOCKS, "added": list(added), "removed": list(removed)})
                 self._sent_blocks = current
         metrics = {
             "prefill": {
@@ -209,7 +219,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
             "latency": rt.links.latency,
         }
         if metrics != self._sent_metrics:
-            self.worker.batched_stream.send({"op": "kvstate-metrics", **metrics})
+            self.worker.batched_stream.send({"op": METRICS, **metrics})
             self._sent_metrics = metrics
 
     def teardown(self, worker) -> None:
@@ -217,7 +227,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
             self._reporter.stop()
         if getattr(self, "_observer", None) is not None:
             self._observer.stop()
-        for name in (HANDLER, "kvstate_evict"):
+        for name in (GET_BLOCKS, EVICT):
             worker.handlers.pop(name, None)
         if isinstance(worker.memory_manager.data, KVStateSpillData):
             worker.memory_manager.data = worker.memory_manager.data.data
@@ -267,7 +277,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
             "model": ref.model_name,
         }
         if self.worker.batched_stream is not None:
-            self.worker.batched_stream.send({"op": "kvstate-ref", "key": key, "refs": [summary]})
+            self.worker.batched_stream.send({"op": REF, "key": key, "refs": [summary]})
 
     def _may_hold_refs(self, key) -> bool:
         # Only look at values whose type can hold refs: reading any other key's value
@@ -285,6 +295,27 @@ class KVStateWorkerPlugin(WorkerPlugin):
             for key in {o[1] for o in owners}:
                 self.held[key] = [s for s in self.held[key] if s != ref.state_id]
             return self.runtime.evict(ref, owners)
+
+    def evict_everywhere(self, ref: KVStateRef) -> int:
+        """:meth:`evict` here, then on ``ref``'s holder; the bytes freed on both. From a task thread.
+
+        A holder that is gone is skipped: its blocks went with it.
+        """
+        freed = self.evict(ref)
+        holder = ref.placement.worker
+        if holder and holder != self.worker.address:
+            with contextlib.suppress(OSError, TimeoutError):
+                freed += sync(
+                    self.worker.loop,
+                    call,
+                    self.worker.rpc,
+                    holder,
+                    EVICT,
+                    state=to_serialize(ref),
+                    connect_timeout=self.runtime.connect_timeout,
+                    timeout=self.runtime.pull_timeout,
+                )
+        return freed
 
     # -- handlers ------------------------------------------------------------------
     async def _serve_blocks(self, comm=None, hashes=()) -> dict:

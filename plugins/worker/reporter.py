@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from tornado.ioloop import PeriodicCallback
 
+from dask_kvstate.protocol import STATES, STATS
+
 
 def worker_stats(plugin) -> dict:
     """One worker's ``kvs.stats`` entry (also what it reports to the extension)."""
@@ -40,13 +42,12 @@ class StatsReporter:
         self.callback = PeriodicCallback(self.report, interval_s * 1000)
 
     @classmethod
-    async def connect(cls, worker, plugin) -> StatsReporter | None:
-        """A started reporter, or None when the scheduler runs no observe extension."""
-        try:
-            hello = await worker.scheduler.kvstate_observe()
-        except Exception:
-            return None
-        if not isinstance(hello, dict) or "interval" not in hello:  # not our extension's answer
+    def start(cls, worker, plugin, hello) -> StatsReporter | None:
+        """A started reporter, or None when the scheduler runs no observe extension.
+
+        ``hello`` is the observe extension's answer to the worker plugin's handshake.
+        """
+        if not isinstance(hello, dict) or "interval" not in hello:  # no observe extension
             return None
         self = cls(worker, plugin, float(hello["interval"]))
         self.callback.start()
@@ -63,13 +64,13 @@ class StatsReporter:
             return
         stats = worker_stats(self.plugin)
         if stats != self.last:
-            stream.send({"op": "kvstate-stats", "stats": stats})
+            stream.send({"op": STATS, "stats": stats})
             self.last = stats
 
     def send_states(self, key, refs) -> None:
         stream = self._stream()
         if stream is not None:
-            stream.send({"op": "kvstate-states", "key": key, "states": [state_summary(r) for r in refs]})
+            stream.send({"op": STATES, "key": key, "states": [state_summary(r) for r in refs]})
 
     def stop(self) -> None:
         self.callback.stop()

@@ -30,10 +30,18 @@ from dask_kvstate import config
 from dask_kvstate.blocks import block_hashes, join_blocks, split_blocks
 from dask_kvstate.cost import transfer_or_recompute
 from dask_kvstate.errors import MergeError
-from dask_kvstate.events import COMPATIBILITY, LIFECYCLE, worker_event
 from dask_kvstate.generation import Generation
+from dask_kvstate.plugins.worker.events import worker_event
 from dask_kvstate.plugins.worker.measure import LinkMeter, PrefillMeter
 from dask_kvstate.plugins.worker.transport import pull_blocks
+from dask_kvstate.protocol import (
+    COMPATIBILITY_TOPIC,
+    IDLE_THREADS,
+    OUTCOME,
+    PLACEMENT_ANNOTATION,
+    STORE_TOPIC,
+    WORKER_PLUGIN,
+)
 from dask_kvstate.state import KVState, KVStateRef, Lineage, Placement, incompatibility, new_state_id
 
 logger = logging.getLogger("dask_kvstate")
@@ -161,7 +169,7 @@ class StateRuntime:
                 extra = int(
                     sync(
                         self.worker.loop,
-                        self.worker.scheduler.kvstate_idle_threads,
+                        getattr(self.worker.scheduler, IDLE_THREADS),
                         worker=self.address,
                         callback_timeout=self.connect_timeout,
                     )
@@ -199,7 +207,7 @@ class StateRuntime:
             # One event per refusal: rare by nature, and each names a state a user may be debugging.
             worker_event(
                 self.worker,
-                COMPATIBILITY,
+                COMPATIBILITY_TOPIC,
                 {
                     "kind": "refused",
                     "state": ref.state_id,
@@ -277,7 +285,7 @@ class StateRuntime:
         first = next(i for i, t in enumerate(tensors) if t is None)
         key = self._task_owner()[1]
         ts = self.worker.state.tasks.get(key) if key is not None else None
-        ann = ((ts.annotations or {}).get("kvstate-placement") if ts is not None else None) or {}
+        ann = ((ts.annotations or {}).get(PLACEMENT_ANNOTATION) if ts is not None else None) or {}
         d = self._rule(ref, first, holder)
         if ann.get("worker") == self.address and ann.get("action") in ("pull", "recompute"):
             d.update(action=ann["action"], t_transfer=ann["t_transfer"], t_recompute=ann["t_recompute"], by="scheduler")
@@ -314,9 +322,9 @@ class StateRuntime:
         other = d["t_recompute"] if d["action"] == "pull" else d["t_transfer"]
         if d["seconds"] > other:
             self.counters["slower_choice"] += 1
-        plugin = self.worker.plugins.get("kvstate") if self.worker is not None else None
+        plugin = self.worker.plugins.get(WORKER_PLUGIN) if self.worker is not None else None
         if plugin is not None and plugin.placement:
-            self.worker.loop.add_callback(self.worker.batched_stream.send, {"op": "kvstate-outcome", **d})
+            self.worker.loop.add_callback(self.worker.batched_stream.send, {"op": OUTCOME, **d})
 
     def estimate(self, ref: KVStateRef) -> dict:
         """What the rule would do for ``ref`` on this worker now, without doing it."""
@@ -615,7 +623,7 @@ class StateRuntime:
         self.counters["evicted_bytes"] += freed
         worker_event(
             self.worker,
-            LIFECYCLE,
+            STORE_TOPIC,
             {"kind": "evict", "state": ref.state_id, "blocks": len(ref.blocks), "freed_bytes": freed},
         )
         return freed

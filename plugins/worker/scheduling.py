@@ -21,11 +21,11 @@ import logging
 
 from distributed import WorkerPlugin
 
+from dask_kvstate.plugins.worker.handshake import hello
+from dask_kvstate.protocol import REPRIORITIZE, SCHEDULING_WORKER_PLUGIN, SESSIONS_EXTENSION, SET_RESOURCES
+
 logger = logging.getLogger("dask_kvstate")
 
-PLUGIN_NAME = "kvstate-scheduling"
-REPRIORITIZE = "kvstate-reprioritize"
-SET_RESOURCES = "kvstate_set_resources"
 _HEAPED = ("ready", "constrained")
 
 
@@ -55,7 +55,7 @@ def reprioritize(state, priorities: dict) -> int:
 class SchedulingWorkerPlugin(WorkerPlugin):
     """Registers the two handlers and tells the scheduler they exist."""
 
-    name = PLUGIN_NAME
+    name = SCHEDULING_WORKER_PLUGIN
     idempotent = True
 
     def __init__(self):
@@ -66,10 +66,8 @@ class SchedulingWorkerPlugin(WorkerPlugin):
         self.worker = worker
         worker.stream_handlers[REPRIORITIZE] = self._reprioritize
         worker.handlers[SET_RESOURCES] = self._set_resources
-        try:
-            await worker.scheduler.kvstate_scheduling_hello(worker=worker.address)
-        except Exception as e:  # the sessions extension is off: the handlers stay unused
-            logger.info("kvstate scheduling: scheduler has no sessions extension (%s)", e)
+        if SESSIONS_EXTENSION not in await hello(worker, self.name):  # the handlers stay unused
+            logger.info("kvstate scheduling: scheduler %s has no sessions extension", worker.scheduler.address)
 
     def _reprioritize(self, priorities=None, **_) -> None:
         self.reprioritized += reprioritize(self.worker.state, priorities or {})

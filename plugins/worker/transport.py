@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from distributed.core import send_recv
 from distributed.protocol import to_serialize
 
-HANDLER = "kvstate_get_blocks"
+from dask_kvstate.protocol import GET_BLOCKS
 
 
 def _raw(t):
@@ -406,7 +406,7 @@ async def pull_blocks(
     emulated slow link, so the transfer/recompute crossover shows on one machine.
     """
     t0 = time.perf_counter()
-    resp = await call(pool, address, HANDLER, connect_timeout=connect_timeout, timeout=timeout, hashes=list(hashes))
+    resp = await call(pool, address, GET_BLOCKS, connect_timeout=connect_timeout, timeout=timeout, hashes=list(hashes))
     blocks = unpack_blocks(resp, hashes)
     nbytes = sum(t.nelement() * t.element_size() for t in blocks.values())
     if emulated_bandwidth:

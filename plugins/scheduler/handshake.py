@@ -1,0 +1,33 @@
+"""The scheduler side of the one handshake between kvstate worker plugins and extensions.
+
+A worker plugin must know which extensions run before it sends them stream ops (Dask
+closes a worker's stream on an op nobody handles), and some extensions must know which
+workers run which worker plugin before they send ops the other way. So every kvstate
+worker plugin calls :data:`~dask_kvstate.protocol.HELLO` once at setup with its own name,
+and every extension that defines ``kvstate_hello(worker, plugin)`` answers under its own
+plugin name; an extension that is not running is simply absent from the answer.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from dask_kvstate.protocol import HELLO
+
+
+def serve_hello(scheduler) -> None:
+    """Answer :data:`HELLO` on ``scheduler``; every extension calls this in ``start`` (idempotent)."""
+    if HELLO in scheduler.handlers:
+        return
+
+    async def kvstate_hello(worker: str | None = None, plugin: str | None = None) -> dict:
+        answers = {}
+        for name, extension in list(scheduler.plugins.items()):
+            answer = getattr(extension, "kvstate_hello", None)
+            if answer is None:
+                continue
+            result = answer(worker, plugin)
+            answers[name] = await result if inspect.isawaitable(result) else result
+        return answers
+
+    scheduler.handlers[HELLO] = kvstate_hello
