@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dask_kvstate.protocol import BATCHING_WORKER_PLUGIN
+
 HINT_KEYS = ("stateful", "max-concurrency", "batchable", "max-batch")
 
 
@@ -144,9 +146,19 @@ class BatchedCall:
         if capture is not None:  # the batching plugin is reading a peer task's arguments
             capture.append(args)
             return None
-        from dask_kvstate.plugins.worker.batching import run_batched
+        # Inside a task on a worker with the batching plugin (found by name: the core never
+        # imports the plugins), the call may run as part of a batch; anywhere else, alone.
+        from distributed import get_worker
+        from distributed.worker import thread_state
 
-        return run_batched(self, args)
+        try:
+            plugin = get_worker().plugins.get(BATCHING_WORKER_PLUGIN)
+        except ValueError:  # not in a task on a worker
+            plugin = None
+        key = getattr(thread_state, "key", None)
+        if plugin is None or key is None:
+            return self.run([args])[0]
+        return plugin.run(self, key, args)
 
 
 def _lookup(module: str, qualname: str):

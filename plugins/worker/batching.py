@@ -77,22 +77,6 @@ def _unwrap(outcome: tuple[bool, object]):
     raise value
 
 
-def run_batched(call: BatchedCall, args: tuple):
-    """Run one call of ``call``: inside a task on a worker with this plugin, possibly as part of a batch."""
-    from distributed import get_worker
-    from distributed.worker import thread_state
-
-    try:
-        worker = get_worker()
-    except ValueError:
-        worker = None
-    plugin = worker.plugins.get(BATCHING_WORKER_PLUGIN) if worker is not None else None
-    key = getattr(thread_state, "key", None)
-    if plugin is None or key is None:
-        return _unwrap(_one(call, args))
-    return plugin.run(call, key, args)
-
-
 class BatchingWorkerPlugin(WorkerPlugin):
     """Coalesces ready tasks of batchable components on this worker (see the module doc)."""
 
