@@ -1,35 +1,19 @@
 """KV lifecycle by workflow progress vs an LRU-only store, with real KV (tiny-llama).
 
-An emulated SWE agent workflow: each session (a developer agent) materializes its own
-conversation, then repeats *run the tests* (a tool call that sleeps for a seeded,
-log-normal duration and uses no KV) -> *resume from the conversation with the test
-report* -> *extend the conversation with report and answer*. Every repeat is a new
-invocation: the client keeps only the new state's ``KVStateRef`` value and releases
-its futures, as an agent loop does between turns, so between invocations only the
-session (or nothing) keeps the KV. Sessions arrive staggered (at most ``--live`` at a
-time) and end after ``--rounds`` invocations.
-
-The one worker's device tier is smaller than the live sessions' KV and its host tier
-is empty, so everything that leaves the device goes to the disk tier (raw bytes and a
-checksum per block): on a CPU machine that is where resume latency differs, besides
-recomputes. Three configurations replay the very same sessions, durations and texts:
-
-* ``resident``: device budget large enough for everything, lifecycle off (the baseline);
-* ``lru``: the small budgets, the store's own eviction score only (lifecycle off);
-* ``lifecycle``: the small budgets with ``kvstate.lifecycle.enabled``.
-
-Before the sessions, the scheduler sees one test run (steady state: the prediction
-needs a history; ``--cold`` skips it). Reported per configuration: median and P90 resume latency (time to first token of
-the resume task, which includes reading the state's blocks), resumes that found their
-KV offloaded-then-prefetched (and their median), recomputed blocks and tokens,
-peak device bytes, and the KV bytes left by ended sessions.
+Seeded developer-agent sessions (materialize a conversation, then run the tests ->
+resume with the report -> extend, a few rounds each) on one worker whose device tier
+is smaller than the live sessions' KV. Three configurations replay the very same
+sessions: ``resident`` (budgets large enough for everything), ``lru`` (small budgets,
+the store's own eviction only) and ``lifecycle`` (small budgets with
+``kvstate.lifecycle.enabled``: offload, prefetch and invalidate by predicted idle time
+and session liveness). The table shows resume latency, prefetched resumes, recomputes,
+peak device bytes and the KV ended sessions left behind. The experiment, in full, is
+:mod:`dask_kvstate.bench.kv_lifecycle`.
 
 Run::
 
     python examples/kv_lifecycle.py                 # prints a markdown table
     python examples/kv_lifecycle.py --repeats 3 --out results/lifecycle   # medians of 3 interleaved runs
-
-The experiment is :mod:`dask_kvstate.bench.kv_lifecycle`.
 """
 
 from __future__ import annotations

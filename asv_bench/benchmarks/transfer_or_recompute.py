@@ -4,7 +4,7 @@ The sweep of :mod:`dask_kvstate.bench.crossover` as an asv suite: for each emula
 context length, the rule's choice, the measured pull time and the measured recompute
 time, all from one run (``setup_cache``) so every cell is measured under the same
 conditions. ``track_rule_right`` is 1 where the rule picked the faster option; the
-issue's bar is 95% of cells. ``KVThroughput`` sets a KV pull beside Dask's own fetch of
+target is 95% of cells. ``KVThroughput`` sets a KV pull beside Dask's own fetch of
 a numpy array of the same bytes, on the same pair of workers, per comm, and beside the
 same pull with the holder's zero-copy path off (packed). ``ServePath`` times the
 holder's side alone: packing a pull into a reply buffer vs finding its block arena run.
