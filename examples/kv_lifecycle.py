@@ -1,28 +1,14 @@
 """KV lifecycle by workflow progress vs an LRU-only store, with real KV (tiny-llama).
 
-An emulated SWE agent workflow: each session (a developer agent) materializes its own
-conversation, then repeats *run the tests* (a tool call that sleeps for a seeded,
-log-normal duration and uses no KV) -> *resume from the conversation with the test
-report* -> *extend the conversation with report and answer*. Every repeat is a new
-invocation: the client keeps only the new state's ``KVStateRef`` value and releases
-its futures, as an agent loop does between turns, so between invocations only the
-session (or nothing) keeps the KV. Sessions arrive staggered (at most ``--live`` at a
-time) and end after ``--rounds`` invocations.
-
-The one worker's device tier is smaller than the live sessions' KV and its host tier
-is empty, so everything that leaves the device goes to the disk tier (raw bytes and a
-checksum per block): on a CPU machine that is where resume latency differs, besides
-recomputes. Three configurations replay the very same sessions, durations and texts:
-
-* ``resident``: device budget large enough for everything, lifecycle off (the baseline);
-* ``lru``: the small budgets, the store's own eviction score only (lifecycle off);
-* ``lifecycle``: the small budgets with ``kvstate.lifecycle.enabled``.
-
-Before the sessions, the scheduler sees one test run (steady state: the prediction
-needs a history; ``--cold`` skips it). Reported per configuration: median and P90 resume latency (time to first token of
-the resume task, which includes reading the state's blocks), resumes that found their
-KV offloaded-then-prefetched (and their median), recomputed blocks and tokens,
-peak device bytes, and the KV bytes left by ended sessions.
+Seeded developer-agent sessions (materialize a conversation, then run the tests ->
+resume with the report -> extend, a few rounds each) on one worker whose device tier
+is smaller than the live sessions' KV. Three configurations replay the very same
+sessions: ``resident`` (budgets large enough for everything), ``lru`` (small budgets,
+the store's own eviction only) and ``lifecycle`` (small budgets with
+``kvstate.lifecycle.enabled``: offload, prefetch and invalidate by predicted idle time
+and session liveness). The table shows resume latency, prefetched resumes, recomputes,
+peak device bytes and the KV ended sessions left behind. The experiment, in full, is
+:mod:`dask_kvstate.bench.kv_lifecycle`.
 
 Run::
 
@@ -33,237 +19,30 @@ Run::
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
-import os
-import statistics
-import time
 
-import dask
-import numpy as np
-from distributed import Client, LocalCluster
-
-import dask_kvstate as kvs
-from dask_kvstate.session import ANNOTATION, TOPIC, new_session_id
-
-SYSTEM = (
-    "You are a careful software developer. Read the failing test report, explain the bug in one sentence "
-    "and write the fix. Keep the style of the repository and do not change unrelated code. "
-)
-
-
-def run_tests(seconds: float, report: str) -> str:
-    """The tester tool: takes time, holds no KV."""
-    time.sleep(seconds)
-    return report
-
-
-def conversation(i: int) -> str:
-    # The session's own material first, so no two sessions share a block.
-    return (
-        f"Ticket {i}: the parser in module m{i} drops the last field of every record when line {i * 7} "
-        f"ends without a newline. "
-    ) * 6 + SYSTEM
-
-
-def _store_blocks(hashes, dask_worker=None) -> dict:
-    store = dask_worker.plugins["kvstate"].runtime.store
-    return {"bytes": sum(store.size_of(h) for h in hashes if h in store)}
-
-
-async def run_config(name: str, args) -> dict:
-    small = name != "resident"
-    settings = {
-        "kvstate.block-tokens": args.block_tokens,
-        "kvstate.lifecycle.enabled": name == "lifecycle",
-        "kvstate.scheduling.interval": "50ms",
-    }
-    rng = np.random.default_rng(args.seed)
-    durations = rng.lognormal(np.log(args.tool_seconds), 0.3, size=(args.sessions, args.rounds))
-    with dask.config.set(settings):
-        async with (
-            LocalCluster(
-                n_workers=1, threads_per_worker=args.live + 1, processes=True, dashboard_address=":0", asynchronous=True
-            ) as cluster,
-            Client(cluster, asynchronous=True) as c,
-        ):
-            await c.run(lambda: None)
-            budgets = {
-                "device_bytes": args.device_bytes if small else 1 << 34,
-                "host_bytes": 0 if small else 1 << 34,
-                "disk_bytes": args.disk_bytes if small else 1 << 34,
-            }
-            await asyncio.to_thread(_install, cluster.scheduler_address, budgets)
-            worker = next(iter(await c.run(os.getpid)))
-            if not args.cold:  # steady state: the scheduler has seen the tester run once before
-                with kvs.component("tester"):
-                    await c.compute(
-                        dask.delayed(run_tests)(args.tool_seconds, "warm-up", dask_key_name="run_tests-warm")
-                    )
-            resumes, blocks_of = [], {}
-            t0 = time.time()
-
-            async def session(i: int) -> None:
-                sid = new_session_id(f"dev{i}")
-                seen = blocks_of.setdefault(sid, set())
-                with dask.annotate(**{ANNOTATION: sid}):
-                    f = c.compute(kvs.materialize(conversation(i)))
-                ref = await f
-                del f
-                seen.update(ref.blocks)
-                for r in range(args.rounds):
-                    report = f" Round {r}: test_{i}_{r} failed, the last field of record {r + 1} is missing."
-                    with dask.annotate(**{ANNOTATION: sid}):
-                        with kvs.component("tester"):
-                            tool = dask.delayed(run_tests)(
-                                float(durations[i, r]), report, dask_key_name=f"run_tests-{sid}-{r}"
-                            )
-                        answer = kvs.resume(ref, tool, max_new_tokens=args.new_tokens)
-                        nxt = kvs.extend(ref, tool, answer)
-                        fa, fn = c.compute([answer, nxt])
-                    submitted = time.time()
-                    out, ref = await fa, await fn
-                    del fa, fn  # the turn is over: only the ref's value is kept
-                    seen.update(ref.blocks)
-                    resumes.append(
-                        {
-                            "session": sid,
-                            "round": r,
-                            "ttft": out.ttft,
-                            "submitted": submitted,
-                            "finished": time.time(),
-                            "reused": out.reused_tokens,
-                        }
-                    )
-                await c.log_event(TOPIC, {"kind": "close", "session": sid})  # what kvs.session's exit sends
-
-            sem = asyncio.Semaphore(args.live)
-
-            async def gated(i: int) -> None:
-                async with sem:
-                    await session(i)
-
-            await asyncio.gather(*(gated(i) for i in range(args.sessions)))
-            wall = time.time() - t0
-            await asyncio.sleep(1.0)  # the last sessions end (one control interval) and are invalidated
-            stats = (await c.run(_worker_stats))[worker]
-            left = (await c.run(_store_blocks, set().union(*blocks_of.values())))[worker]["bytes"]
-            events = [m for _, m in await c.get_events("kvstate-lifecycle")] if name == "lifecycle" else []
-    # Resumes whose KV was brought back ahead of them by a prediction (not fetched late,
-    # as their task ran: those are counted with the rest).
-    predicted_at = {
-        (e["session"], e["at"])
-        for e in events
-        if e["kind"] == "prefetch" and e.get("phase") == "decision" and e["why"] == "prediction"
-    }
-    prefetched = set()
-    for r in resumes:
-        if any(
-            e["kind"] == "prefetch"
-            and e.get("phase") == "done"
-            and (e["session"], e["decision"]) in predicted_at
-            and e["session"] == r["session"]
-            and r["submitted"] <= e["decision"] <= r["finished"]
-            for e in events
-        ):
-            prefetched.add((r["session"], r["round"]))
-    ttft = sorted(x["ttft"] for x in resumes)
-    pre = sorted(x["ttft"] for x in resumes if (x["session"], x["round"]) in prefetched)
-    return {
-        "config": name,
-        "resumes": len(resumes),
-        "wall_s": wall,
-        "ttft_p50": statistics.median(ttft),
-        "ttft_p90": ttft[int(0.9 * (len(ttft) - 1))],
-        "prefetched": len(pre),
-        "prefetched_p50": statistics.median(pre) if pre else None,
-        "recomputes": stats.get("recomputes", 0),
-        "recompute_tokens": stats.get("recompute_tokens", 0),
-        "peak_device_bytes": stats["tiers"]["device"]["peak_bytes"],
-        "disk_hits": stats["tiers"]["disk"]["hits"],
-        "ended_bytes_left": left,
-        "offloads": sum(e["kind"] == "offload" and e.get("phase") == "decision" for e in events),
-        "offloads_pressure": sum(e["kind"] == "offload" and e.get("why") == "pressure" for e in events),
-        "prefetches": sum(e["kind"] == "prefetch" and e.get("phase") == "decision" for e in events),
-    }
-
-
-def _install(address: str, budgets: dict) -> None:
-    with Client(address) as c:  # kvs.install wants a synchronous client
-        kvs.install(c, "tiny-llama", torch_threads=1, **budgets)
-
-
-def _worker_stats(dask_worker) -> dict:
-    plugin = dask_worker.plugins["kvstate"]
-    return plugin.runtime.stats()
-
-
-def merge_runs(runs: list[dict]) -> dict:
-    """One row per config: the median of each number over the repeats."""
-    row = dict(runs[0])
-    for k, v in runs[0].items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            vals = [r[k] for r in runs if r[k] is not None]
-            row[k] = statistics.median(vals) if vals else None
-    row["runs"] = runs
-    return row
-
-
-def table(rows: list[dict]) -> str:
-    base = next(r for r in rows if r["config"] == "resident")["ttft_p50"]
-    fmt = lambda v: "-" if v is None else f"{v * 1e3:.1f}"
-    lines = [
-        (
-            "| config | resumes | resume P50 ms | resume P90 ms | P50 vs resident | prefetched resumes | "
-            "prefetched P50 ms | prefetched vs resident | recomputed blocks | recomputed tokens | "
-            "peak device KiB | disk hits | offloads (pressure) | prefetches | ended sessions' KV left |"
-        ),
-        "|" + "---|" * 15,
-    ]
-    for r in rows:
-        pv = f"{r['prefetched_p50'] / base:.2f}x" if r["prefetched_p50"] else "-"
-        lines.append(
-            f"| {r['config']} | {r['resumes']} | {fmt(r['ttft_p50'])} | {fmt(r['ttft_p90'])} | "
-            f"{r['ttft_p50'] / base:.2f}x | {r['prefetched']:.0f} | {fmt(r['prefetched_p50'])} | {pv} | "
-            f"{r['recomputes']:.0f} | {r['recompute_tokens']:.0f} | {r['peak_device_bytes'] / 1024:.0f} | "
-            f"{r['disk_hits']:.0f} | {r['offloads']:.0f} ({r['offloads_pressure']:.0f}) | {r['prefetches']:.0f} | "
-            f"{r['ended_bytes_left']:.0f} B |"
-        )
-    return "\n".join(lines)
+from dask_kvstate.bench import kv_lifecycle
 
 
 def main(argv=None) -> list[dict]:
+    d = kv_lifecycle.Options()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sessions", type=int, default=8)
-    p.add_argument("--live", type=int, default=4, help="sessions running at once")
-    p.add_argument("--rounds", type=int, default=3, help="test-and-retry invocations per session")
-    p.add_argument("--tool-seconds", type=float, default=0.8, help="median test-run duration")
-    p.add_argument("--new-tokens", type=int, default=8)
-    p.add_argument("--block-tokens", type=int, default=16)
-    p.add_argument("--device-bytes", type=int, default=1024 * 1024, help="device tier budget (small configs)")
-    p.add_argument("--disk-bytes", type=int, default=1024 * 1024, help="disk tier budget (small configs)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--configs", default="resident,lru,lifecycle")
-    p.add_argument("--out", default=None, help="folder for lifecycle.md and lifecycle.json")
+    p.add_argument("--sessions", type=int, default=d.sessions)
+    p.add_argument("--live", type=int, default=d.live, help="sessions running at once")
+    p.add_argument("--rounds", type=int, default=d.rounds, help="test-and-retry invocations per session")
+    p.add_argument("--tool-seconds", type=float, default=d.tool_seconds, help="median test-run duration")
+    p.add_argument("--new-tokens", type=int, default=d.new_tokens)
+    p.add_argument("--block-tokens", type=int, default=d.block_tokens)
+    p.add_argument("--device-bytes", type=int, default=d.device_bytes, help="device tier budget (small configs)")
+    p.add_argument("--disk-bytes", type=int, default=d.disk_bytes, help="disk tier budget (small configs)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--configs", default=d.configs)
+    p.add_argument("--out", default=d.out, help="folder for lifecycle.md and lifecycle.json")
     p.add_argument("--cold", action="store_true", help="no tester run before the sessions: no history to predict from")
-    p.add_argument("--repeats", type=int, default=1, help="runs per config, interleaved; the table shows medians")
+    p.add_argument(
+        "--repeats", type=int, default=d.repeats, help="runs per config, interleaved; the table shows medians"
+    )
     args = p.parse_args(argv)
-    runs: dict[str, list] = {}
-    for rep in range(args.repeats):  # interleaved, so a noisy neighbour hits every config alike
-        for name in args.configs.split(","):
-            runs.setdefault(name, []).append(
-                asyncio.run(run_config(name, argparse.Namespace(**{**vars(args), "seed": args.seed + rep})))
-            )
-    rows = [merge_runs(rs) for rs in runs.values()]
-    text = table(rows)
-    print(text)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "lifecycle.md"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(args.out, "lifecycle.json"), "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
-    return rows
+    return kv_lifecycle.run(kv_lifecycle.Options(**vars(args)))
 
 
 if __name__ == "__main__":

@@ -44,10 +44,10 @@ def main(argv=None) -> list[dict]:
         Client(cluster) as client,
     ):
         kvs.install(client, args.model, torch_threads=1)
-        client.run(workload._warm_up)
+        client.run(workload.warm_up)
         ctx = workload.contexts(client, [args.tokens])[args.tokens]
         for size in sizes:
-            workload._settle(client)
+            workload.settle(client)
             cpu0 = client.run(_cpu_seconds)
             outs = workload.build("kvstate", ctx, args.agents, args.new_tokens)
             with kvs.stateflow(), dask.config.set({"kvstate.compiler.batch-siblings": size}):

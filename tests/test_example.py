@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-
-import tree_of_thought
+from dask_kvstate.bench import tree_of_thought
 
 
 def test_tree_of_thought_table(client):

@@ -7,6 +7,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import dask_kvstate as kvs
+from dask_kvstate.bench.tree_of_thought import QUESTIONS, prompt_parts
 
 from .conftest import on
 
@@ -14,12 +15,6 @@ pytestmark = pytest.mark.slow
 
 
 def test_smollm2_reuse_across_workers_is_token_identical_to_text_replay():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-    from tree_of_thought import QUESTIONS, prompt_parts
-
     parts = [prompt_parts(12, q) for q in QUESTIONS[:3]]
     prefix = parts[0][0]
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:

@@ -1,7 +1,7 @@
 """KV lifecycle (Nalar 4.5): resume latency, recomputes and leftovers against an LRU-only store.
 
 All three configurations run in the same benchmark process on the same seeded sessions
-(``examples/kv_lifecycle.py``): ``track_resume_vs_resident`` is the lifecycle's median
+(:mod:`dask_kvstate.bench.kv_lifecycle`): ``track_resume_vs_resident`` is the lifecycle's median
 resume latency over a resident store's (target <= 1.1), ``track_lru_resume_vs_resident``
 the same for the LRU-only store at the same budget, ``track_recomputes_*`` the blocks
 rebuilt, ``track_ended_bytes_left`` the KV bytes ended sessions left behind.
@@ -9,19 +9,7 @@ rebuilt, ``track_ended_bytes_left`` the KV bytes ended sessions left behind.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
-_EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "kv_lifecycle.py")
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location("kv_lifecycle_example", _EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from dask_kvstate.bench import kv_lifecycle
 
 
 class Lifecycle:
@@ -30,7 +18,7 @@ class Lifecycle:
     repeat = 1
 
     def setup_cache(self):
-        return {r["config"]: r for r in _example().main(["--repeats", "1"])}
+        return {r["config"]: r for r in kv_lifecycle.run(kv_lifecycle.Options(repeats=1))}
 
     def track_resume_vs_resident(self, rows):
         return rows["lifecycle"]["ttft_p50"] / rows["resident"]["ttft_p50"]

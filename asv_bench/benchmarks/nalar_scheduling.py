@@ -1,7 +1,7 @@
 """Workflow-aware scheduling (Nalar): latency against stock Dask, control loop latency.
 
 Both sides of each ratio run in the same benchmark process, replaying the same seeded
-arrivals and durations (``examples/nalar_workflows.py``): ``track_avg_speedup`` is
+arrivals and durations (:mod:`dask_kvstate.bench.nalar`): ``track_avg_speedup`` is
 stock Dask's average end-to-end latency over ours (above 1: ours is faster),
 ``track_p99_cut`` the share of stock Dask's P99 we remove. ``track_control_loop_*``
 is the global control loop's pass latency with 10,000 futures queued.
@@ -10,19 +10,8 @@ is the global control loop's pass latency with 10,000 futures queued.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import os
-import sys
 
-_EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "nalar_workflows.py")
-
-
-def _workflows():
-    spec = importlib.util.spec_from_file_location("nalar_workflows", _EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+from dask_kvstate.bench import nalar
 
 
 class WorkflowLatency:
@@ -33,11 +22,10 @@ class WorkflowLatency:
     repeat = 1
 
     def setup_cache(self):
-        nw = _workflows()
         out = {}
         for name in self.params[0]:
-            wf = nw.WORKFLOWS[name]
-            rows = {c: asyncio.run(nw.run_one(wf, c, duration=20.0, seed=0, drain=60.0)) for c in ("default", "all")}
+            wf = nalar.WORKFLOWS[name]
+            rows = {c: asyncio.run(nalar.run_one(wf, c, duration=20.0, seed=0, drain=60.0)) for c in ("default", "all")}
             out[name] = rows
         return out
 
@@ -60,7 +48,7 @@ class ControlLoop:
     repeat = 1
 
     def setup_cache(self):
-        return asyncio.run(_workflows().control_loop(10_000, seconds=5.0))
+        return asyncio.run(nalar.control_loop(10_000, seconds=5.0))
 
     def track_control_loop_p99_ms(self, res):
         return res["loop"]["total"]["p99_ms"]

@@ -1,10 +1,10 @@
 """Transfer versus recompute on a live two-process cluster (AAFLOW+ section 6.8).
 
-The sweep of ``examples/crossover.py`` as an asv suite: for each emulated link speed x
+The sweep of :mod:`dask_kvstate.bench.crossover` as an asv suite: for each emulated link speed x
 context length, the rule's choice, the measured pull time and the measured recompute
 time, all from one run (``setup_cache``) so every cell is measured under the same
 conditions. ``track_rule_right`` is 1 where the rule picked the faster option; the
-issue's bar is 95% of cells. ``KVThroughput`` sets a KV pull beside Dask's own fetch of
+target is 95% of cells. ``KVThroughput`` sets a KV pull beside Dask's own fetch of
 a numpy array of the same bytes, on the same pair of workers, per comm, and beside the
 same pull with the holder's zero-copy path off (packed). ``ServePath`` times the
 holder's side alone: packing a pull into a reply buffer vs finding its block arena run.
@@ -12,13 +12,7 @@ holder's side alone: packing a pull into a reply buffer vs finding its block are
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-
-import crossover
-import serve_path
+from dask_kvstate.bench import crossover, serve_path
 
 MODEL = "tiny-llama"
 

@@ -169,7 +169,7 @@ def main(argv=None) -> dict:
             ):
                 progress.write(f"loading {g['model']} on {args.workers} workers ...")
                 kvs.install(client, g["model"], torch_threads=1)
-                client.run(workload._warm_up)
+                client.run(workload.warm_up)
                 bpt = workload.kv_bytes_per_token(client)
                 res["meta"]["kv_bytes_per_token"] = bpt
                 ctx = workload.contexts(client, sorted({*g["lengths"], g["scaling_context"]}))

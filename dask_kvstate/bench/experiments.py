@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import dask
 
 from dask_kvstate import progress
-from dask_kvstate.bench import workload
+from dask_kvstate.bench import crossover, workload
 
 # name -> (mode, batch): batch None = siblings split evenly over workers, 1 = no batching
 VARIANTS = {
@@ -158,7 +156,7 @@ def memory_live(model: str, context_tokens: int, ks, new_tokens: int, workers: i
         Client(cluster) as client,
     ):
         kvs.install(client, model, torch_threads=1)
-        client.run(workload._warm_up)
+        client.run(workload.warm_up)
         ctx = workload.contexts(client, [context_tokens])[context_tokens]
         for k in ks:
             runs = {}
@@ -220,24 +218,12 @@ def throughput(scaling_rows: list[dict]) -> list[dict]:
     return out
 
 
-def _examples():
-    here = Path(__file__).resolve().parents[2] / "examples"
-    if not (here / "crossover.py").exists():
-        raise RuntimeError(f"experiment 3 needs the repository's examples/crossover.py (looked in {here})")
-    if str(here) not in sys.path:
-        sys.path.insert(0, str(here))
-    import crossover
-
-    return crossover
-
-
 def crossover_sweep(model: str, bandwidths, contexts, repeats: int, bar) -> list[dict]:
-    """Experiment 3: the placement issue's sweep (``examples/crossover.py``'s ``sweep_cell``)."""
+    """Experiment 3: the transfer-or-recompute sweep (:func:`dask_kvstate.bench.crossover.sweep_cell`)."""
     from distributed import Client, LocalCluster
 
     import dask_kvstate as kvs
 
-    xo = _examples()
     cells = []
     for bw in bandwidths:
         with (
@@ -249,7 +235,7 @@ def crossover_sweep(model: str, bandwidths, contexts, repeats: int, bar) -> list
             a, b = sorted(client.scheduler_info()["workers"])
             for n in contexts:
                 bar.set_postfix_str(f"crossover {bw} {n}")
-                cell = xo.sweep_cell(client, a, b, n, f"bench {bw} {n}", repeats)
+                cell = crossover.sweep_cell(client, a, b, n, f"bench {bw} {n}", repeats)
                 cells.append({"bandwidth": bw, **cell})
                 bar.update()
     return cells
@@ -328,8 +314,8 @@ def overhead(model: str, tasks: int, repeats: int, bar) -> dict:
     opts = {"n_workers": 2, "threads_per_worker": 1, "processes": True, "dashboard_address": ":0"}
     names = ("plain", "plugins", "plugins+compiler")
     load_start = [round(x, 2) for x in os.getloadavg()]
-    times = {k: [] for k in names}
-    cpu = {k: {"scheduler": [], "workers": []} for k in names}
+    times: dict[str, list[float]] = {k: [] for k in names}
+    cpu: dict[str, dict[str, list[float]]] = {k: {"scheduler": [], "workers": []} for k in names}
     with (
         LocalCluster(**opts) as c1,
         Client(c1, set_as_default=False) as plain,

@@ -93,7 +93,7 @@ def markdown(res: dict) -> str:
         out += [
             "## 3. Transfer vs recompute crossover",
             "",
-            "examples/crossover.py's `sweep_cell`: the rule's choice vs both options measured.",
+            "`dask_kvstate.bench.crossover.sweep_cell`: the rule's choice vs both options measured.",
             "",
             _table(
                 ["bandwidth", "tokens", "MiB", "rule", "pull s", "recompute s", "right"],

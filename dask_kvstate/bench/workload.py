@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Any
 
 import dask
 
@@ -86,7 +87,7 @@ def _reset(dask_worker) -> None:
         plugin._report()  # now, not at the next 200 ms tick: placement must not count the dropped blocks
 
 
-def _settle(client, timeout: float = 60.0) -> None:
+def settle(client, timeout: float = 60.0) -> None:
     """Wait until the scheduler has forgotten the last run's tasks, then reset the workers.
 
     The last run's keys are released asynchronously after its results are gathered
@@ -107,7 +108,8 @@ def _settle(client, timeout: float = 60.0) -> None:
     client.run(_reset)
 
 
-def _warm_up(dask_worker) -> None:
+def warm_up(dask_worker) -> None:
+    """Run with ``client.run``: a first generate pays kernel and allocator setup, so no measured run does."""
     dask_worker.plugins["kvstate"].runtime.backend.generate([1, 2, 3], max_new_tokens=2)
 
 
@@ -124,7 +126,7 @@ def _counters(client) -> dict:
 def build(mode: str, context: str, k: int, new_tokens: int) -> list:
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
-    extra = {"prefix_cache": True} if mode == "prefix" else {}
+    extra: dict[str, Any] = {"prefix_cache": True} if mode == "prefix" else {}
     return [kvs.generate(context, suffix(i), max_new_tokens=new_tokens, **extra) for i in range(k)]
 
 
@@ -134,7 +136,7 @@ def run(client, mode: str, context: str, k: int, new_tokens: int, *, batch: int 
     ``batch``: most siblings per batched resume (kvstate only); default: the agents
     split evenly over the workers, so every worker decodes one batch.
     """
-    _settle(client)
+    settle(client)
     n_workers = len(client.scheduler_info()["workers"])
     batch = batch or max(1, -(-k // n_workers))
     outs = build(mode, context, k, new_tokens)

@@ -24,7 +24,7 @@ def tree_of_thought(k: int = 4, n: int = 12) -> list:
 
 def debate(rounds: int = 3, agents: int = 2, n: int = 8) -> list:
     """Each round every agent reads the whole transcript so far (prompt = previous prompt + new turns)."""
-    transcript = [SYSTEM, "Debate: is the tester or the planner more important?\n"]
+    transcript: list = [SYSTEM, "Debate: is the tester or the planner more important?\n"]
     outs = []
     for r in range(rounds):
         turn = [kvs.generate(*transcript, f"Agent {a}, round {r + 1}:", max_new_tokens=n) for a in range(agents)]
