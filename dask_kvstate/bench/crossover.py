@@ -24,6 +24,7 @@ from distributed import Client, LocalCluster, wait
 import dask_kvstate as kvs
 from dask_kvstate import progress, tasks
 from dask_kvstate.bench import workload
+from dask_kvstate.protocol import WORKER_PLUGIN
 
 BANDWIDTHS = ["10 Mbit/s", "100 Mbit/s", "1 Gbit/s", "10 Gbit/s"]
 CONTEXTS = [256, 512, 1024, 2048, 4096]
@@ -85,7 +86,7 @@ def sweep_cell(client, a, b, tokens_hint: int, salt: str, repeats: int) -> dict:
 
 def _holder_zero_copy(client, holder: str, on: bool) -> None:
     def flip(dask_worker, on=on):
-        dask_worker.plugins["kvstate"].zero_copy = on
+        dask_worker.plugins[WORKER_PLUGIN].zero_copy = on
 
     client.run(flip, workers=[holder])
 

@@ -15,6 +15,7 @@ import dask
 
 from dask_kvstate import progress
 from dask_kvstate.bench import crossover, workload
+from dask_kvstate.protocol import WORKER_PLUGIN
 
 # name -> (mode, batch): batch None = siblings split evenly over workers, 1 = no batching
 VARIANTS = {
@@ -72,7 +73,7 @@ def ttft_vs_context(client, contexts: dict[int, str], agents: int, new_tokens: i
 
 
 def _time_fork(ref, k: int, repeats: int, dask_worker=None) -> float:
-    rt = dask_worker.plugins["kvstate"].runtime
+    rt = dask_worker.plugins[WORKER_PLUGIN].runtime
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()

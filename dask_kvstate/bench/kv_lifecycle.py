@@ -41,7 +41,8 @@ import numpy as np
 from distributed import Client, LocalCluster
 
 import dask_kvstate as kvs
-from dask_kvstate.session import ANNOTATION, TOPIC, new_session_id
+from dask_kvstate.protocol import LIFECYCLE_TOPIC, SESSION_ANNOTATION, SESSION_TOPIC, WORKER_PLUGIN
+from dask_kvstate.session import new_session_id
 
 
 @dataclasses.dataclass
@@ -84,7 +85,7 @@ def conversation(i: int) -> str:
 
 
 def _store_blocks(hashes, dask_worker=None) -> dict:
-    store = dask_worker.plugins["kvstate"].runtime.store
+    store = dask_worker.plugins[WORKER_PLUGIN].runtime.store
     return {"bytes": sum(store.size_of(h) for h in hashes if h in store)}
 
 
@@ -125,14 +126,14 @@ async def run_config(name: str, args: Options) -> dict:
             async def session(i: int) -> None:
                 sid = new_session_id(f"dev{i}")
                 seen = blocks_of.setdefault(sid, set())
-                with dask.annotate(**{ANNOTATION: sid}):
+                with dask.annotate(**{SESSION_ANNOTATION: sid}):
                     f = c.compute(kvs.materialize(conversation(i)))
                 ref = await f
                 del f
                 seen.update(ref.blocks)
                 for r in range(args.rounds):
                     report = f" Round {r}: test_{i}_{r} failed, the last field of record {r + 1} is missing."
-                    with dask.annotate(**{ANNOTATION: sid}):
+                    with dask.annotate(**{SESSION_ANNOTATION: sid}):
                         with kvs.component("tester"):
                             tool = dask.delayed(run_tests)(
                                 float(durations[i, r]), report, dask_key_name=f"run_tests-{sid}-{r}"
@@ -154,7 +155,7 @@ async def run_config(name: str, args: Options) -> dict:
                             "reused": out.reused_tokens,
                         }
                     )
-                await c.log_event(TOPIC, {"kind": "close", "session": sid})  # what kvs.session's exit sends
+                await c.log_event(SESSION_TOPIC, {"kind": "close", "session": sid})  # what kvs.session's exit sends
 
             sem = asyncio.Semaphore(args.live)
 
@@ -167,7 +168,7 @@ async def run_config(name: str, args: Options) -> dict:
             await asyncio.sleep(1.0)  # the last sessions end (one control interval) and are invalidated
             stats = (await c.run(_worker_stats))[worker]
             left = (await c.run(_store_blocks, set().union(*blocks_of.values())))[worker]["bytes"]
-            events = [m for _, m in await c.get_events("kvstate-lifecycle")] if name == "lifecycle" else []
+            events = [m for _, m in await c.get_events(LIFECYCLE_TOPIC)] if name == "lifecycle" else []
     # Resumes whose KV was brought back ahead of them by a prediction (not fetched late,
     # as their task ran: those are counted with the rest).
     predicted_at = {
@@ -213,7 +214,7 @@ def _install(address: str, budgets: dict) -> None:
 
 
 def _worker_stats(dask_worker) -> dict:
-    plugin = dask_worker.plugins["kvstate"]
+    plugin = dask_worker.plugins[WORKER_PLUGIN]
     return plugin.runtime.stats()
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import dask
 
 import dask_kvstate as kvs
+from dask_kvstate.protocol import WORKER_PLUGIN
 
 MODES = ("replay", "prefix", "kvstate")
 
@@ -59,7 +60,7 @@ def suffix(i: int) -> str:
 
 def _fit_lines(tokens: int, dask_worker=None) -> int:
     """Most log lines whose context stays within ``tokens`` tokens (run on a worker: it has the tokenizer)."""
-    tok = dask_worker.plugins["kvstate"].runtime.backend.tokenize
+    tok = dask_worker.plugins[WORKER_PLUGIN].runtime.backend.tokenize
     lo, hi = 0, 1
     while len(tok(context_text(hi))) <= tokens:
         lo, hi = hi, hi * 2
@@ -78,7 +79,7 @@ def contexts(client, lengths) -> dict[int, str]:
 # -- worker-side helpers -------------------------------------------------------------
 def _reset(dask_worker) -> None:
     """Empty the store (unheld blocks) and start the peak counters afresh."""
-    plugin = dask_worker.plugins["kvstate"]
+    plugin = dask_worker.plugins[WORKER_PLUGIN]
     for rt in plugin.runtimes.values():
         rt.store.discard(list(rt.store))
         rt.store.device_peak = rt.store.device.total_weight
@@ -110,12 +111,16 @@ def settle(client, timeout: float = 60.0) -> None:
 
 def warm_up(dask_worker) -> None:
     """Run with ``client.run``: a first generate pays kernel and allocator setup, so no measured run does."""
-    dask_worker.plugins["kvstate"].runtime.backend.generate([1, 2, 3], max_new_tokens=2)
+    dask_worker.plugins[WORKER_PLUGIN].runtime.backend.generate([1, 2, 3], max_new_tokens=2)
 
 
 def kv_bytes_per_token(client) -> int:
     return next(
-        iter(client.run(lambda dask_worker: dask_worker.plugins["kvstate"].runtime.backend.kv_bytes_per_token).values())
+        iter(
+            client.run(
+                lambda dask_worker: dask_worker.plugins[WORKER_PLUGIN].runtime.backend.kv_bytes_per_token
+            ).values()
+        )
     )
 
 

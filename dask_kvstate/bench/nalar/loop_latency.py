@@ -17,10 +17,11 @@ import dask_kvstate as kvs
 from dask_kvstate.bench.nalar.components import work
 from dask_kvstate.bench.nalar.runner import CONFIGS, cluster_spec, install_policies
 from dask_kvstate.bench.nalar.workflows import Workflow, role
+from dask_kvstate.protocol import SESSIONS_EXTENSION
 
 
 def _loop_state(dask_scheduler, reset: bool = False) -> dict:
-    loop = dask_scheduler.plugins["kvstate-sessions"].loop
+    loop = dask_scheduler.plugins[SESSIONS_EXTENSION].loop
     if reset:
         for samples in loop.latency.values():
             samples.clear()

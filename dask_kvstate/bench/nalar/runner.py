@@ -23,6 +23,7 @@ from distributed import Client, Scheduler, SpecCluster, Worker
 import dask_kvstate as kvs
 from dask_kvstate.bench.nalar import report
 from dask_kvstate.bench.nalar.workflows import WORKFLOWS, Draws, Workflow, analyst, configure, role, router, swe
+from dask_kvstate.protocol import BATCHING_WORKER_PLUGIN
 
 CONFIGS = {
     "default": {},
@@ -82,7 +83,7 @@ def _steal_outcomes(dask_scheduler) -> dict:
 
 
 def _batching_stats(dask_worker) -> dict:
-    plugin = dask_worker.plugins.get("kvstate-batching")
+    plugin = dask_worker.plugins.get(BATCHING_WORKER_PLUGIN)
     return plugin.stats() if plugin is not None else {}
 
 
