@@ -131,7 +131,7 @@ class CapacityController(SchedulerPlugin):
         self.tracker = scheduler.plugins.get(SESSIONS_EXTENSION)
         assert self.tracker is not None, "the capacity extension needs the sessions extension registered first"
         self.counters: Counter[str] = Counter()
-        self._done = defaultdict(lambda: [0, 0.0])  # role -> [completions, busy seconds] this interval
+        self._done: defaultdict[str, list] = defaultdict(lambda: [0, 0.0])  # role -> [completions, busy s]
         self._visits: Counter[str] = Counter()  # role -> invocations submitted this interval
         self._sessions: set[str] = set()
         self.role_of: dict = {}  # key -> its role, for tasks the scheduler holds
@@ -208,14 +208,16 @@ class CapacityController(SchedulerPlugin):
             for r, n in per_role.items():
                 if r not in ws.resources:
                     ready[r] += n
-        held = getattr(
-            s.plugins.get(HINTS_EXTENSION), "held_comp", {}
-        )  # held by max-concurrency: not for want of units
+        # Tasks held by max-concurrency wait for a slot, not for want of units.
+        held = getattr(s.plugins.get(HINTS_EXTENSION), "held_comp", {})
         for ts in s.unrunnable:
             r = role_of.get(ts.key)
             if r is not None and ts.key not in held:
                 ready[r] += 1
-        done, busy, visits, sessions = Counter(), Counter(), Counter(), set()
+        done: Counter[str] = Counter()
+        busy: defaultdict[str, float] = defaultdict(float)
+        visits: Counter[str] = Counter()
+        sessions: set[str] = set()
         for d, v, ss in self.history:
             for r, (n, a) in d.items():
                 done[r] += n
@@ -236,7 +238,7 @@ class CapacityController(SchedulerPlugin):
         if not measured:
             self.bottleneck, self.streak = None, 0
             return
-        b = min(measured, key=measured.get)
+        b = min(measured, key=lambda r: measured[r])
         self.streak = self.streak + 1 if b == self.bottleneck else 1
         self.bottleneck = b
         self.last.update(bottleneck=b, streak=self.streak)

@@ -109,8 +109,9 @@ class ComponentHints(SchedulerPlugin):
     async def close(self) -> None:
         """Give this scheduler its stock transitions back and let held tasks go."""
         s = self.scheduler
-        if getattr(self, "_own_loop", None) is not None:
-            self._own_loop.stop()
+        own_loop = getattr(self, "_own_loop", None)
+        if own_loop is not None:
+            own_loop.stop()
         if getattr(s, "_kvstate_hints_table", False):
             del s._TRANSITIONS_TABLE
             s._kvstate_hints_table = False

@@ -32,8 +32,12 @@ import asyncio
 import logging
 from collections import Counter, defaultdict
 from time import time
+from typing import TYPE_CHECKING
 
 from distributed.diagnostics.plugin import SchedulerPlugin
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
 
 from dask_kvstate import config
 from dask_kvstate.plugins.scheduler.handshake import serve_hello
@@ -172,6 +176,8 @@ def uses_kv(ts) -> bool:
 class KVLifecycle(SchedulerPlugin):
     """Scheduler side of the KV lifecycle (installed by ``kvs.install`` when ``kvstate.lifecycle.enabled``)."""
 
+    scheduler: Scheduler  # set by start()
+
     name = LIFECYCLE_EXTENSION
     idempotent = True
 
@@ -184,7 +190,6 @@ class KVLifecycle(SchedulerPlugin):
         if not isinstance(reserve, (int, float)) or not 0 <= reserve < 1:
             raise ValueError(f"kvstate.lifecycle.device-reserve must be a fraction in [0, 1), got {reserve!r}")
         self.reserve = float(reserve)
-        self.scheduler = None
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler

@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
+from typing import TYPE_CHECKING
 
 from distributed.diagnostics.plugin import SchedulerPlugin
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
 from distributed.metrics import time
 from tornado.ioloop import PeriodicCallback
 
@@ -48,6 +52,8 @@ def _seconds(key: str) -> float:
 class KVObserver(SchedulerPlugin):
     """Scheduler side of kvstate observability (installed by ``kvs.install``)."""
 
+    scheduler: Scheduler  # set by start()
+
     name = OBSERVE_EXTENSION
     idempotent = True
 
@@ -62,7 +68,6 @@ class KVObserver(SchedulerPlugin):
                 f"{self.history_len!r} and {self.largest_n!r}"
             )
         self.page = bool(config.get("dashboard.enabled"))
-        self.scheduler = None
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -145,11 +150,12 @@ class KVObserver(SchedulerPlugin):
 
     def lineage(self, state_id: str, depth: int = 12) -> list[dict]:
         """``state_id``'s summary, then its first parent's, and so on while known."""
-        out = []
-        while state_id in self.states and len(out) < depth:
-            s = self.states[state_id]
+        out: list[dict] = []
+        sid: str | None = state_id
+        while sid in self.states and len(out) < depth:
+            s = self.states[sid]
             out.append(s)
-            state_id = s["parents"][0] if s.get("parents") else None
+            sid = s["parents"][0] if s.get("parents") else None
         return out
 
     def largest(self, n: int | None = None) -> list[list[dict]]:

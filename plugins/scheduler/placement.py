@@ -26,9 +26,13 @@ from __future__ import annotations
 import functools
 import logging
 import traceback
-from collections import Counter
+from collections import Counter, defaultdict
+from typing import TYPE_CHECKING
 
 from distributed.diagnostics.plugin import SchedulerPlugin
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
 
 from dask_kvstate import config
 from dask_kvstate.cost import transfer_or_recompute
@@ -84,6 +88,8 @@ def _guarded(what: str):
 class KVPlacement(SchedulerPlugin):
     """Scheduler side of KV-aware placement (installed by ``kvs.install``)."""
 
+    scheduler: Scheduler  # set by start()
+
     name = PLACEMENT_EXTENSION
     idempotent = True
 
@@ -92,7 +98,6 @@ class KVPlacement(SchedulerPlugin):
         self.blocks_on: dict[str, set[bytes]] = {}  # worker -> block hashes it holds
         self.metrics: dict[str, dict] = {}  # worker -> {"prefill": {model: (a, b)}, "bandwidth": {...}, ...}
         self.counters: Counter[str] = Counter()
-        self.scheduler = None
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -188,7 +193,7 @@ class KVPlacement(SchedulerPlugin):
         # worker's occupancy only once the task is dispatched, so without it every sibling
         # of a state would pick the same idle holder and wait there for stealing to move
         # it (measured: the second of two batched resumes on SmolLM2 started 2.6 s late).
-        planned: Counter = Counter()
+        planned: dict[str, float] = defaultdict(float)
         cap = config.get("placement.max-copies")
         # Workers with a copy of the state; grows as this pass places consumers away from them.
         copies = self.holders(ref) if cap is not None else set()
@@ -219,8 +224,8 @@ class KVPlacement(SchedulerPlugin):
     def estimate(self, ref: dict, worker: str) -> dict | None:
         """Both estimates for serving ``ref`` on ``worker``; None without its measurements yet."""
         m = self.metrics.get(worker)
-        coeffs = (m or {}).get("prefill", {}).get(ref["model"])
-        if coeffs is None:
+        coeffs = None if m is None else m.get("prefill", {}).get(ref["model"])
+        if m is None or coeffs is None:
             return None
         held = self.blocks_on.get(worker, set())
         blocks, bt = ref["blocks"], ref["block_tokens"]
@@ -245,14 +250,14 @@ class KVPlacement(SchedulerPlugin):
         held = {w for w, have in self.blocks_on.items() if w in running and all(h in have for h in blocks)}
         return held | ({ref["holder"]} & running)
 
-    def choose(self, ref: dict, planned: Counter | None = None, among: set[str] | None = None) -> dict | None:
+    def choose(self, ref: dict, planned: dict[str, float] | None = None, among: set[str] | None = None) -> dict | None:
         """The running worker with the earliest expected start for a consumer of ``ref``.
 
         ``planned``: seconds per thread already promised to each worker but not yet in
         its occupancy (earlier consumers placed in the same pass). ``among``: only these
         workers (the state's copies, when ``placement.max-copies`` is reached).
         """
-        planned = planned if planned is not None else Counter()
+        planned = planned if planned is not None else {}
         best = None
         for ws in self.scheduler.running:
             if among is not None and ws.address not in among:
@@ -260,7 +265,7 @@ class KVPlacement(SchedulerPlugin):
             est = self.estimate(ref, ws.address)
             if est is None:
                 continue
-            wait = ws.occupancy / max(ws.nthreads, 1) + planned[ws.address]
+            wait = ws.occupancy / max(ws.nthreads, 1) + planned.get(ws.address, 0.0)
             start = wait + min(est["t_transfer"], est["t_recompute"])
             if best is None or start < best["expected_start"]:
                 best = {

@@ -21,9 +21,13 @@ import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from time import time
+from typing import TYPE_CHECKING
 
 from dask.utils import key_split
 from distributed.diagnostics.plugin import SchedulerPlugin
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
 
 from dask_kvstate import config
 from dask_kvstate.plugins.scheduler.control import ControlLoop
@@ -85,12 +89,13 @@ def component_of(ts) -> str:
 class SessionTracker(SchedulerPlugin):
     """Scheduler side of ``kvs.session`` (installed by ``kvs.install`` when enabled)."""
 
+    scheduler: Scheduler  # set by start()
+
     name = SESSIONS_EXTENSION
     idempotent = True
 
     def __init__(self, interval: str | float | None = None):
         self.interval_s = config.seconds("scheduling.interval", interval, strict=True)
-        self.scheduler = None
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -118,7 +123,7 @@ class SessionTracker(SchedulerPlugin):
                     self.counters["inherited_graphs"] += 1
                 return await original(*args, submitting_task=submitting_task, annotations=annotations, **kwargs)
 
-            update_graph._kvstate_wrapped = True
+            update_graph._kvstate_wrapped = True  # type: ignore[attr-defined]
             scheduler.stream_handlers["update-graph"] = update_graph
         self.loop.start()
 
@@ -175,7 +180,7 @@ class SessionTracker(SchedulerPlugin):
 
     def log_event(self, topic, msg) -> None:
         if topic == SESSION_TOPIC and isinstance(msg, dict) and msg.get("kind") == "close":
-            s = self.sessions.get(msg.get("session"))
+            s = self.sessions.get(msg["session"]) if "session" in msg else None
             if s is None:  # a session that submitted nothing: it starts and ends here
                 self._seq += 1
                 s = self.sessions[msg["session"]] = Session(msg["session"], self._seq, time())
@@ -192,7 +197,7 @@ class SessionTracker(SchedulerPlugin):
         overtake them by a few milliseconds.
         """
         now = time()
-        for s in [s for s in self.closing if not s.live and now - s.closed_at >= self.interval_s]:
+        for s in [s for s in self.closing if not s.live and now - (s.closed_at or now) >= self.interval_s]:
             self.closing.discard(s)
             self._end(s, now)
 
