@@ -69,7 +69,7 @@ class ComponentHints(SchedulerPlugin):
         hints = parse_hints(config.get("scheduling.components") if components is None else components)
         self.limits: dict[str, int] = dict(hints.limits)
         self.batch: dict[str, int | None] = dict(hints.batch)
-        self.batch_window = config.seconds("scheduling.batch-window", batch_window)
+        self.batch_window = config.get_seconds("scheduling.batch-window", batch_window)
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -98,8 +98,7 @@ class ComponentHints(SchedulerPlugin):
             else:  # registered alone: a loop of its own, same period
                 from dask_kvstate.plugins.scheduler.control import ControlLoop
 
-                interval = config.get_seconds("scheduling.interval")
-                self._own_loop = ControlLoop(float(interval))
+                self._own_loop = ControlLoop(config.get_seconds("scheduling.interval"))
                 self._own_loop.add("hints", self.revise)
                 self._own_loop.start()
 

@@ -41,13 +41,6 @@ MAX_STATES = 4096
 SESSIONS_PREFIX = "kvstate-sessions"
 
 
-def _seconds(key: str) -> float:
-    value = config.get_seconds(key)
-    if not value > 0:
-        raise ValueError(f"kvstate.{key} must be a positive duration, got {config.get(key)!r}")
-    return value
-
-
 class KVObserver(SchedulerPlugin):
     """Scheduler side of kvstate observability (installed by ``kvs.install``)."""
 
@@ -55,8 +48,8 @@ class KVObserver(SchedulerPlugin):
     idempotent = True
 
     def __init__(self):
-        self.refresh_s = _seconds("dashboard.refresh-interval")
-        self.report_s = _seconds("dashboard.report-interval")
+        self.refresh_s = config.get_seconds("dashboard.refresh-interval")
+        self.report_s = config.get_seconds("dashboard.report-interval")
         self.history_len = int(config.get("dashboard.history"))
         self.largest_n = int(config.get("dashboard.largest-states"))
         if self.history_len < 1 or self.largest_n < 0:
