@@ -4,6 +4,13 @@ The defaults are registered with :func:`dask.config.update_defaults` on import, 
 ``distributed`` registers ``distributed.yaml``, so users override them with the usual
 Dask mechanisms (YAML files, ``DASK_KVSTATE__...`` environment variables,
 ``dask.config.set``). Values are read when an object is constructed, never at import.
+
+``kvstate.yaml`` is the only place a default lives: code reads a key with :func:`get`
+(or :func:`get_bytes`, :func:`get_seconds`, :func:`get_bandwidth`) and never supplies a
+fallback of its own. ``kvstate-schema.yaml`` describes every key; a key whose schema has
+``format: bytes``, ``duration`` or ``bandwidth`` is parsed by :func:`parse`, and its
+``minimum`` / ``exclusiveMinimum`` / ``maximum`` bound the parsed value (bytes, seconds,
+bytes per second), so :func:`check` and the readers accept the same values.
 """
 
 from __future__ import annotations
@@ -14,39 +21,31 @@ import os
 from typing import Any
 
 import dask.config
+import dask.utils
 import yaml
 
 _HERE = os.path.dirname(__file__)
-_DEFAULTS_FILE = os.path.join(_HERE, "kvstate.yaml")
+DEFAULTS_FILE = os.path.join(_HERE, "kvstate.yaml")
 SCHEMA_FILE = os.path.join(_HERE, "kvstate-schema.yaml")
 
-with open(_DEFAULTS_FILE) as f:
+with open(DEFAULTS_FILE) as f:
     _defaults = yaml.safe_load(f)
 
 dask.config.update_defaults(_defaults)
 
 
-def get(key: str, default: Any = dask.config.no_default) -> Any:
+def get(key: str) -> Any:
     """Read ``kvstate.<key>`` from the Dask config.
+
+    There is no ``default`` argument: every key has its default in ``kvstate.yaml``, so a
+    key that is missing is a typo in the code and raises KeyError.
 
     Examples
     --------
     >>> get("block-tokens") > 0
     True
     """
-    return dask.config.get(f"kvstate.{key}", default=default)
-
-
-def get_bytes(key: str) -> int:
-    """Read a byte size such as ``4GiB`` and return it as an int.
-
-    Examples
-    --------
-    >>> with dask.config.set({"kvstate.worker.device-bytes": "1KiB"}):
-    ...     get_bytes("worker.device-bytes")
-    1024
-    """
-    return int(dask.utils.parse_bytes(get(key)))
+    return dask.config.get(f"kvstate.{key}")
 
 
 def parse_bandwidth(value) -> float | None:
@@ -69,43 +68,145 @@ def parse_bandwidth(value) -> float | None:
     return n / 8 if bits else n
 
 
-def get_seconds(key: str) -> float:
-    """Read a duration such as ``5s`` and return it in seconds.
+# -- formatted values: byte sizes, durations, bandwidths --------------------------------
+def _duration(value) -> float:
+    if isinstance(value, (int, float)):  # parse_timedelta cannot read a negative number
+        return float(value)
+    return float(dask.utils.parse_timedelta(value, default="seconds"))
+
+
+# format name -> (parser to base units, what a good value looks like, unit shown in range errors)
+_FORMATS = {
+    "bytes": (lambda v: int(dask.utils.parse_bytes(v)), "a byte size like '16GiB'", "bytes"),
+    "duration": (_duration, "a duration like '200ms'", "s"),
+    "bandwidth": (parse_bandwidth, "a rate like '100 Mbit/s'", "B/s"),
+}
+# what Dask's parsers raise on nonsense (parse_timedelta('') raises IndexError)
+_PARSE_ERRORS = (ValueError, TypeError, KeyError, IndexError, OverflowError, AttributeError)
+
+
+@functools.lru_cache(maxsize=1)
+def _schema() -> dict:
+    with open(SCHEMA_FILE) as f:
+        return yaml.safe_load(f)["properties"]["kvstate"]
+
+
+def _schema_of(key: str) -> dict:
+    node = _schema()
+    for part in key.split("."):
+        node = node["properties"][part]
+    return node
+
+
+def _types(schema: dict) -> list[str]:
+    types = schema.get("type", [])
+    return [types] if isinstance(types, str) else list(types)
+
+
+def _check_range(key: str, number: float, schema: dict, shown, unit: str = "") -> None:
+    unit = f" {unit}" if unit else ""
+    if "minimum" in schema and not number >= schema["minimum"]:
+        raise ValueError(f"kvstate.{key} must be >= {schema['minimum']}{unit}, got {shown!r:.80}")
+    if "exclusiveMinimum" in schema and not number > schema["exclusiveMinimum"]:
+        raise ValueError(f"kvstate.{key} must be > {schema['exclusiveMinimum']}{unit}, got {shown!r:.80}")
+    if "maximum" in schema and not number <= schema["maximum"]:
+        raise ValueError(f"kvstate.{key} must be <= {schema['maximum']}{unit}, got {shown!r:.80}")
+    if "exclusiveMaximum" in schema and not number < schema["exclusiveMaximum"]:
+        raise ValueError(f"kvstate.{key} must be < {schema['exclusiveMaximum']}{unit}, got {shown!r:.80}")
+
+
+def parse(key: str, value, schema: dict | None = None) -> float | None:
+    """``value`` of the formatted setting ``key`` in base units (bytes, seconds, bytes/s).
+
+    The key's schema entry names the format and bounds the result. None is returned
+    only for a key whose schema allows null. ValueError names the key.
+
+    Examples
+    --------
+    >>> parse("worker.host-bytes", "1 KiB"), parse("transport.timeout", "250ms")
+    (1024, 0.25)
+    >>> parse("scheduling.interval", "0s")
+    Traceback (most recent call last):
+    ...
+    ValueError: kvstate.scheduling.interval must be > 0 s, got '0s'
+    """
+    schema = _schema_of(key) if schema is None else schema
+    assert "format" in schema, f"kvstate.{key} has no format in kvstate-schema.yaml"
+    parser, like, unit = _FORMATS[schema["format"]]
+    nullable = "null" in _types(schema)
+    if value is None and nullable:
+        return None
+    try:
+        n = None if isinstance(value, bool) else parser(value)
+        if n is not None and not math.isfinite(n):  # an int too large for a float overflows here
+            n = None
+    except _PARSE_ERRORS:
+        n = None
+    if n is None:
+        raise ValueError(f"kvstate.{key} must be {like}{' or null' if nullable else ''}, got {value!r:.80}")
+    _check_range(key, n, schema, value, unit)
+    return n
+
+
+def _number(key: str, value) -> float:
+    n = parse(key, get(key) if value is None else value)
+    if n is None:
+        raise ValueError(f"kvstate.{key} is null, which this reader cannot use")
+    return n
+
+
+def get_bytes(key: str, value=None) -> int:
+    """``value`` (None: the setting ``key``) as a byte count, checked; ValueError names ``key``.
+
+    Examples
+    --------
+    >>> with dask.config.set({"kvstate.worker.device-bytes": "1KiB"}):
+    ...     get_bytes("worker.device-bytes")
+    1024
+    >>> get_bytes("worker.device-bytes", "lots")
+    Traceback (most recent call last):
+    ...
+    ValueError: kvstate.worker.device-bytes must be a byte size like '16GiB', got 'lots'
+    """
+    return int(_number(key, value))
+
+
+def get_seconds(key: str, value=None) -> float:
+    """``value`` (None: the setting ``key``) in seconds, checked; ValueError names ``key``.
+
+    For plugin arguments that override a setting, pass the argument as ``value``. The
+    bounds are the key's schema entry (``exclusiveMinimum: 0``: must be positive).
 
     Examples
     --------
     >>> with dask.config.set({"kvstate.transport.connect-timeout": "250ms"}):
     ...     get_seconds("transport.connect-timeout")
     0.25
+    >>> get_seconds("scheduling.batch-window", "soon")
+    Traceback (most recent call last):
+    ...
+    ValueError: kvstate.scheduling.batch-window must be a duration like '200ms', got 'soon'
     """
-    return float(dask.utils.parse_timedelta(get(key), default="seconds"))
+    return float(_number(key, value))
 
 
-def seconds(key: str, value=None, *, minimum: float = 0.0, strict: bool = False) -> float:
-    """``value`` (default: the setting ``key``) as seconds, checked; ValueError names ``key``.
-
-    For plugins' arguments that override a setting: ``None`` reads the setting. Must be
-    ``>= minimum`` (``> minimum`` with ``strict``).
+def get_bandwidth(key: str, value=None) -> float | None:
+    """``value`` (None: the setting ``key``) in bytes per second; None where the setting is null.
 
     Examples
     --------
-    >>> seconds("scheduling.interval", "250ms")
-    0.25
+    >>> get_bandwidth("transport.emulated-bandwidth") is None
+    True
+    >>> get_bandwidth("transport.emulated-bandwidth", "8 Mbit/s")
+    1000000.0
     """
-    raw = get(key) if value is None else value
-    try:
-        v = float(dask.utils.parse_timedelta(raw, default="seconds"))
-    except (ValueError, TypeError, KeyError) as e:
-        raise ValueError(f"kvstate.{key} must be a duration like '200ms', got {raw!r}") from e
-    if v < minimum or (strict and v == minimum):
-        raise ValueError(f"kvstate.{key} must be {'>' if strict else '>='} {minimum:g} s, got {raw!r}")
-    return v
+    return parse(key, get(key) if value is None else value)
 
 
 # -- checking a whole kvstate config ----------------------------------------------------
 # Dask validates no config, and jsonschema is not a dependency of distributed, so the
-# few schema keywords kvstate-schema.yaml uses are checked here by hand; values the
-# schema types only loosely (byte sizes, durations, bandwidths as strings) are parsed.
+# few schema keywords kvstate-schema.yaml uses are checked here by hand, plus the
+# custom ``format`` keyword that parses byte sizes, durations and bandwidths.
 _JSON_TYPES = {
     "object": lambda v: isinstance(v, dict),
     "array": lambda v: isinstance(v, (list, tuple)),
@@ -115,31 +216,18 @@ _JSON_TYPES = {
     "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
 }
-_BYTES = ("worker.device-bytes", "worker.host-bytes", "worker.disk-bytes", "worker.malloc-retain")
-_SECONDS = ("worker.recency-half-life", "transport.connect-timeout", "transport.timeout")
-
-
-@functools.lru_cache(maxsize=1)
-def _schema() -> dict:
-    with open(SCHEMA_FILE) as f:
-        return yaml.safe_load(f)["properties"]["kvstate"]
 
 
 def _check_node(value, schema: dict, path: str) -> None:
-    types = schema.get("type")
-    if types is not None:
-        types = [types] if isinstance(types, str) else types
-        if not any(_JSON_TYPES[t](value) for t in types):
-            raise ValueError(f"kvstate.{path} must be of type {' or '.join(types)}, got {value!r:.80}")
+    types = _types(schema)
+    if types and not any(_JSON_TYPES[t](value) for t in types):
+        raise ValueError(f"kvstate.{path} must be of type {' or '.join(types)}, got {value!r:.80}")
     if "enum" in schema and value not in schema["enum"]:
         raise ValueError(f"kvstate.{path} must be one of {schema['enum']}, got {value!r:.80}")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if "minimum" in schema and not value >= schema["minimum"]:
-            raise ValueError(f"kvstate.{path} must be >= {schema['minimum']}, got {value!r}")
-        if "exclusiveMinimum" in schema and not value > schema["exclusiveMinimum"]:
-            raise ValueError(f"kvstate.{path} must be > {schema['exclusiveMinimum']}, got {value!r}")
-        if "maximum" in schema and not value <= schema["maximum"]:
-            raise ValueError(f"kvstate.{path} must be <= {schema['maximum']}, got {value!r}")
+    if "format" in schema:
+        parse(path, value, schema)  # bounds apply to the parsed value
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        _check_range(path, value, schema, value)
     if isinstance(value, dict):
         props = schema.get("properties", {})
         for key, sub in value.items():
@@ -161,8 +249,8 @@ def _check_node(value, schema: dict, path: str) -> None:
 def check(cfg: dict) -> None:
     """Raise ValueError naming the first bad key of a ``kvstate`` config; None if it is good.
 
-    Checks what ``kvstate-schema.yaml`` says (types, ranges, choices, no unknown keys)
-    and that byte sizes, durations and bandwidths parse and are positive, so a typo in a
+    Checks what ``kvstate-schema.yaml`` says (types, ranges, choices, no unknown keys,
+    byte sizes, durations and bandwidths that parse and lie in range), so a typo in a
     YAML file or a ``DASK_KVSTATE__...`` variable fails at ``kvs.install`` (or the
     preload), not in a task on a worker.
 
@@ -181,42 +269,3 @@ def check(cfg: dict) -> None:
     if not isinstance(cfg, dict):
         raise TypeError(f"a kvstate config is a dict, got {type(cfg).__name__}")
     _check_node(cfg, _schema(), "")
-
-    def leaf(path: str):
-        node = cfg
-        for part in path.split("."):
-            if not isinstance(node, dict):
-                return None
-            node = next((v for k, v in node.items() if str(k).replace("_", "-") == part), None)
-        return node
-
-    for path in _BYTES:
-        v = leaf(path)
-        if v is None:
-            continue
-        try:
-            n = dask.utils.parse_bytes(v)
-        except (ValueError, TypeError, KeyError, IndexError, OverflowError):
-            n = None
-        if not isinstance(n, int) or n < 0:
-            raise ValueError(f"kvstate.{path} must be a byte size like '16GiB', got {v!r:.80}")
-    for path in _SECONDS:
-        v = leaf(path)
-        if v is None:
-            continue
-        try:
-            s = dask.utils.parse_timedelta(v, default="seconds")
-        except (ValueError, TypeError, KeyError, IndexError, OverflowError):  # parse_timedelta('') raises IndexError
-            s = None
-        if not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
-            raise ValueError(f"kvstate.{path} must be a positive duration like '5s', got {v!r:.80}")
-    v = leaf("transport.emulated-bandwidth")
-    if v is not None:
-        try:
-            bw = parse_bandwidth(v)
-        except (ValueError, TypeError, KeyError, IndexError, OverflowError):
-            bw = None
-        if bw is None or not math.isfinite(bw) or bw <= 0:
-            raise ValueError(
-                f"kvstate.transport.emulated-bandwidth must be a rate like '100 Mbit/s' or null, got {v!r:.80}"
-            )

@@ -28,7 +28,7 @@ def enabled(stream=None) -> bool:
     False
     """
     stream = sys.stderr if stream is None else stream
-    if not config.get("progress", True):
+    if not config.get("progress"):
         return False
     try:
         return bool(stream.isatty())

@@ -105,7 +105,7 @@ def generate(
     """Text replay: generate from the whole joined prompt (with ``prefix_cache``, reusing
     this worker's cached prompt blocks: the local prefix cache baseline)."""
     params = _gen_params(max_new_tokens, temperature, top_p, seed)
-    if prefix_cache if prefix_cache is not None else config.get("generate.prefix-cache", False):
+    if prefix_cache if prefix_cache is not None else config.get("generate.prefix-cache"):
         from dask_kvstate.plugins.worker import prefix_cache as pc
 
         return pc.generate(runtime(model), join_segments(segments), config.get("namespace"), **params)

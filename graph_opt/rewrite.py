@@ -73,7 +73,7 @@ def apply_plan(hlg: HighLevelGraph, plan: Plan) -> HighLevelGraph:
         assert st.key not in hlg, f"inserted state key {st.key} collides with a task of the graph"
         dsk[st.key] = state_task(st)
 
-    batches = apply_batches(dsk, plan, by_key, int(config.get("compiler.batch-siblings", 1)))
+    batches = apply_batches(dsk, plan, by_key, int(config.get("compiler.batch-siblings")))
     in_batch = {k: b for b, keys in batches.items() for k in keys}
 
     per_key = per_key_annotations(hlg)

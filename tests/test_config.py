@@ -1,31 +1,150 @@
-"""Every default in kvstate.yaml is described by kvstate-schema.yaml (distributed's test_schema)."""
+"""kvstate.yaml and kvstate-schema.yaml describe the same keys (distributed's test_schema, both ways),
+and the schema's ``format`` keyword is what validates byte sizes, durations and bandwidths."""
 
 from __future__ import annotations
 
+import dask
+import dask.utils
+import pytest
 import yaml
 
 from dask_kvstate import config
 
 
+def _load(path):
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+DEFAULTS = _load(config.DEFAULTS_FILE)
+SCHEMA = _load(config.SCHEMA_FILE)
+
+
+def _schema_leaves(node: dict, prefix: str = "") -> dict[str, dict]:
+    """dotted key -> schema entry, for every entry that holds a value (a mapping of user names is one value)."""
+    if "properties" not in node:
+        return {prefix.rstrip("."): node}
+    out = {}
+    for k, sub in node["properties"].items():
+        out.update(_schema_leaves(sub, f"{prefix}{k}."))
+    return out
+
+
+def _default_leaves(node, schema: dict, prefix: str = "") -> dict:
+    """dotted key -> default, descending only where the schema has named properties."""
+    if not isinstance(node, dict) or "properties" not in schema:
+        return {prefix.rstrip("."): node}
+    out = {}
+    for k, v in node.items():
+        out.update(_default_leaves(v, schema["properties"].get(k, {}), f"{prefix}{k}."))
+    return out
+
+
+SCHEMA_LEAVES = _schema_leaves(SCHEMA["properties"]["kvstate"])
+DEFAULT_LEAVES = _default_leaves(DEFAULTS["kvstate"], SCHEMA["properties"]["kvstate"])
+FORMATTED = {k: s["format"] for k, s in SCHEMA_LEAVES.items() if "format" in s}
+
+
 def test_defaults_match_schema():
-    jsonschema = __import__("pytest").importorskip("jsonschema")
-    with open(config.SCHEMA_FILE) as f:
-        schema = yaml.safe_load(f)
-    with open(config._DEFAULTS_FILE) as f:
-        defaults = yaml.safe_load(f)
-    jsonschema.validate(defaults, schema)
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(DEFAULTS, SCHEMA)
 
 
 def test_every_default_key_has_a_schema_entry():
-    with open(config.SCHEMA_FILE) as f:
-        schema = yaml.safe_load(f)
-    with open(config._DEFAULTS_FILE) as f:
-        defaults = yaml.safe_load(f)
+    missing = sorted(set(DEFAULT_LEAVES) - set(SCHEMA_LEAVES))
+    assert not missing, f"defaults in kvstate.yaml with no entry in kvstate-schema.yaml: {missing}"
 
-    def walk(d, s, path):
-        for k, v in d.items():
-            assert k in s["properties"], f"{path}{k} has no schema entry"
-            if isinstance(v, dict):
-                walk(v, s["properties"][k], f"{path}{k}.")
 
-    walk(defaults, schema, "")
+def test_every_schema_entry_has_a_default():
+    missing = sorted(set(SCHEMA_LEAVES) - set(DEFAULT_LEAVES))
+    assert not missing, f"entries in kvstate-schema.yaml with no default in kvstate.yaml: {missing}"
+
+
+def test_every_schema_entry_is_typed():
+    for key, entry in SCHEMA_LEAVES.items():
+        assert "type" in entry or "enum" in entry, f"kvstate.{key} has no type in the schema"
+
+
+def _parses(fmt: str, value) -> bool:
+    parse = {
+        "bytes": dask.utils.parse_bytes,
+        "duration": lambda v: dask.utils.parse_timedelta(v, default="seconds"),
+    }[fmt]
+    try:
+        parse(value)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return False
+    return True
+
+
+def test_every_byte_size_or_duration_default_has_a_format():
+    """A default written as ``256MiB`` or ``5s`` is validated by check only through its format."""
+    for key, value in DEFAULT_LEAVES.items():
+        if not isinstance(value, str):
+            continue
+        for fmt in ("bytes", "duration"):
+            if _parses(fmt, value):
+                assert FORMATTED.get(key) == fmt, (
+                    f"kvstate.{key}: {value!r} is a {fmt} but its schema has no format: {fmt}"
+                )
+
+
+def test_formatted_defaults_parse():
+    assert {"bytes", "duration", "bandwidth"} <= set(FORMATTED.values())
+    for key, fmt in FORMATTED.items():
+        value = config.parse(key, DEFAULT_LEAVES[key])
+        assert value is None or value >= 0, (key, value)
+
+
+@pytest.mark.parametrize("key", sorted(FORMATTED))
+def test_a_bad_formatted_value_is_rejected_naming_the_key(key):
+    fmt = FORMATTED[key]
+    like = {"bytes": "a byte size", "duration": "a duration", "bandwidth": "a rate"}[fmt]
+    *parents, leaf = key.split(".")
+    cfg: dict = {leaf: "lots"}
+    for p in reversed(parents):
+        cfg = {p: cfg}
+    with pytest.raises(ValueError, match=rf"^kvstate\.{key} must be {like} like "):
+        config.check(cfg)
+    getter = {"bytes": config.get_bytes, "duration": config.get_seconds, "bandwidth": config.get_bandwidth}[fmt]
+    with pytest.raises(ValueError, match=rf"^kvstate\.{key} must be {like} like "):
+        getter(key, "lots")
+    with dask.config.set({f"kvstate.{key}": "lots"}), pytest.raises(ValueError, match=rf"^kvstate\.{key} must be "):
+        getter(key)
+
+
+@pytest.mark.parametrize(
+    "key", sorted(k for k, s in SCHEMA_LEAVES.items() if "format" in s and ("minimum" in s or "exclusiveMinimum" in s))
+)
+def test_an_out_of_range_formatted_value_is_rejected_naming_the_key(key):
+    bad = {"bytes": "-1KiB", "duration": -1, "bandwidth": "0 MB/s"}[FORMATTED[key]]
+    *parents, leaf = key.split(".")
+    cfg: dict = {leaf: bad}
+    for p in reversed(parents):
+        cfg = {p: cfg}
+    with pytest.raises(ValueError, match=rf"^kvstate\.{key} must be >=? 0 "):
+        config.check(cfg)
+
+
+def test_positive_durations_reject_zero_and_allow_what_the_schema_allows():
+    with pytest.raises(ValueError, match=r"kvstate.scheduling.interval must be > 0 s, got '0s'"):
+        config.get_seconds("scheduling.interval", "0s")
+    assert config.get_seconds("scheduling.batch-window", "0s") == 0.0  # minimum: 0
+    assert config.get_seconds("scheduling.stealing.beta", -0.001) == -0.001  # no bound
+
+
+def test_env_style_underscores_reach_the_format_check():
+    # DASK_KVSTATE__TRANSPORT__PACKING_BYTES=lots arrives as packing_bytes
+    with pytest.raises(ValueError, match=r"kvstate.transport.packing-bytes must be a byte size"):
+        config.check({"transport": {"packing_bytes": "lots"}})
+    config.check({"transport": {"packing_bytes": "64MiB", "emulated_bandwidth": None}})
+
+
+def test_unknown_keys_are_rejected():
+    with pytest.raises(ValueError, match=r"unknown config key kvstate.transport.packing"):
+        config.check({"transport": {"packing": 1}})
+
+
+def test_get_has_no_fallback():
+    with pytest.raises(KeyError):
+        config.get("no-such-key")

@@ -110,7 +110,7 @@ class CapacityController(SchedulerPlugin):
         prefix: str | None = None,
         limits: dict | None = None,
     ):
-        self.interval_s = config.seconds("scheduling.capacity.interval", interval, strict=True)
+        self.interval_s = config.get_seconds("scheduling.capacity.interval", interval)
         self.k = int(config.get("scheduling.capacity.persistence") if persistence is None else persistence)
         self.epsilon = float(config.get("scheduling.capacity.epsilon") if epsilon is None else epsilon)
         self.prefix = config.get("scheduling.capacity.resource-prefix") if prefix is None else prefix

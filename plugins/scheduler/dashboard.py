@@ -20,6 +20,7 @@ from datetime import datetime
 
 from dask.utils import format_bytes
 
+from dask_kvstate import config
 from dask_kvstate.protocol import OBSERVE_EXTENSION, PLACEMENT_TOPIC
 from dask_kvstate.views import TIERS, html_table
 
@@ -184,7 +185,7 @@ class KVStatePage:
 
         self.scheduler = scheduler
         self.observer = observer
-        refresh = observer.refresh_s if observer is not None else 1.0
+        refresh = observer.refresh_s if observer is not None else config.get_seconds("dashboard.refresh-interval")
         self.refresh_s = refresh
         self.interval_ms = int(refresh * 1000)
         self.header = Div(text="", name="kvstate-totals", sizing_mode="stretch_width")

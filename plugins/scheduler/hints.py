@@ -73,7 +73,7 @@ class ComponentHints(SchedulerPlugin):
         hints = parse_hints(config.get("scheduling.components") if components is None else components)
         self.limits: dict[str, int] = dict(hints.limits)
         self.batch: dict[str, int | None] = dict(hints.batch)
-        self.batch_window = config.seconds("scheduling.batch-window", batch_window)
+        self.batch_window = config.get_seconds("scheduling.batch-window", batch_window)
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -101,8 +101,7 @@ class ComponentHints(SchedulerPlugin):
             else:  # registered alone: a loop of its own, same period
                 from dask_kvstate.plugins.scheduler.control import ControlLoop
 
-                interval = config.get_seconds("scheduling.interval")
-                self._own_loop = ControlLoop(float(interval))
+                self._own_loop = ControlLoop(config.get_seconds("scheduling.interval"))
                 self._own_loop.add("hints", self.revise)
                 self._own_loop.start()
 

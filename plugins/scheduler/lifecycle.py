@@ -184,8 +184,8 @@ class KVLifecycle(SchedulerPlugin):
     def __init__(
         self, margin: str | float | None = None, reserve: float | None = None, latency: str | float | None = None
     ):
-        self.margin_s = config.seconds("lifecycle.prefetch-margin", margin)
-        self.latency_s = config.seconds("lifecycle.message-latency", latency)
+        self.margin_s = config.get_seconds("lifecycle.prefetch-margin", margin)
+        self.latency_s = config.get_seconds("lifecycle.message-latency", latency)
         reserve = reserve if reserve is not None else config.get("lifecycle.device-reserve")
         if not isinstance(reserve, (int, float)) or not 0 <= reserve < 1:
             raise ValueError(f"kvstate.lifecycle.device-reserve must be a fraction in [0, 1), got {reserve!r}")

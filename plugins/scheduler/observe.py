@@ -42,13 +42,6 @@ logger = logging.getLogger("dask_kvstate")
 MAX_STATES = 4096
 
 
-def _seconds(key: str) -> float:
-    value = config.get_seconds(key)
-    if not value > 0:
-        raise ValueError(f"kvstate.{key} must be a positive duration, got {config.get(key)!r}")
-    return value
-
-
 class KVObserver(SchedulerPlugin):
     """Scheduler side of kvstate observability (installed by ``kvs.install``)."""
 
@@ -58,8 +51,8 @@ class KVObserver(SchedulerPlugin):
     idempotent = True
 
     def __init__(self):
-        self.refresh_s = _seconds("dashboard.refresh-interval")
-        self.report_s = _seconds("dashboard.report-interval")
+        self.refresh_s = config.get_seconds("dashboard.refresh-interval")
+        self.report_s = config.get_seconds("dashboard.report-interval")
         self.history_len = int(config.get("dashboard.history"))
         self.largest_n = int(config.get("dashboard.largest-states"))
         if self.history_len < 1 or self.largest_n < 0:

@@ -95,7 +95,7 @@ class SessionTracker(SchedulerPlugin):
     idempotent = True
 
     def __init__(self, interval: str | float | None = None):
-        self.interval_s = config.seconds("scheduling.interval", interval, strict=True)
+        self.interval_s = config.get_seconds("scheduling.interval", interval)
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler

@@ -96,7 +96,7 @@ class LateBindingStealing(SchedulerPlugin):
         hints = config.get("scheduling.components") if components is None else components
         if not 0 <= self.alpha < 1:
             raise ValueError(f"kvstate.scheduling.stealing.alpha must be in [0, 1), got {self.alpha!r}")
-        self.beta = config.seconds("scheduling.stealing.beta", beta, minimum=float("-inf"))
+        self.beta = config.get_seconds("scheduling.stealing.beta", beta)
         if self.max_moves < 1:
             raise ValueError(f"kvstate.scheduling.stealing.max-moves must be >= 1, got {self.max_moves!r}")
         if not isinstance(hints, dict):

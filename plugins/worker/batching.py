@@ -83,7 +83,7 @@ class BatchingWorkerPlugin(WorkerPlugin):
     name = BATCHING_WORKER_PLUGIN
     idempotent = False  # new hints replace the old plugin
 
-    def __init__(self, batch: dict, window: float = 0.0):
+    def __init__(self, batch: dict, window: float):
         if not isinstance(batch, dict) or not all(v is None or (isinstance(v, int) and v >= 1) for v in batch.values()):
             raise ValueError(f"batch caps must be {{component: positive int or None}}, got {batch!r}")
         if not window >= 0:

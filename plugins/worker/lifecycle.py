@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from distributed import WorkerPlugin
 from tornado.ioloop import PeriodicCallback
 
+from dask_kvstate import config
 from dask_kvstate.plugins.worker.handshake import hello
 from dask_kvstate.protocol import (
     INVALIDATE,
@@ -124,17 +125,16 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
 
     Parameters
     ----------
-    report_interval_ms : int
-        How often the per-session byte counts are sent (only when they changed).
+    report_interval : str or float, optional
+        How often the per-session byte counts are sent, only when they changed
+        (default ``kvstate.lifecycle.report-interval``).
     """
 
     name = LIFECYCLE_WORKER_PLUGIN
     idempotent = True
 
-    def __init__(self, report_interval_ms: int = 200):
-        if not isinstance(report_interval_ms, int) or report_interval_ms <= 0:
-            raise ValueError(f"report_interval_ms must be a positive int, got {report_interval_ms!r}")
-        self.report_interval_ms = report_interval_ms
+    def __init__(self, report_interval: str | float | None = None):
+        self.report_s = config.get_seconds("lifecycle.report-interval", report_interval)
         self.worker = None
 
     async def setup(self, worker) -> None:
@@ -152,7 +152,7 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
             self.rates = await asyncio.to_thread(self._probe)
         # Report only to a scheduler that runs the lifecycle extension.
         if LIFECYCLE_EXTENSION in await hello(worker, self.name):
-            self._reporter = PeriodicCallback(self._report, self.report_interval_ms)
+            self._reporter = PeriodicCallback(self._report, self.report_s * 1000)
             self._reporter.start()
 
     def teardown(self, worker) -> None:

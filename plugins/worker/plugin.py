@@ -60,17 +60,6 @@ def refs_in(value) -> list[KVStateRef]:
     return []
 
 
-def _parse_budget(name: str, value, default) -> int:
-    raw = value if value is not None else default
-    try:
-        n = int(dask.utils.parse_bytes(raw))
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{name} must be a byte size like '4GiB', got {raw!r}") from e
-    if n < 0:
-        raise ValueError(f"{name} must be >= 0, got {raw!r}")
-    return n
-
-
 class KVStateWorkerPlugin(WorkerPlugin):
     """Load a model and hold KV blocks on every worker.
 
@@ -109,7 +98,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
             raise ValueError(f"torch_threads must be a positive int or None, got {torch_threads!r}")
         self.torch_threads = torch_threads
         self.budgets = {
-            name: _parse_budget(name, value, config.get(f"worker.{name.replace('_', '-')}"))
+            name: config.get_bytes(f"worker.{name.replace('_', '-')}", value)
             for name, value in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("disk_bytes", disk_bytes))
         }
         self.config = {"kvstate": dask.config.get("kvstate")}
@@ -135,13 +124,15 @@ class KVStateWorkerPlugin(WorkerPlugin):
         self.worker = worker
         self.runtimes = await loop.run_in_executor(None, self._build, worker)
         self.runtime = self.runtimes[self.models[0]]
-        packing = self.config["kvstate"]["transport"].get("packing-bytes", 0)
-        self.packing = PackingBuffers(parse_bytes(packing) if isinstance(packing, str) else int(packing or 0))
+        carried = self.config["kvstate"]
+        self.packing = PackingBuffers(
+            config.get_bytes("transport.packing-bytes", carried["transport"]["packing-bytes"])
+        )
         self.inline_copy_bytes = parse_bytes(dask.config.get("distributed.comm.offload"))
-        self.zero_copy = bool(self.config["kvstate"]["transport"].get("zero-copy", True))
+        self.zero_copy = bool(carried["transport"]["zero-copy"])
         worker.handlers[GET_BLOCKS] = self._serve_blocks
         worker.handlers[EVICT] = self._evict_handler
-        if self.config["kvstate"]["worker"].get("memory-monitor", True):
+        if carried["worker"]["memory-monitor"]:
             worker.memory_manager.data = KVStateSpillData(worker.memory_manager.data, self.runtime.store)
         self._sent_blocks: set[bytes] = set()
         self._sent_version = -1
@@ -150,7 +141,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
         extensions = await hello(worker, self.name)
         self.placement = PLACEMENT_EXTENSION in extensions  # report only to a placement extension
         if self.placement:
-            self._reporter = PeriodicCallback(self._report, 200)
+            every = config.get_seconds("placement.report-interval", carried["placement"]["report-interval"])
+            self._reporter = PeriodicCallback(self._report, every * 1000)
             self._reporter.start()
             self._report()  # the probe's numbers, before the first task can need them
         # Stats for the dashboard page, pushed only to a scheduler running the observe extension.
@@ -203,7 +195,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
         # every tick; the next connection's stream gets a fresh report.
         if rt is None or stream is None or stream.comm is None or stream.comm.closed():
             return
-        if rt.store.version != self._sent_version:  # runs every 200 ms: diff only on change
+        if rt.store.version != self._sent_version:  # runs every report interval: diff only on change
             self._sent_version = rt.store.version
             current = set(rt.store)
             added, removed = current - self._sent_blocks, self._sent_blocks - current

@@ -73,7 +73,7 @@ class StateRuntime:
         self.block_tokens = int(config.get("block-tokens"))
         self.connect_timeout = config.get_seconds("transport.connect-timeout")
         self.pull_timeout = config.get_seconds("transport.timeout")
-        self.emulated_bandwidth = config.parse_bandwidth(config.get("transport.emulated-bandwidth"))
+        self.emulated_bandwidth = config.get_bandwidth("transport.emulated-bandwidth")
         self.rule = config.get("placement.rule")
         self.borrow_min_tokens = int(config.get("worker.borrow-idle-threads"))
         self.prefill_meter = PrefillMeter()
