@@ -15,7 +15,8 @@ logs the block store's spills, unspills and drops under ``kvstate-lifecycle``, o
 event per worker and interval with counts, instead of one per block.
 
 It serves the ``/kvstate`` page (:mod:`dask_kvstate.plugins.scheduler.dashboard`) when the
-scheduler runs a dashboard and Bokeh is importable.
+scheduler runs a dashboard and Bokeh is importable. ``kvstate.dashboard.enabled`` switches
+the extension, page and all.
 """
 
 from __future__ import annotations
@@ -64,7 +65,6 @@ class KVObserver(SchedulerPlugin):
                 f"kvstate.dashboard.history must be >= 1 and largest-states >= 0, got "
                 f"{self.history_len!r} and {self.largest_n!r}"
             )
-        self.page = bool(config.get("dashboard.enabled"))
         self.scheduler = None
 
     async def start(self, scheduler) -> None:
@@ -77,11 +77,10 @@ class KVObserver(SchedulerPlugin):
         scheduler.stream_handlers.update({"kvstate-stats": self._on_stats, "kvstate-states": self._on_states})
         self._sampler = PeriodicCallback(self.sample, self.refresh_s * 1000)
         self._sampler.start()
-        self._app = None
-        if self.page:
-            from dask_kvstate.plugins.scheduler.dashboard import register_page
+        # kvstate.dashboard.enabled decides whether this extension is installed at all.
+        from dask_kvstate.plugins.scheduler.dashboard import register_page
 
-            self._app = register_page(scheduler, self)
+        self._app = register_page(scheduler, self)
 
     async def close(self) -> None:
         if getattr(self, "_sampler", None) is not None:
