@@ -62,7 +62,7 @@ def install(
 
     Returns ``{worker address: the kvstate plugin's settings}`` (``{}`` with ``model=False``).
     """
-    options = {
+    options: dict = {
         "torch_threads": torch_threads,
         "device_bytes": device_bytes,
         "host_bytes": host_bytes,
@@ -204,7 +204,7 @@ def install_lifecycle(client: Client) -> list[str]:
     lifecycle extension and its worker half; returns their names."""
     _deprecated("install_lifecycle(client)", "kvs.install(client, lifecycle=True)")
     plugins = ext.extensions({"lifecycle": True})
-    return client.sync(_register, client, plugins, plugins.names + [p.name for p in plugins.worker])
+    return client.sync(_register, client, plugins, plugins.names + [p.name for p in plugins.worker])  # type: ignore[attr-defined]
 
 
 async def _register(client: Client, plugins: ext.Extensions, names: list[str]) -> list[str]:

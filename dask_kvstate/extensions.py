@@ -28,8 +28,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dask_kvstate import config
+
+if TYPE_CHECKING:
+    from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
 #: Each extension's short name and the key that switches it.
 SWITCHES = {
@@ -94,15 +98,15 @@ class Extensions:
     """The plugins a cluster runs: what to add to the scheduler, then to every worker."""
 
     #: Scheduler extensions in the order they are added (the session tracker before its readers).
-    scheduler: list = field(default_factory=list)
+    scheduler: list[SchedulerPlugin] = field(default_factory=list)
     #: Worker halves, each set up after the ``kvstate`` worker plugin where there is one
     #: (the lifecycle half times moves on its store).
-    worker: list = field(default_factory=list)
+    worker: list[WorkerPlugin] = field(default_factory=list)
 
     @property
     def names(self) -> list[str]:
         """The scheduler extensions' names, in order."""
-        return [p.name for p in self.scheduler]
+        return [p.name for p in self.scheduler]  # type: ignore[attr-defined]
 
 
 def extensions(on: Mapping[str, bool]) -> Extensions:
@@ -137,7 +141,7 @@ def extensions(on: Mapping[str, bool]) -> Extensions:
         out.scheduler.append(KVPlacement())
     if on.get("dashboard"):
         out.scheduler.append(KVObserver())
-    policies = [
+    policies: list[SchedulerPlugin] = [
         cls()
         for name, cls in (
             ("priority", ProgressPriority),

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import html
 import warnings
-from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
+from collections.abc import Callable, ItemsView, Iterator, KeysView, Mapping, ValuesView
 from dataclasses import dataclass
+from typing import Any
 
 from dask.utils import format_bytes
 
@@ -33,7 +34,7 @@ TOTAL_KEYS = (
 )
 
 # (header, how to read it from one worker's stats, how to show it)
-_COLUMNS = (
+_COLUMNS: tuple[tuple[str, Callable[[Mapping], Any], Callable[[Any], str]], ...] = (
     ("model", lambda s: s.get("model", ""), str),
     ("blocks", lambda s: s.get("blocks", 0), "{:,}".format),
     ("bytes", lambda s: s.get("bytes", 0), format_bytes),

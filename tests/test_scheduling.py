@@ -115,7 +115,7 @@ def test_tasks_submitted_by_a_task_inherit_its_session():
         LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0") as cluster,
         Client(cluster) as client,
     ):
-        kvs.install_scheduling(client)
+        kvs.install(client, model=False)
         with kvs.session("parent", client=client) as sess:
             assert client.submit(spawn, 1, pure=False).result() == 0.0
         info = client.run_on_scheduler(_session_summary, sess.id)
