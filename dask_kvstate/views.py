@@ -158,17 +158,18 @@ def _show(value) -> str:
 
 
 def summary(section: Mapping) -> str:
-    """One extension's stats in a line: ``off``, or its scalar counters (nested ones are left to the data).
+    """One extension's scalar stats in a line (nested ones stay in the data); empty when it is off.
 
     Examples
     --------
     >>> summary({"installed": True, "decisions": 3, "rates": {"x": 1.0}, "alpha": 0.2}), summary({"installed": False})
-    ('decisions 3, alpha 0.2', 'off')
+    ('decisions 3, alpha 0.2', '')
     """
     if not section.get("installed", False):
-        return "off"
-    scalars = [f"{k} {_show(v)}" for k, v in section.items() if k != "installed" and isinstance(v, (int, float, str))]
-    return ", ".join(scalars) or "on"
+        return ""
+    return ", ".join(
+        f"{k} {_show(v)}" for k, v in section.items() if k != "installed" and isinstance(v, (int, float, str))
+    )
 
 
 @dataclass
@@ -189,9 +190,9 @@ class Stats:
     >>> s.workers["tcp://a:1"]["blocks"], s.placement["decisions"]
     (2, 4)
     >>> print(str(s).split("\\n\\n")[1])
-    extension  stats
-    ----------------------
-    placement  decisions 4
+    extension  on   stats
+    ---------------------------
+    placement  on   decisions 4
     sessions   off
     lifecycle  off
     """
@@ -205,10 +206,13 @@ class Stats:
         """``{extension: its stats}``, scheduling's flattened in among placement and lifecycle."""
         return {"placement": self.placement, **self.scheduling, "lifecycle": self.lifecycle}
 
+    def _extension_rows(self) -> list[tuple[str, str, str]]:
+        return [(name, "on" if s.get("installed") else "off", summary(s)) for name, s in self.extensions().items()]
+
     def __str__(self) -> str:
-        rows = [("extension", "stats"), *((name, summary(s)) for name, s in self.extensions().items())]
-        width = max(len(name) for name, _ in rows)
-        lines = [f"{name.ljust(width)}  {text}".rstrip() for name, text in rows]
+        rows = [("extension", "on", "stats"), *self._extension_rows()]
+        width = max(len(name) for name, _, _ in rows)
+        lines = [f"{name.ljust(width)}  {on.ljust(3)}  {text}".rstrip() for name, on, text in rows]
         lines.insert(1, "-" * max(len(line) for line in lines))
         return text_table(self.workers) + "\n\n" + "\n".join(lines)
 
@@ -216,16 +220,15 @@ class Stats:
 
     def _repr_html_(self) -> str:
         esc = html.escape
-        body = "".join(
-            f"<tr><td>{esc(name)}</td><td>{esc(summary(s))}</td></tr>" for name, s in self.extensions().items()
-        )
+        head = "".join(f"<th>{h}</th>" for h in ("extension", "on", "stats"))
+        body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in self._extension_rows())
         return (
             html_table(self.workers, title="kvstate: KV blocks per worker")
-            + "<div><strong>kvstate: scheduler extensions</strong><table><thead><tr><th>extension</th>"
-            + f"<th>stats</th></tr></thead><tbody>{body}</tbody></table></div>"
+            + "<div><strong>kvstate: scheduler extensions</strong>"
+            + f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
         )
 
-    # The shape kvs.stats had for one release more (a mapping of workers): each use warns.
+    # Deprecated, kept one release: kvs.stats(client) read as the mapping of workers; each use warns.
     def _workers_mapping(self) -> ClusterStats:
         warnings.warn(
             "kvs.stats(client) as a mapping of workers is deprecated; use kvs.stats(client).workers",
