@@ -37,12 +37,12 @@ def install(
     client : distributed.Client
         Synchronous or asynchronous; an asynchronous client gets an awaitable of the result.
     model : str, list of str, None or False
-        A known name (``smollm2-135m``, ``tiny-llama``, ``gemma3-270m``), a local folder or
-        ``.gguf`` file, or a list of them (the first is the default for calls that name
-        none). ``None``: ``kvstate.model``. ``False``: no model and no block store, for
-        workflows of plain Python functions: only the scheduling extensions (sessions,
-        priority, stealing, capacity, hints) and their worker half; placement, the
-        observe extension and the lifecycle serve KV state and are skipped.
+        A known name (``smollm2-135m``, ``tiny-llama``) or a local model folder, or a
+        list of them (the first is the default for calls that name none). ``None``:
+        ``kvstate.model``. ``False``: no model and no block store, for workflows of plain
+        Python functions: only the scheduling extensions (sessions, priority, stealing,
+        capacity, hints) and their worker half; placement, the observe extension and the
+        lifecycle serve KV state and are skipped.
     scheduling : bool or mapping, optional
         Overrides ``kvstate.scheduling.<name>.enabled``: ``True`` / ``False`` switches all of
         sessions, priority, stealing, capacity and hints on / off, ``{"stealing": True}``

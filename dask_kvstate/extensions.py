@@ -123,6 +123,10 @@ def extensions(on: Mapping[str, bool]) -> Extensions:
     (['SessionTracker', 'LateBindingStealing'], ['SchedulingWorkerPlugin'])
     >>> extensions({}).scheduler
     []
+    >>> import dask
+    >>> with dask.config.set({"kvstate.scheduling.components": {"tester": {"max-concurrency": 2}}}):
+    ...     extensions({"hints": True}).names, extensions({"hints": False}).names
+    (['kvstate-sessions', 'kvstate-hints'], [])
     """
     from dask_kvstate.hints import parse_hints
     from dask_kvstate.plugins.scheduler.capacity import CapacityController
