@@ -16,46 +16,57 @@ from dask_kvstate import (
     config,  # noqa: F401  (registers the kvstate.* defaults)
     tasks,  # noqa: F401  (kvs.tasks.*: the operators for client.submit)
 )
-from dask_kvstate.backends import KNOWN_MODELS
-from dask_kvstate.client import install, install_scheduling, placement_stats, scheduling_stats, stats
+from dask_kvstate.backends import KNOWN_MODELS  # noqa: F401
+from dask_kvstate.client import (  # noqa: F401  (the deprecated aliases, kept importable one release)
+    install,
+    install_lifecycle,
+    install_scheduling,
+    lifecycle_stats,
+    placement_stats,
+    scheduling_stats,
+    stats,
+)
 from dask_kvstate.errors import MergeError
 from dask_kvstate.generation import Generation
-from dask_kvstate.graph_opt import StateflowError, explain, optimize, stateflow
-from dask_kvstate.hints import batchable
-from dask_kvstate.lifecycle import install_lifecycle, lifecycle_stats
-from dask_kvstate.operators import evict, extend, fork, generate, materialize, merge, resume, resume_many, transfer
-from dask_kvstate.session import component, current_session, session
-from dask_kvstate.state import KVState, KVStateRef, compatible
+from dask_kvstate.graph_opt import StateflowError, explain, optimize, stateflow  # noqa: F401
+from dask_kvstate.hints import batchable  # noqa: F401
+from dask_kvstate.operators import (  # noqa: F401
+    evict,
+    extend,
+    fork,
+    generate,
+    materialize,
+    merge,
+    resume,
+    resume_many,
+    transfer,
+)
+from dask_kvstate.session import component, current_session, session  # noqa: F401
+from dask_kvstate.state import KVState, KVStateRef, compatible  # noqa: F401
+from dask_kvstate.views import Stats
 
 __version__ = "0.1.0"
 
+# The public API: install, the operators, stateflow/explain, session and stats, with the
+# types and errors they hand out. Also importable, outside it: helpers the compiler, hints
+# and tests use (resume_many, batchable, component, current_session, compatible, optimize,
+# tasks, KNOWN_MODELS) and the deprecated aliases of install and stats.
 __all__ = [
-    "KNOWN_MODELS",
     "Generation",
     "KVState",
     "KVStateRef",
     "MergeError",
     "StateflowError",
-    "batchable",
-    "compatible",
-    "component",
-    "current_session",
+    "Stats",
     "evict",
     "explain",
     "extend",
     "fork",
     "generate",
     "install",
-    "install_lifecycle",
-    "install_scheduling",
-    "lifecycle_stats",
     "materialize",
     "merge",
-    "optimize",
-    "placement_stats",
     "resume",
-    "resume_many",
-    "scheduling_stats",
     "session",
     "stateflow",
     "stats",

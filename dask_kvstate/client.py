@@ -1,13 +1,114 @@
-"""Client-side entry points: attach the plugins to a cluster, read their counters."""
+"""Client-side entry points: attach the plugins to a cluster (:func:`install`), read what they did (:func:`stats`).
+
+Both work the same under a synchronous and an asynchronous client: each is one
+coroutine run through ``client.sync``, which blocks a synchronous client's caller and
+hands an asynchronous client's caller the awaitable.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Literal
+
 from distributed import Client
 
-from dask_kvstate import config
-from dask_kvstate.plugins.worker.plugin import KVStateWorkerPlugin
-from dask_kvstate.protocol import PLACEMENT_EXTENSION, SCHEDULING_EXTENSIONS, WORKER_PLUGIN
-from dask_kvstate.views import ClusterStats
+from dask_kvstate import extensions as ext
+from dask_kvstate.protocol import (
+    CAPACITY_EXTENSION,
+    HINTS_EXTENSION,
+    LIFECYCLE_EXTENSION,
+    PLACEMENT_EXTENSION,
+    PRIORITY_EXTENSION,
+    SESSIONS_EXTENSION,
+    STEALING_EXTENSION,
+    WORKER_PLUGIN,
+)
+from dask_kvstate.views import ClusterStats, Stats
+
+if TYPE_CHECKING:
+    from dask_kvstate.plugins.worker.plugin import KVStateWorkerPlugin
+
+
+def install(
+    client: Client,
+    model: str | list[str] | Literal[False] | None = None,
+    *,
+    scheduling: bool | Mapping[str, bool] | None = None,
+    lifecycle: bool | None = None,
+    torch_threads: int | None = None,
+    device_bytes: int | str | None = None,
+    host_bytes: int | str | None = None,
+    disk_bytes: int | str | None = None,
+) -> dict:
+    """Load ``model`` and a KV block store on every worker, and every enabled extension on the scheduler.
+
+    Parameters
+    ----------
+    client : distributed.Client
+        Synchronous or asynchronous; an asynchronous client gets an awaitable of the result.
+    model : str, list of str, None or False
+        A known name (``smollm2-135m``, ``tiny-llama``) or a local model folder, or a
+        list of them (the first is the default for calls that name none). ``None``:
+        ``kvstate.model``. ``False``: no model and no block store, for workflows of plain
+        Python functions: only the scheduling extensions (sessions, priority, stealing,
+        capacity, hints) and their worker half; placement, the observe extension and the
+        lifecycle serve KV state and are skipped.
+    scheduling : bool or mapping, optional
+        Overrides ``kvstate.scheduling.<name>.enabled``: ``True`` / ``False`` switches all of
+        sessions, priority, stealing, capacity and hints on / off, ``{"stealing": True}``
+        only the ones named. ``None``: as the config says.
+    lifecycle : bool, optional
+        Overrides ``kvstate.lifecycle.enabled``.
+    torch_threads, device_bytes, host_bytes, disk_bytes
+        The worker plugin's threads and tier budgets (default ``kvstate.worker.*``).
+
+    Registers, from the config's ``enabled`` keys (see :mod:`dask_kvstate.extensions`,
+    the same list the preload adds): the placement and observe extensions, the session
+    tracker and the scheduling policies, the lifecycle, then the ``kvstate`` worker plugin
+    and the extensions' worker halves. Idempotent: a second call with the same settings
+    reloads nothing, and workers that join later get every plugin too. Extensions already
+    running stay, whatever the overrides say. Raises ValueError for an unknown model name
+    (listing the known ones) or a bad setting or override, before touching the cluster.
+
+    Returns ``{worker address: the kvstate plugin's settings}`` (``{}`` with ``model=False``).
+    """
+    options: dict = {
+        "torch_threads": torch_threads,
+        "device_bytes": device_bytes,
+        "host_bytes": host_bytes,
+        "disk_bytes": disk_bytes,
+    }
+    on = ext.enabled(scheduling, lifecycle)
+    store = None
+    if model is False:  # no block store: only what serves plain tasks
+        given = sorted(k for k, v in options.items() if v is not None) + (["lifecycle"] if lifecycle else [])
+        if given:
+            raise ValueError(f"model=False installs no block store, so {given} cannot apply; give a model")
+        on.update(dict.fromkeys(ext.NEED_STORE, False))
+    elif model is True:
+        raise ValueError("model must be a model name, a list of them, None (kvstate.model) or False (no model)")
+    else:
+        from dask_kvstate.plugins.worker.plugin import KVStateWorkerPlugin
+
+        store = KVStateWorkerPlugin(model, **options)
+    plugins = ext.extensions(on)
+    return client.sync(_install, client, plugins, store)
+
+
+async def _install(client: Client, plugins: ext.Extensions, store: KVStateWorkerPlugin | None) -> dict:
+    for extension in plugins.scheduler:
+        await client.register_plugin(extension)  # idempotent: a no-op when one of that name is there
+    current: dict = {}
+    if store is not None:
+        current = await client.run(_plugin_settings)
+        if not current or any(s != store.settings() for s in current.values()):
+            await client.register_plugin(store, name=WORKER_PLUGIN)
+            current = await client.run(_plugin_settings)
+    for half in plugins.worker:  # after the kvstate plugin: the lifecycle half times moves on its store
+        await client.register_plugin(half)
+    return current
 
 
 def _plugin_settings(dask_worker) -> dict | None:
@@ -15,43 +116,46 @@ def _plugin_settings(dask_worker) -> dict | None:
     return None if plugin is None or plugin.runtime is None else plugin.settings()
 
 
-def install(
-    client: Client,
-    model: str | list[str] | None = None,
-    *,
-    torch_threads: int | None = None,
-    device_bytes: int | str | None = None,
-    host_bytes: int | str | None = None,
-    disk_bytes: int | str | None = None,
-) -> dict:
-    """Load ``model`` (or several: a list) and a KV block store on every worker.
+def stats(client: Client) -> Stats:
+    """What kvstate did on the cluster, as one :class:`~dask_kvstate.views.Stats` object.
 
-    Idempotent: when every worker already runs the plugin with the same settings,
-    nothing is reloaded. Workers that join later get it too. Raises ValueError for an
-    unknown model name (listing the known ones) before touching the cluster.
+    Sections:
 
-    Returns ``{worker address: settings}``.
+    * ``workers``: ``{worker: {blocks, bytes, hits, transfers, ...}}``, a dict
+      (:class:`~dask_kvstate.views.ClusterStats`) with ``.totals``. Keys: ``model``,
+      ``blocks`` and ``bytes`` (all tiers), ``pinned_bytes`` (held by refs),
+      ``hits``/``misses``, ``evictions``, ``dropped``, ``tiers`` (per tier: blocks, bytes,
+      capacity, hits, misses, spills, unspills; device ``peak_bytes``; disk
+      ``checksum_failures`` and ``full``), and the runtime's counters
+      (``prefill_tokens``, ``reused_tokens``, ``transfers`` (blocks pulled),
+      ``transfer_bytes``, ``transfer_seconds``, ``recomputes`` (blocks rebuilt),
+      ``recompute_tokens``, ``incompatible``, ``materializations``, ``resumes``, ``forks``,
+      ``evicted_bytes``, ``served_zero_copy`` / ``served_packed`` (pulls this worker served
+      as one run of a block arena's memory / packed into a reply buffer),
+      ``pulls_zero_copy`` / ``pulls_packed`` (the same, seen by the puller), ...), and
+      ``arena_overhang_bytes`` (memory arenas keep alive beyond the blocks the tiers
+      count). Counters never seen are absent; read them with ``.get``.
+    * ``placement``: decisions, choices, outcomes, slower choices, errors.
+    * ``scheduling``: ``{"sessions": {open, ended, sessions, recently_ended,
+      control_loop, ...}, "priority": {...}, "stealing": {moves, kept, affinity_kept,
+      queued_seen, ...}, "capacity": {moves, last, latency, ...}, "hints": {limits,
+      running, held, peak, ...}}``; ``sessions.control_loop`` holds, per policy and in
+      total, the pass latency (count, mean, p50, p99, max in ms).
+    * ``lifecycle``: offloads, prefetches, invalidations (bytes freed, left, shared per
+      ended session and worker), component mean durations, and each worker's last report
+      (session bytes per tier, measured move rates).
+
+    An extension that is off reads ``{"installed": False}``, as does a worker without the
+    plugin; never raises for either. The scheduler's sections come from one call to it.
+    Prints as text tables, renders as HTML in Jupyter; an asynchronous client gets an
+    awaitable of it.
     """
-    plugin = KVStateWorkerPlugin(
-        model, torch_threads=torch_threads, device_bytes=device_bytes, host_bytes=host_bytes, disk_bytes=disk_bytes
-    )
-    if config.get("placement.enabled"):
-        from dask_kvstate.plugins.scheduler.placement import KVPlacement
+    return client.sync(_stats, client)
 
-        client.register_plugin(KVPlacement())  # idempotent: a no-op when already there
-    from dask_kvstate.plugins.scheduler.observe import KVObserver
 
-    client.register_plugin(KVObserver())  # stats, history and the /kvstate page; idempotent too
-    install_scheduling(client)
-    current = client.run(_plugin_settings)
-    if not current or any(s != plugin.settings() for s in current.values()):
-        client.register_plugin(plugin, name=WORKER_PLUGIN)
-        current = client.run(_plugin_settings)
-    if config.get("lifecycle.enabled"):  # after the kvstate plugin: it times moves on its store
-        from dask_kvstate.lifecycle import install_lifecycle
-
-        install_lifecycle(client)
-    return current
+async def _stats(client: Client) -> Stats:
+    workers, sections = await asyncio.gather(client.run(_worker_stats), client.run_on_scheduler(_scheduler_stats))
+    return Stats(workers=ClusterStats(workers), **sections)
 
 
 def _worker_stats(dask_worker) -> dict:
@@ -61,121 +165,74 @@ def _worker_stats(dask_worker) -> dict:
     return {"installed": True, **plugin.runtime.stats(), "models": list(plugin.models)}
 
 
-def _placement_stats(dask_scheduler) -> dict:
-    plugin = dask_scheduler.plugins.get(PLACEMENT_EXTENSION)
+def _section(dask_scheduler, name: str) -> dict:
+    plugin = dask_scheduler.plugins.get(name)
     return {"installed": False} if plugin is None else {"installed": True, **plugin.stats()}
 
 
-def placement_stats(client: Client) -> dict:
-    """The scheduler's placement extension: decisions, choices, outcomes, slower choices."""
-    return client.run_on_scheduler(_placement_stats)
+#: The ``scheduling`` section of :class:`Stats`: its parts and the extensions they come from.
+_SCHEDULING_SECTIONS = {
+    "sessions": SESSIONS_EXTENSION,
+    "priority": PRIORITY_EXTENSION,
+    "stealing": STEALING_EXTENSION,
+    "capacity": CAPACITY_EXTENSION,
+    "hints": HINTS_EXTENSION,
+}
 
 
-def stats(client: Client) -> ClusterStats:
-    """Per-worker counters and bytes: ``{worker: {blocks, bytes, hits, transfers, ...}}``.
-
-    Keys: ``model``, ``blocks`` and ``bytes`` (all tiers), ``pinned_bytes`` (held by
-    refs), ``hits``/``misses``, ``evictions``, ``dropped``, ``tiers`` (per tier: blocks,
-    bytes, capacity, hits, misses, spills, unspills; device ``peak_bytes``; disk
-    ``checksum_failures`` and ``full``), and the runtime's
-    counters (``prefill_tokens``, ``reused_tokens``, ``transfers`` (blocks pulled),
-    ``transfer_bytes``, ``transfer_seconds``, ``recomputes`` (blocks rebuilt),
-    ``recompute_tokens``, ``incompatible``, ``materializations``, ``resumes``, ``forks``,
-    ``evicted_bytes``, ``served_zero_copy`` / ``served_packed`` (pulls this worker
-    served as one run of a block arena's memory / packed into a reply buffer),
-    ``pulls_zero_copy`` / ``pulls_packed`` (the same, seen by the puller), ...), and
-    ``arena_overhang_bytes`` (memory arenas keep alive beyond the blocks the tiers
-    count). Counters never seen are absent; read them with ``.get``.
-
-    The result is a dict (:class:`~dask_kvstate.views.ClusterStats`) that prints as a
-    table with totals and renders as HTML in Jupyter.
-    """
-    result = client.run(_worker_stats)
-    if client.asynchronous:  # an awaitable, as client.run returns there
-        return _as_cluster_stats(result)
-    return ClusterStats(result)
+def _scheduler_stats(dask_scheduler) -> dict:
+    return {
+        "placement": _section(dask_scheduler, PLACEMENT_EXTENSION),
+        "scheduling": {part: _section(dask_scheduler, name) for part, name in _SCHEDULING_SECTIONS.items()},
+        "lifecycle": _section(dask_scheduler, LIFECYCLE_EXTENSION),
+    }
 
 
-async def _as_cluster_stats(pending) -> ClusterStats:
-    return ClusterStats(await pending)
-
-
-# -- workflow-aware scheduling (Nalar): sessions, priority, stealing, capacity --------------
-def scheduling_plugins() -> list:
-    """The scheduling extensions ``kvstate.scheduling.*`` switches on, sessions first (the
-    others read it), then the ``kvstate-scheduling`` worker plugin; empty when all are off.
-    Shared by :func:`install_scheduling` and the preload (``dask_kvstate.plugins``)."""
-    from dask_kvstate.plugins.scheduler.capacity import CapacityController
-    from dask_kvstate.plugins.scheduler.priority import ProgressPriority
-    from dask_kvstate.plugins.scheduler.sessions import SessionTracker
-    from dask_kvstate.plugins.scheduler.stealing import LateBindingStealing
-    from dask_kvstate.plugins.worker.scheduling import SchedulingWorkerPlugin
-
-    wanted = [
-        cls()
-        for key, cls in (
-            ("priority.enabled", ProgressPriority),
-            ("stealing.enabled", LateBindingStealing),
-            ("capacity.enabled", CapacityController),
-        )
-        if config.get(f"scheduling.{key}")
-    ]
-    # Component hints (max-concurrency, batchable): their extension, whenever a hint asks for it.
-    from dask_kvstate.hints import parse_hints
-
-    hints = parse_hints(config.get("scheduling.components"))
-    if hints.limits or hints.batch:
-        from dask_kvstate.plugins.scheduler.hints import ComponentHints
-
-        wanted.append(ComponentHints())
-    if not wanted and not config.get("scheduling.sessions"):
-        return []
-    return [SessionTracker(), *wanted, SchedulingWorkerPlugin()]
+# -- deprecated aliases, kept one release: each warns, naming its replacement -------------------
+def _deprecated(name: str, replacement: str) -> None:
+    warnings.warn(f"kvs.{name} is deprecated; use {replacement}", FutureWarning, stacklevel=3)
 
 
 def install_scheduling(client: Client) -> list[str]:
-    """Register the scheduling extensions switched on in ``kvstate.scheduling.*``.
-
-    Needs no model: ``kvs.install`` calls it, and workflows of plain Python functions can
-    call it alone. The sessions extension comes first (the others read it); with any
-    extension on, every worker gets the ``kvstate-scheduling`` plugin (re-sorting its
-    ready heap, taking capacity moves). Idempotent. Returns the names registered
-    (an awaitable of them with an asynchronous client).
-    """
-    plugins = scheduling_plugins()
-    if not plugins:
+    """Deprecated: ``kvs.install(client, model=False)``. Returns the scheduling extensions' names
+    (an awaitable of them with an asynchronous client)."""
+    _deprecated("install_scheduling(client)", "kvs.install(client, model=False)")
+    plugins = ext.extensions({name: v for name, v in ext.enabled().items() if name in ext.SCHEDULING})
+    if not plugins.scheduler:
         return []
-    if client.asynchronous:  # an asynchronous client: the caller awaits the registrations
-
-        async def register() -> list[str]:
-            for p in plugins:
-                await client.register_plugin(p)
-            return [p.name for p in plugins[:-1]]
-
-        return register()
-    for p in plugins:
-        client.register_plugin(p)  # idempotent: a no-op when one of that name is there
-    return [p.name for p in plugins[:-1]]
+    return client.sync(_register, client, plugins, plugins.names)
 
 
-def _scheduling_stats(dask_scheduler) -> dict:
-    out = {}
-    for name in SCHEDULING_EXTENSIONS:
-        plugin = dask_scheduler.plugins.get(name)
-        out[name.removeprefix("kvstate-")] = (
-            {"installed": False} if plugin is None else {"installed": True, **plugin.stats()}
-        )
-    return out
+def install_lifecycle(client: Client) -> list[str]:
+    """Deprecated: ``kvs.install(client, lifecycle=True)``. Registers the session tracker, the
+    lifecycle extension and its worker half; returns their names."""
+    _deprecated("install_lifecycle(client)", "kvs.install(client, lifecycle=True)")
+    plugins = ext.extensions({"lifecycle": True})
+    return client.sync(_register, client, plugins, plugins.names + [p.name for p in plugins.worker])  # type: ignore[attr-defined]
+
+
+async def _register(client: Client, plugins: ext.Extensions, names: list[str]) -> list[str]:
+    await _install(client, plugins, None)
+    return names
+
+
+def placement_stats(client: Client) -> dict:
+    """Deprecated: ``kvs.stats(client).placement``."""
+    _deprecated("placement_stats(client)", "kvs.stats(client).placement")
+    return client.run_on_scheduler(_scheduler_section, "placement")
 
 
 def scheduling_stats(client: Client) -> dict:
-    """What the scheduling extensions did, and the global control loop's latency.
+    """Deprecated: ``kvs.stats(client).scheduling``."""
+    _deprecated("scheduling_stats(client)", "kvs.stats(client).scheduling")
+    return client.run_on_scheduler(_scheduler_section, "scheduling")
 
-    ``{"sessions": {open, ended, sessions, recently_ended, control_loop, ...},
-    "priority": {...}, "stealing": {moves, kept, affinity_kept, queued_seen, ...},
-    "capacity": {moves, last, latency, ...}, "hints": {limits, running, held, peak, ...}}``;
-    ``sessions.control_loop`` holds, per
-    policy and in total, the pass latency (count, mean, p50, p99, max in ms). Never
-    raises for an extension that is off: it reads ``{"installed": False}``.
-    """
-    return client.run_on_scheduler(_scheduling_stats)
+
+def lifecycle_stats(client: Client) -> dict:
+    """Deprecated: ``kvs.stats(client).lifecycle``."""
+    _deprecated("lifecycle_stats(client)", "kvs.stats(client).lifecycle")
+    return client.run_on_scheduler(_scheduler_section, "lifecycle")
+
+
+def _scheduler_section(name: str, dask_scheduler=None) -> dict:
+    return _scheduler_stats(dask_scheduler)[name]

@@ -1,14 +1,18 @@
 """People-facing views of kvstate numbers: a terminal table and a notebook HTML table.
 
-:func:`totals` is the one place cluster totals are summed, so ``kvs.stats`` and the
-``/kvstate`` dashboard page always show the same numbers. Torch-free: the scheduler
+:class:`Stats` is what ``kvs.stats`` returns. :func:`totals` is the one place cluster
+totals are summed, so ``kvs.stats`` and the ``/kvstate`` dashboard page always show the
+same numbers. Torch-free: the scheduler
 (which renders the dashboard) imports this module.
 """
 
 from __future__ import annotations
 
 import html
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, ItemsView, Iterator, KeysView, Mapping, ValuesView
+from dataclasses import dataclass
+from typing import Any
 
 from dask.utils import format_bytes
 
@@ -30,7 +34,7 @@ TOTAL_KEYS = (
 )
 
 # (header, how to read it from one worker's stats, how to show it)
-_COLUMNS = (
+_COLUMNS: tuple[tuple[str, Callable[[Mapping], Any], Callable[[Any], str]], ...] = (
     ("model", lambda s: s.get("model", ""), str),
     ("blocks", lambda s: s.get("blocks", 0), "{:,}".format),
     ("bytes", lambda s: s.get("bytes", 0), format_bytes),
@@ -121,7 +125,7 @@ def html_table(per_worker: Mapping[str, Mapping], title: str = "kvstate") -> str
 
 
 class ClusterStats(dict):
-    """What ``kvs.stats`` returns: ``{worker: {...}}``, a plain dict, that also renders.
+    """``kvs.stats(client).workers``: ``{worker: {...}}``, a plain dict, that also renders.
 
     A dict subclass, so code that indexes it (``stats[worker]["hits"]``) and compares it
     keeps working; ``print`` gives a table per worker plus totals, Jupyter an HTML table.
@@ -147,3 +151,106 @@ class ClusterStats(dict):
 
     def _repr_html_(self) -> str:
         return html_table(self, title="kvstate: KV blocks per worker")
+
+
+def _show(value) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def summary(section: Mapping) -> str:
+    """One extension's scalar stats in a line (nested ones stay in the data); empty when it is off.
+
+    Examples
+    --------
+    >>> summary({"installed": True, "decisions": 3, "rates": {"x": 1.0}, "alpha": 0.2}), summary({"installed": False})
+    ('decisions 3, alpha 0.2', '')
+    """
+    if not section.get("installed", False):
+        return ""
+    return ", ".join(
+        f"{k} {_show(v)}" for k, v in section.items() if k != "installed" and isinstance(v, (int, float, str))
+    )
+
+
+@dataclass
+class Stats:
+    """What ``kvs.stats`` returns: per-worker counters and what each scheduler extension did.
+
+    ``workers`` is ``{worker: {...}}`` (:class:`ClusterStats`); ``placement`` and
+    ``lifecycle`` are one extension's stats each, ``scheduling`` one per extension
+    (``sessions``, ``priority``, ``stealing``, ``capacity``, ``hints``). An extension that
+    is off reads ``{"installed": False}``. ``print`` gives the worker table and a line per
+    extension, Jupyter the same as HTML.
+
+    Examples
+    --------
+    >>> s = Stats(workers=ClusterStats({"tcp://a:1": {"installed": True, "blocks": 2}}),
+    ...           placement={"installed": True, "decisions": 4}, scheduling={"sessions": {"installed": False}},
+    ...           lifecycle={"installed": False})
+    >>> s.workers["tcp://a:1"]["blocks"], s.placement["decisions"]
+    (2, 4)
+    >>> print(str(s).split("\\n\\n")[1])
+    extension  on   stats
+    ---------------------------
+    placement  on   decisions 4
+    sessions   off
+    lifecycle  off
+    """
+
+    workers: ClusterStats
+    placement: dict
+    scheduling: dict
+    lifecycle: dict
+
+    def extensions(self) -> dict[str, dict]:
+        """``{extension: its stats}``, scheduling's flattened in among placement and lifecycle."""
+        return {"placement": self.placement, **self.scheduling, "lifecycle": self.lifecycle}
+
+    def _extension_rows(self) -> list[tuple[str, str, str]]:
+        return [(name, "on" if s.get("installed") else "off", summary(s)) for name, s in self.extensions().items()]
+
+    def __str__(self) -> str:
+        rows = [("extension", "on", "stats"), *self._extension_rows()]
+        width = max(len(name) for name, _, _ in rows)
+        lines = [f"{name.ljust(width)}  {on.ljust(3)}  {text}".rstrip() for name, on, text in rows]
+        lines.insert(1, "-" * max(len(line) for line in lines))
+        return text_table(self.workers) + "\n\n" + "\n".join(lines)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        esc = html.escape
+        head = "".join(f"<th>{h}</th>" for h in ("extension", "on", "stats"))
+        body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in self._extension_rows())
+        return (
+            html_table(self.workers, title="kvstate: KV blocks per worker")
+            + "<div><strong>kvstate: scheduler extensions</strong>"
+            + f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+        )
+
+    # Deprecated, kept one release: kvs.stats(client) read as the mapping of workers; each use warns.
+    def _workers_mapping(self) -> ClusterStats:
+        warnings.warn(
+            "kvs.stats(client) as a mapping of workers is deprecated; use kvs.stats(client).workers",
+            FutureWarning,
+            stacklevel=3,
+        )
+        return self.workers
+
+    def __getitem__(self, worker: str) -> dict:
+        return self._workers_mapping()[worker]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._workers_mapping())
+
+    def keys(self) -> KeysView[str]:
+        return self._workers_mapping().keys()
+
+    def values(self) -> ValuesView[dict]:
+        return self._workers_mapping().values()
+
+    def items(self) -> ItemsView[str, dict]:
+        return self._workers_mapping().items()
+
+    def get(self, worker: str, default=None):
+        return self._workers_mapping().get(worker, default)

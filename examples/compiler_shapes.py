@@ -18,7 +18,7 @@ from dask_kvstate.testing import shapes
 
 
 def _prefill(client) -> int:
-    return sum(s.get("prefill_tokens", 0) for s in kvs.stats(client).values())
+    return sum(s.get("prefill_tokens", 0) for s in kvs.stats(client).workers.values())
 
 
 def measure(client, build) -> dict:

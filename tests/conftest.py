@@ -82,7 +82,7 @@ def on(worker):
 
 
 def stats_of(client, worker) -> dict:
-    return kvs.stats(client)[worker]
+    return kvs.stats(client).workers[worker]
 
 
 def pytest_collection_modifyitems(items):

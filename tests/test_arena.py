@@ -176,7 +176,7 @@ def test_a_malformed_zero_copy_reply_is_refused_by_name(layout, frame_bytes, mat
 
 
 def _holder_counters(client, worker) -> dict:
-    s = kvs.stats(client)[worker]
+    s = kvs.stats(client).workers[worker]
     return {k: s.get(k, 0) for k in ("served_zero_copy", "served_packed", "pulls_zero_copy", "pulls_packed")}
 
 

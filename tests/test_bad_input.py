@@ -18,7 +18,7 @@ def replay(client, *segments, n=8):
 
 
 def incompatible(client) -> int:
-    return sum(s.get("incompatible", 0) for s in kvs.stats(client).values())
+    return sum(s.get("incompatible", 0) for s in kvs.stats(client).workers.values())
 
 
 def test_wrong_positions_are_never_reused(client, workers):

@@ -82,11 +82,11 @@ def test_compiler_batches_siblings_and_keeps_keys(client):
         batches = [k for k in graph if str(k).startswith("kvs-resume_many-")]
         assert len(batches) == 2  # six siblings, at most four a batch: 3 + 3
         assert all(p.key in graph for p in prompts)
-        before = sum(s.get("batched_resumes", 0) for s in kvs.stats(client).values())
+        before = sum(s.get("batched_resumes", 0) for s in kvs.stats(client).workers.values())
         with kvs.stateflow():
             compiled = dask.compute(*[kvs.generate(CONTEXT, s, max_new_tokens=10) for s in SUFFIXES])
     assert [c.token_ids for c in compiled] == [r.token_ids for r in replay]
-    assert sum(s.get("batched_resumes", 0) for s in kvs.stats(client).values()) == before + len(SUFFIXES)
+    assert sum(s.get("batched_resumes", 0) for s in kvs.stats(client).workers.values()) == before + len(SUFFIXES)
 
 
 def test_batching_off_leaves_plain_resumes():

@@ -44,14 +44,14 @@ def test_resume_on_another_worker_pulls_over_the_comm(comm_client):
     protocol, client = comm_client
     a, b = sorted(client.scheduler_info()["workers"])
     assert a.startswith(f"{protocol}://") and b.startswith(f"{protocol}://")
-    before = kvs.stats(client)[b]
+    before = kvs.stats(client).workers[b]
     with on(a):
         state = kvs.materialize(CONTEXT, " over the wire")
     with on(b):
         out = kvs.resume(state, " Who tests?", max_new_tokens=16)
     ref, got = dask.compute(state, out)
     want = client.compute(kvs.generate(CONTEXT, " over the wire", " Who tests?", max_new_tokens=16)).result()
-    after = kvs.stats(client)[b]
+    after = kvs.stats(client).workers[b]
     assert got.token_ids == want.token_ids
     assert after["transfers"] - before.get("transfers", 0) == len(ref.blocks)
     assert after["transfer_bytes"] - before.get("transfer_bytes", 0) == ref.nbytes

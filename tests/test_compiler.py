@@ -21,7 +21,7 @@ from .conftest import TEST_CONFIG
 
 
 def prefill_tokens(client) -> int:
-    return sum(s.get("prefill_tokens", 0) for s in kvs.stats(client).values())
+    return sum(s.get("prefill_tokens", 0) for s in kvs.stats(client).workers.values())
 
 
 def run(client, outs, compiler: bool):

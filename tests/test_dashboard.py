@@ -83,7 +83,7 @@ def _settled(client):
     pair = {}
 
     def agree():
-        pair["full"] = kvs.stats(client)
+        pair["full"] = kvs.stats(client).workers
         pair["stats"] = pair["full"].totals
         pair["observed"] = client.run_on_scheduler(_observer_snapshot)["totals"]
         return pair["stats"] == pair["observed"]
@@ -100,7 +100,8 @@ def _settled(client):
 
 def test_stats_is_a_dict_with_table_and_html_reprs(client, workers):
     dask.compute(*tree_of_thought(2, 4)[1])
-    s = kvs.stats(client)
+    full = kvs.stats(client)
+    s = full.workers
     assert isinstance(s, ClusterStats) and isinstance(s, dict) and sorted(s) == workers
     text = str(s)
     assert repr(s) == text
@@ -113,6 +114,11 @@ def test_stats_is_a_dict_with_table_and_html_reprs(client, workers):
     html = s._repr_html_()
     assert html.count("<tr>") == len(workers) + 2 and all(w in html for w in workers)
     assert s.totals["blocks"] == sum(v["blocks"] for v in s.values())
+    # The whole object: the worker table, then a line per scheduler extension; the same in HTML.
+    assert isinstance(full, kvs.Stats) and repr(full) == str(full) and str(full).startswith(text)
+    extensions = dict(line.split(None, 1) for line in str(full).split("\n\n")[1].splitlines()[2:])
+    assert "workers 2" in extensions["placement"] and extensions["lifecycle"] == "off"
+    assert full._repr_html_().startswith(html) and "<td>lifecycle</td><td>off</td>" in full._repr_html_()
 
 
 def test_explain_renders_html():
@@ -151,8 +157,8 @@ def test_spills_are_logged_aggregated_per_report():
                 kvs.install(client, "tiny-llama", torch_threads=1, device_bytes="20KiB", host_bytes="1MiB")
                 refs = client.compute([kvs.materialize(f"Spill {i}. " + CONTEXT) for i in range(3)])
                 wait(refs)
-                (w,) = kvs.stats(client)
-                spills = lambda: kvs.stats(client)[w]["tiers"]["device"]["spills"]
+                (w,) = kvs.stats(client).workers
+                spills = lambda: kvs.stats(client).workers[w]["tiers"]["device"]["spills"]
                 logged = lambda: [m for _, m in client.get_events(protocol.STORE_TOPIC) if m.get("kind") == "store"]
                 poll_for(lambda: sum(m.get("device_spills", 0) for m in logged()) == spills() > 0, timeout=15)
                 assert len(logged()) < spills()  # aggregated: fewer events than blocks moved
@@ -337,5 +343,7 @@ def test_stats_under_an_asynchronous_client(client, workers):
         async with Client(client.scheduler.address, asynchronous=True) as ac:
             return await kvs.stats(ac)
 
-    s = asyncio.run(go())
+    full = asyncio.run(go())
+    s = full.workers
     assert isinstance(s, ClusterStats) and sorted(s) == workers and "total" in str(s)
+    assert full.placement["installed"] and full.lifecycle == {"installed": False}

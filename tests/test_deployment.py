@@ -88,8 +88,8 @@ def test_cli_cluster_with_the_preload_runs_the_compiler_and_moves_state(tmp_path
             a, b = sorted(c.scheduler_info()["workers"])
             assert a.startswith("tcp://127.0.0.1:")
             # The preload alone installed the model and the scheduler's placement extension.
-            assert {s["installed"] for s in kvs.stats(c).values()} == {True}
-            assert {tuple(s["models"]) for s in kvs.stats(c).values()} == {("tiny-llama",)}
+            assert {s["installed"] for s in kvs.stats(c).workers.values()} == {True}
+            assert {tuple(s["models"]) for s in kvs.stats(c).workers.values()} == {("tiny-llama",)}
             # (a lambda: cloudpickle sends it by value; this test module is not importable over there)
             seen = c.run(
                 lambda dask_worker: (
@@ -98,7 +98,7 @@ def test_cli_cluster_with_the_preload_runs_the_compiler_and_moves_state(tmp_path
                 )
             )
             assert set(seen.values()) == {(16, True)}
-            assert kvs.placement_stats(c)["installed"]
+            assert kvs.stats(c).placement["installed"]
 
             # The compiler pass, on the scheduler process.
             off = dask.compute(*shapes.tree_of_thought(k=3, n=6))
@@ -115,7 +115,7 @@ def test_cli_cluster_with_the_preload_runs_the_compiler_and_moves_state(tmp_path
             ref, got = dask.compute(state, out)
             want = c.compute(kvs.generate(CONTEXT, " Who tests?", max_new_tokens=12)).result()
             assert got.token_ids == want.token_ids
-            assert kvs.stats(c)[b]["transfers"] == len(ref.blocks)
+            assert kvs.stats(c).workers[b]["transfers"] == len(ref.blocks)
 
             c.shutdown()  # scheduler and workers close themselves
         codes = [p.wait(timeout=60) for p in procs]

@@ -47,7 +47,7 @@ def test_holder_killed_consumer_recomputes_identically(fresh_client):
     with on(b):
         out = client.compute(kvs.resume(ref, " Who tests?", max_new_tokens=16)).result()
     assert out.token_ids == expected.token_ids
-    s = kvs.stats(client)[b]
+    s = kvs.stats(client).workers[b]
     assert s["transfer_failures"] >= 1 and s["recomputes"] == len(ref.blocks)
 
 

@@ -35,7 +35,7 @@ def replay(client, *segments, n=12):
 
 
 def total(client, counter: str) -> int:
-    return sum(s.get(counter, 0) for s in kvs.stats(client).values())
+    return sum(s.get(counter, 0) for s in kvs.stats(client).workers.values())
 
 
 # -- the scheduler extension fails ---------------------------------------------------
@@ -60,7 +60,7 @@ def test_placement_failure_is_logged_and_tasks_keep_running(fault_client, caplog
     text = "Placement. " + CONTEXT
     state = kvs.materialize(text)
     dask.compute(*[kvs.resume(s, f" Q{i}?", max_new_tokens=8) for i, s in enumerate(kvs.fork(state, 3))])
-    before = kvs.placement_stats(client)
+    before = kvs.stats(client).placement
     assert before.get("decisions", 0) > 0 and before.get("errors", 0) == 0
 
     client.run_on_scheduler(_break_placement)
@@ -68,7 +68,7 @@ def test_placement_failure_is_logged_and_tasks_keep_running(fault_client, caplog
         with caplog.at_level(logging.ERROR, logger="dask_kvstate"):  # the scheduler runs in this process
             state = kvs.materialize("After the failure. " + CONTEXT)
             outs = dask.compute(*[kvs.resume(s, f" Q{i}?", max_new_tokens=8) for i, s in enumerate(kvs.fork(state, 3))])
-        after = kvs.placement_stats(client)
+        after = kvs.stats(client).placement
     finally:
         client.run_on_scheduler(_mend_placement)
     want = [replay(client, "After the failure. " + CONTEXT, f" Q{i}?", n=8) for i in range(3)]
@@ -126,13 +126,13 @@ def test_block_pull_broken_mid_stream_uses_no_partial_block(fault_client, how):
     ref = state.compute()
     assert ref.placement.worker == a and len(ref.blocks) >= 4
     client.run(_serve_half_then, how=how, workers=[a])
-    before = kvs.stats(client)[b]
+    before = kvs.stats(client).workers[b]
     with on(b):
         out = client.compute(kvs.resume(state, QUESTION, max_new_tokens=12)).result()
     if how == "die":
         client.sync(async_poll_for, lambda: a not in client.scheduler_info()["workers"], timeout=30)
         client.wait_for_workers(2, timeout=60)
-    s = kvs.stats(client)[b]
+    s = kvs.stats(client).workers[b]
     print(
         f"pull broken mid-stream ({how}): {len(ref.blocks)} blocks asked, transfer failures "
         f"+{s.get('transfer_failures', 0) - before.get('transfer_failures', 0)}, blocks kept from the reply "
@@ -162,7 +162,7 @@ def test_holder_killed_mid_workflow_every_output_arrives_identical(fault_client)
     text = "Killed mid-workflow. " + CONTEXT
     questions = [f" Question {i}: who is next?" for i in range(8)]
     want = [replay(client, text, q, n=16).token_ids for q in questions]
-    before_b = kvs.stats(client)[b]
+    before_b = kvs.stats(client).workers[b]
     # Loose: after the holder dies Dask may rebuild the state elsewhere from its lineage.
     with dask.annotate(workers=[a], allow_other_workers=True):
         state = kvs.materialize(text)
@@ -182,7 +182,7 @@ def test_holder_killed_mid_workflow_every_output_arrives_identical(fault_client)
     Event("kvstate-test-gate", client=client).set()
     wait(answers, timeout=120)
     got = [f.result().token_ids for f in answers]
-    after_b = kvs.stats(client)[b]
+    after_b = kvs.stats(client).workers[b]
     print(
         f"holder killed mid-workflow: {sum(g == w for g, w in zip(got, want))}/{len(want)} identical; survivor "
         f"re-materialized {after_b.get('materializations', 0) - before_b.get('materializations', 0)} states and "

@@ -84,7 +84,7 @@ def test_bad_hints_raise_value_error_naming_the_component(hint, match):
     with pytest.raises(ValueError, match=match):
         ComponentHints(hint)  # the extension's __init__: before anything reaches the cluster
     with dask.config.set({"kvstate.scheduling.components": hint}), pytest.raises(ValueError, match=match):
-        kvs.install_scheduling(None)  # fails while building the plugins: no client is touched
+        kvs.install(None, model=False)  # fails while building the plugins: no client is touched
 
 
 def test_config_check_accepts_hints_and_names_bad_ones():
@@ -211,11 +211,12 @@ def test_max_concurrency_is_cluster_wide_on_a_process_cluster():
         LocalCluster(n_workers=2, threads_per_worker=3, processes=True, dashboard_address=":0") as cluster,
         Client(cluster) as client,
     ):
-        assert "kvstate-hints" in kvs.install_scheduling(client)
+        kvs.install(client, model=False)
+        assert kvs.stats(client).scheduling["hints"]["installed"]
         Variable("running").set(0)
         Variable("peak").set(0)
         futures = client.map(counted, range(12), key=[f"tester-{i}" for i in range(12)])
-        stats = lambda: kvs.scheduling_stats(client)["hints"]
+        stats = lambda: kvs.stats(client).scheduling["hints"]
         from distributed.utils_test import poll_for
 
         poll_for(lambda: stats()["running"]["tester"] == 3 and stats()["held"]["tester"] == 9, timeout=30)

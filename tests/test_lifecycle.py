@@ -101,7 +101,7 @@ def test_invalidation_leaves_zero_bytes_and_keeps_shared_blocks(lc_client):
     assert c.run(where, ra.blocks + rb.blocks, workers=[w])[w] == [None] * len(ra.blocks + rb.blocks)
     left = c.run(lambda dask_worker: dask_worker.plugins[LIFECYCLE_WORKER_PLUGIN].stats()["sessions"])
     assert left == dict.fromkeys(left, 0)
-    stats = kvs.lifecycle_stats(c)
+    stats = kvs.stats(c).lifecycle
     assert stats["ended"][sb.id][w]["left"] == 0
 
 
@@ -118,9 +118,9 @@ def test_session_state_survives_between_invocations(lc_client):
             w
         ]
         assert kept == 0  # nothing dropped: the session holds its states
-        before = kvs.stats(c)[w]
+        before = kvs.stats(c).workers[w]
         again = c.compute(kvs.resume(ref, " Try again.", max_new_tokens=4)).result()
-        after = kvs.stats(c)[w]
+        after = kvs.stats(c).workers[w]
     assert after.get("recomputes", 0) == before.get("recomputes", 0)
     assert after["reused_tokens"] - before.get("reused_tokens", 0) >= ref.num_tokens - 1
     assert again == c.compute(kvs.generate(text, " Try again.", max_new_tokens=4)).result()
@@ -153,7 +153,7 @@ def test_suspended_session_is_offloaded_then_prefetched(lc_client):
     # the tester's past durations, which the policy adds to it).
     assert pre["margin_s"] >= 0.2 and pre["predicted_s"] <= pre["costs"]["host"][1] + pre["margin_s"] + 1e-9
     assert events(c, "prefetch", "done", s.id)[0]["blocks"] == len(ref.blocks)
-    tiers = kvs.stats(c)[w]["tiers"]
+    tiers = kvs.stats(c).workers[w]["tiers"]
     assert tiers["device"]["spills"] >= len(ref.blocks) and tiers["device"]["unspills"] >= len(ref.blocks)
 
 

@@ -126,9 +126,9 @@ def test_invalid_merges_raise_clear_errors(client):
 def test_state_of_another_config_is_never_reused(client):
     ref = client.compute(kvs.materialize(CONTEXT)).result()
     alien = replace(ref, config="c-from-another-model")
-    before = sum(s.get("incompatible", 0) for s in kvs.stats(client).values())
+    before = sum(s.get("incompatible", 0) for s in kvs.stats(client).workers.values())
     out = client.compute(kvs.resume(alien, QUESTIONS[2], max_new_tokens=16)).result()
-    after = sum(s.get("incompatible", 0) for s in kvs.stats(client).values())
+    after = sum(s.get("incompatible", 0) for s in kvs.stats(client).workers.values())
     assert after == before + 1 and out.reused_tokens == 0
     assert out.token_ids == replay(client, CONTEXT, QUESTIONS[2]).token_ids
 
@@ -219,4 +219,24 @@ def test_install_is_idempotent_and_rejects_unknown_models(client):
     assert kvs.install(client, "tiny-llama", torch_threads=1) == first
     with pytest.raises(ValueError, match="unknown model 'nope'"):
         kvs.install(client, "nope")
-    assert all(s["installed"] and s["model"] == "tiny-llama" for s in kvs.stats(client).values())
+    assert all(s["installed"] and s["model"] == "tiny-llama" for s in kvs.stats(client).workers.values())
+    with pytest.raises(ValueError, match=r"unknown extension\(s\) \['nope'\]"):
+        kvs.install(client, scheduling={"nope": True})  # checked before anything reaches the cluster
+    with pytest.raises(ValueError, match="model=False installs no block store"):
+        kvs.install(client, model=False, lifecycle=True)
+
+
+def test_the_deprecated_aliases_warn_and_still_work(client):
+    from dask_kvstate.plugins.scheduler.sessions import SessionTracker
+
+    full = kvs.stats(client)
+    with pytest.warns(FutureWarning, match=r"kvs\.stats\(client\)\.placement"):
+        assert kvs.placement_stats(client)["installed"] is full.placement["installed"] is True
+    with pytest.warns(FutureWarning, match=r"kvs\.stats\(client\)\.scheduling"):
+        assert set(kvs.scheduling_stats(client)) == set(full.scheduling)
+    with pytest.warns(FutureWarning, match=r"kvs\.stats\(client\)\.lifecycle"):
+        assert kvs.lifecycle_stats(client) == full.lifecycle == {"installed": False}
+    with pytest.warns(FutureWarning, match=r"kvs\.install\(client, model=False\)"):
+        assert kvs.install_scheduling(client) == [SessionTracker.name]  # already there: a no-op
+    with pytest.warns(FutureWarning, match=r"kvs\.stats\(client\)\.workers"):
+        assert sorted(full) == sorted(full.workers)

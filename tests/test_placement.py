@@ -31,7 +31,7 @@ def test_worker_decides_with_measured_numbers_and_output_is_identical(auto_clien
     got = dask.compute(*outs)
     want = dask.compute(*[kvs.generate(text, f" Question {i}?", max_new_tokens=8) for i in range(3)])
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    s = kvs.stats(client)[b]
+    s = kvs.stats(client).workers[b]
     choices = s.get("chose_pull", 0) + s.get("chose_recompute", 0)
     assert choices >= 1
     if link == "1 Mbit/s":  # ~100 KB of KV would take ~0.7 s; tiny-llama recomputes it in ms
@@ -57,7 +57,7 @@ def test_scheduler_places_consumers_of_a_state(auto_client):
     assert decisions, "the placement extension decided nothing"
     for d in decisions:
         assert {"worker", "action", "t_transfer", "t_recompute", "expected_start"} <= set(d)
-    ps = kvs.placement_stats(client)
+    ps = kvs.stats(client).placement
     assert ps["installed"] and ps["decisions"] == len(decisions) and ps["workers"] == 2
 
 
@@ -66,7 +66,7 @@ def test_placement_can_be_switched_off():
         with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster:
             with Client(cluster) as client:
                 kvs.install(client, "tiny-llama", torch_threads=1)
-                assert kvs.placement_stats(client) == {"installed": False}
+                assert kvs.stats(client).placement == {"installed": False}
                 assert client.compute(kvs.generate("Still works.", max_new_tokens=2)).result().token_ids
 
 
@@ -81,7 +81,7 @@ def test_a_long_prefill_borrows_the_idle_workers_threads():
         got = dask.compute(*outs)
         want = dask.compute(*[kvs.generate(CONTEXT, f" Question {i}?", max_new_tokens=8) for i in range(2)])
         assert [g.token_ids for g in got] == [w.token_ids for w in want]
-        assert kvs.stats(client)[a].get("borrowed_threads", 0) >= 1
+        assert kvs.stats(client).workers[a].get("borrowed_threads", 0) >= 1
         # and gives them back
         assert client.run(lambda: __import__("torch").get_num_threads(), workers=[a])[a] == 1
 
@@ -127,4 +127,4 @@ def test_max_copies_keeps_consumers_on_the_holder():
         a, b = sorted(client.scheduler_info()["workers"])
         decisions = _two_long_resumes(client, "Copies")
         assert [d["worker"] for d in decisions] == [a, a] and all(d["capped"] for d in decisions)
-        assert kvs.stats(client)[b].get("transfers", 0) == 0  # no second copy was made
+        assert kvs.stats(client).workers[b].get("transfers", 0) == 0  # no second copy was made

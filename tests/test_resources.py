@@ -78,7 +78,7 @@ def test_disk_tier_on_a_full_disk_keeps_or_recomputes_blocks(tmp_path):
             )
             (w,) = client.scheduler_info()["workers"]
             refs, got, want = fork_workflow(client, w, 24, CONTEXT[:200])
-            s = kvs.stats(client)[w]
+            s = kvs.stats(client).workers[w]
             (files,) = client.run(_check_spill_files).values()
     unique = set().union(*(r.blocks for r in refs))
     print(
@@ -116,7 +116,7 @@ def test_budgets_far_below_the_working_set_complete_without_oom(tmp_path):
             # A second round over new text; the first round's states are released (their
             # futures are gone), so their blocks are prefix cache that must make room.
             _, got2, want2 = fork_workflow(client, w, 8, CONTEXT[200:400])
-            s = kvs.stats(client)[w]
+            s = kvs.stats(client).workers[w]
             (after,) = client.run(_check_spill_files).values()
             workers_now = list(client.scheduler_info()["workers"])
     unique = set().union(*(r.blocks for r in refs))

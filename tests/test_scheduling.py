@@ -55,6 +55,23 @@ async def install(c, *plugins):
     await c.register_plugin(SchedulingWorkerPlugin())
 
 
+# -- kvs.install without a model -------------------------------------------------------
+@gen_cluster(client=True, config=FAST)
+async def test_install_under_an_asynchronous_client_takes_overrides_and_is_idempotent(c, s, a, b):
+    from dask_kvstate.plugins.scheduler.placement import KVPlacement
+
+    assert await kvs.install(c, model=False, scheduling={"stealing": True}) == {}
+    assert SessionTracker.name in s.plugins and LateBindingStealing.name in s.plugins
+    assert ProgressPriority.name not in s.plugins and KVPlacement.name not in s.plugins  # no model: no KV extensions
+    assert all(SchedulingWorkerPlugin.name in w.plugins for w in (a, b))
+    tracker = s.plugins[SessionTracker.name]
+    await kvs.install(c, model=False, scheduling={"stealing": True})
+    assert s.plugins[SessionTracker.name] is tracker  # the second call reloaded nothing
+    full = await kvs.stats(c)
+    assert full.scheduling["stealing"]["installed"] and full.scheduling["priority"] == {"installed": False}
+    assert full.workers[a.address] == {"installed": False} and full.placement == {"installed": False}
+
+
 # -- sessions --------------------------------------------------------------------------
 @gen_cluster(client=True, config=FAST)
 async def test_session_tracks_progress_visits_and_fires_end_hook(c, s, a, b):
@@ -115,7 +132,7 @@ def test_tasks_submitted_by_a_task_inherit_its_session():
         LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0") as cluster,
         Client(cluster) as client,
     ):
-        kvs.install_scheduling(client)
+        kvs.install(client, model=False)
         with kvs.session("parent", client=client) as sess:
             assert client.submit(spawn, 1, pure=False).result() == 0.0
         info = client.run_on_scheduler(_session_summary, sess.id)

@@ -28,7 +28,7 @@ def test_smollm2_reuse_across_workers_is_token_identical_to_text_replay():
                 reused = [kvs.resume(r, s, max_new_tokens=16) for r, (_, s) in zip(branches, parts)]
             replay = [kvs.generate(p, s, max_new_tokens=16) for p, s in parts]
             ref, got, want = dask.compute(state, reused, replay)
-            stats = kvs.stats(client)
+            stats = kvs.stats(client).workers
     assert ref.num_tokens > 300 and ref.model_name == "smollm2-135m"
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids

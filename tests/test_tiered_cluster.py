@@ -54,7 +54,7 @@ def test_fork_heavy_workflow_ten_times_over_budget(tight_client):
     want = dask.compute(*[kvs.generate(context, branch_text(i), " Verdict:", max_new_tokens=8) for i in range(16)])
     assert [g.token_ids for g in got] == [x.token_ids for x in want]
 
-    s = kvs.stats(client)[w]
+    s = kvs.stats(client).workers[w]
     assert s["tiers"]["device"]["peak_bytes"] <= budget
     assert s["tiers"]["disk"]["spills"] == 0 and s["tiers"]["host"]["spills"] > 0  # it really went to disk
     assert s["tiers"]["disk"]["hits"] > 0  # and came back from there
@@ -88,7 +88,7 @@ def test_damaged_spill_files_are_detected_and_recomputed(tight_client, damage):
     out = client.compute(kvs.resume(state, " Who tests?", max_new_tokens=16)).result()
     want = client.compute(kvs.generate(CONTEXT, " Who tests?", max_new_tokens=16)).result()
     assert out.token_ids == want.token_ids
-    s = kvs.stats(client)[w]
+    s = kvs.stats(client).workers[w]
     assert s["tiers"]["disk"]["checksum_failures"] >= 1 and s["recomputes"] >= 1
     assert s["tiers"]["disk"]["checksum_failures"] == len(files)  # every damaged file detected and counted
 

@@ -97,13 +97,13 @@ def run(client: Client, *, branches: int = 4, lines: int = 52, new_tokens: int =
     m: dict = {"context_tokens": None}
     for name, (build, compiled) in MODES.items():
         outs = build(parts, new_tokens)
-        before, t0 = kvs.stats(client), time.perf_counter()
+        before, t0 = kvs.stats(client).workers, time.perf_counter()
         with kvs.stateflow() if compiled else contextlib.nullcontext():
             futures = client.compute(outs)
             for _ in progress.as_completed(futures, desc=f"{name}: {len(futures)} branches"):
                 pass
             results = client.gather(futures)
-        wall, after = time.perf_counter() - t0, kvs.stats(client)
+        wall, after = time.perf_counter() - t0, kvs.stats(client).workers
         where = client.who_has(futures)
         m[name] = {
             "results": results,

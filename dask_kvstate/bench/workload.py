@@ -125,7 +125,7 @@ def kv_bytes_per_token(client) -> int:
 
 
 def _counters(client) -> dict:
-    return {w: dict(s) for w, s in kvs.stats(client).items()}
+    return {w: dict(s) for w, s in kvs.stats(client).workers.items()}
 
 
 def build(mode: str, context: str, k: int, new_tokens: int) -> list:

@@ -5,7 +5,7 @@ only revises decisions (priorities, placement, capacity) every interval. On a Da
 scheduler that is a tornado ``PeriodicCallback`` on the scheduler's event loop (how
 ``WorkStealing.balance`` runs), so every policy sees a consistent scheduler state and
 no two policies race. Each pass is timed per policy and in total: the loop's latency
-is what ``kvs.scheduling_stats`` reports.
+is what ``kvs.stats(client).scheduling`` reports.
 """
 
 from __future__ import annotations

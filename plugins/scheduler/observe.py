@@ -15,7 +15,8 @@ logs the block store's spills, unspills and drops under ``kvstate-lifecycle``, o
 event per worker and interval with counts, instead of one per block.
 
 It serves the ``/kvstate`` page (:mod:`dask_kvstate.plugins.scheduler.dashboard`) when the
-scheduler runs a dashboard and Bokeh is importable.
+scheduler runs a dashboard and Bokeh is importable. ``kvstate.dashboard.enabled`` switches
+the extension, page and all.
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ class KVObserver(SchedulerPlugin):
                 f"kvstate.dashboard.history must be >= 1 and largest-states >= 0, got "
                 f"{self.history_len!r} and {self.largest_n!r}"
             )
-        self.page = bool(config.get("dashboard.enabled"))
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -72,11 +72,10 @@ class KVObserver(SchedulerPlugin):
         scheduler.stream_handlers.update({STATS: self._on_stats, STATES: self._on_states})
         self._sampler = PeriodicCallback(self.sample, self.refresh_s * 1000)
         self._sampler.start()
-        self._app = None
-        if self.page:
-            from dask_kvstate.plugins.scheduler.dashboard import register_page
+        # kvstate.dashboard.enabled decides whether this extension is installed at all.
+        from dask_kvstate.plugins.scheduler.dashboard import register_page
 
-            self._app = register_page(scheduler, self)
+        self._app = register_page(scheduler, self)
 
     async def close(self) -> None:
         if getattr(self, "_sampler", None) is not None:

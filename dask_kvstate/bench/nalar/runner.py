@@ -42,12 +42,12 @@ DEFAULT_CONFIGS = "default,priority,stealing,capacity,all"
 # is a change here. On an asynchronous client both calls return awaitables.
 async def install_policies(c: Client) -> None:
     """Register the scheduling extensions the current ``kvstate.scheduling.*`` config enables."""
-    await cast(Awaitable[list[str]], kvs.install_scheduling(c))
+    await cast(Awaitable[dict], kvs.install(c, model=False))
 
 
 async def policy_stats(c: Client) -> dict:
-    """What the scheduling extensions did (``kvs.scheduling_stats``)."""
-    return await cast(Awaitable[dict], kvs.scheduling_stats(c))
+    """What the scheduling extensions did (``kvs.stats(c).scheduling``)."""
+    return (await cast(Awaitable[kvs.Stats], kvs.stats(c))).scheduling
 
 
 def cluster_spec(wf: Workflow) -> dict:
