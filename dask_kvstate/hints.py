@@ -152,7 +152,7 @@ class BatchedCall:
         from distributed.worker import thread_state
 
         try:
-            plugin = get_worker().plugins.get(BATCHING_WORKER_PLUGIN)
+            plugin: Any = get_worker().plugins.get(BATCHING_WORKER_PLUGIN)  # a BatchingWorkerPlugin
         except ValueError:  # not in a task on a worker
             plugin = None
         key = getattr(thread_state, "key", None)
@@ -207,7 +207,8 @@ def _capturing() -> list | None:
 
 def capture_args(run_spec, data: dict) -> tuple:
     """The argument tuple a ``BatchedCall`` task would be called with, without calling it."""
-    _local.capture = captured = []
+    captured: list = []
+    _local.capture = captured
     try:
         run_spec(data)
     finally:

@@ -12,6 +12,7 @@ Each finds its worker's ``kvstate`` plugin and hands the work to its runtime.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from distributed import get_worker
 from distributed.utils import sync
@@ -28,7 +29,7 @@ def _plugin():
         worker = get_worker()
     except ValueError:
         raise RuntimeError("kvstate operators run inside Dask tasks on a worker; compute them with a Client") from None
-    plugin = worker.plugins.get(WORKER_PLUGIN)
+    plugin: Any = worker.plugins.get(WORKER_PLUGIN)  # a KVStateWorkerPlugin, not imported here
     if plugin is None or plugin.runtime is None:
         raise RuntimeError(f"worker {worker.address} has no kvstate plugin: call kvs.install(client) first")
     return plugin
@@ -177,7 +178,7 @@ def measure_raw_fetch(key: str, holder: str) -> float:
 
     worker = get_worker()
     t0 = time.perf_counter()
-    resp = sync(worker.loop, get_data_from_worker, worker.rpc, [key], holder, who=worker.address)
+    resp: Any = sync(worker.loop, get_data_from_worker, worker.rpc, [key], holder, who=worker.address)
     seconds = time.perf_counter() - t0
     if key not in resp.get("data", {}):
         raise RuntimeError(f"{holder} did not return {key!r}: {resp.get('status')}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from dask._task_spec import DataNode, Task, TaskRef
 from dask.base import tokenize
@@ -36,7 +37,7 @@ class Segment:
     """One prompt segment: a literal string, or the key of an upstream task."""
 
     kind: str  # "text" or "key"
-    value: object
+    value: Any  # the text (a str), or the upstream task's key
 
     def arg(self):
         return self.value if self.kind == "text" else TaskRef(self.value)
@@ -133,7 +134,7 @@ def find_calls(dsk: Mapping) -> list[LLMCall]:
             continue
         if _is(task.func, tasks.generate):
             segs = tuple(_segment(key, i, a) for i, a in enumerate(task.args))
-            base = ("model", task.kwargs.get("model"))
+            base: tuple = ("model", task.kwargs.get("model"))
         elif _is(task.func, tasks.resume):
             if not task.args or not isinstance(task.args[0], TaskRef):
                 continue  # a literal state: nothing upstream to share

@@ -41,11 +41,14 @@ in the tests.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 ATTN_NAME = "kvstate_cascade"
 
-_previous: dict[str, object] = {}
+_previous: dict[str, Callable[..., Any]] = {}
 
 
 def _dispatch(module, query, key, value, attention_mask, *, kvstate_cascade=None, **kwargs):
@@ -126,7 +129,8 @@ class SharedPrefixKV:
         self.own_v = torch.zeros_like(self.own_k)
         self.offsets = torch.zeros(rows, dtype=torch.long, device=device)  # own tokens written per row
         self.rows, self.capacity = rows, capacity
-        self._q, self._width, self._masks = 0, 0, None
+        self._masks: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None = None
+        self._q, self._width = 0, 0
 
     def position_ids(self, q: int) -> torch.Tensor:
         """Positions of the next ``q`` tokens of every row: ``p_b + offset_b + i``."""
@@ -202,7 +206,7 @@ class SharedPrefixKV:
         # Query heads of one group share a kv head (transformers' repeat_kv order): [B, H, g*q, D].
         qh = query.reshape(B, H, g * q, D)
         out, lse = _partial(qh, ok[:, :, :W], ov[:, :, :W], own_mask, scale)
-        if self.P:
+        if self.P and self.prefix is not None:
             # Every row's queries as one batch against the one prefix copy: [1, H, B*g*q, D].
             qf = qh.transpose(0, 1).reshape(1, H, B * g * q, D)
             po, pl = _partial(qf, self.prefix[layer, 0][None], self.prefix[layer, 1][None], prefix_mask, scale)

@@ -152,7 +152,7 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
         bar.update()
         # The weights are already dequantized to float32; drop the GGUF quantizer so
         # transformers agrees to save them as plain safetensors.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))

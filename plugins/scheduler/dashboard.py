@@ -17,6 +17,7 @@ from __future__ import annotations
 import html
 import logging
 from datetime import datetime
+from typing import Any
 
 from dask.utils import format_bytes
 
@@ -180,7 +181,7 @@ class KVStatePage:
 
     def __init__(self, scheduler, observer):
         from bokeh.layouts import column, row
-        from bokeh.models import ColumnDataSource, Div, FactorRange, HoverTool, NumeralTickFormatter
+        from bokeh.models import ColumnDataSource, Div, FactorRange, HoverTool, NumeralTickFormatter  # type: ignore[attr-defined]
         from bokeh.plotting import figure
 
         self.scheduler = scheduler
@@ -332,8 +333,9 @@ class KVStatePage:
         self.header.text = totals_html(obs.totals() if obs is not None else None, self.refresh_s)
         workers = sorted(w for w, s in stats.items() if s.get("installed", True))
         tier = lambda s, t, f: s.get("tiers", {}).get(t, {}).get(f, 0)
-        if list(self.tiers.y_range.factors) != workers:
-            self.tiers.y_range.factors = workers
+        y_range: Any = self.tiers.y_range  # a FactorRange (built so above)
+        if list(y_range.factors) != workers:
+            y_range.factors = workers
         _update(
             self.tier_source, {"worker": workers, **{t: [tier(stats[w], t, "bytes") for w in workers] for t in TIERS}}
         )
@@ -371,7 +373,7 @@ class KVStatePage:
                 "seconds": [m.get("seconds") for _, m in events],
                 "estimate": [est(m) for _, m in events],
                 "action": [str(m.get("action")) for _, m in events],
-                "color": [ACTION_COLORS.get(m.get("action"), "#7f7f7f") for _, m in events],
+                "color": [ACTION_COLORS.get(str(m.get("action")), "#7f7f7f") for _, m in events],
                 "bytes": [m.get("missing_bytes", 0) for _, m in events],
                 "t_transfer": [m.get("t_transfer") for _, m in events],
                 "t_recompute": [m.get("t_recompute") for _, m in events],

@@ -90,7 +90,7 @@ def predict_idle(waits: list[tuple[float | None, float]]) -> float | None:
     """
     if not waits or any(mean is None for mean, _ in waits):
         return None
-    return max(max(mean - elapsed, 0.0) for mean, elapsed in waits)
+    return max(max(mean - elapsed, 0.0) for mean, elapsed in waits if mean is not None)
 
 
 def lifecycle_action(

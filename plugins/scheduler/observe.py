@@ -144,7 +144,7 @@ class KVObserver(SchedulerPlugin):
         """``state_id``'s summary, then its first parent's, and so on while known."""
         out: list[dict] = []
         sid: str | None = state_id
-        while sid in self.states and len(out) < depth:
+        while sid is not None and sid in self.states and len(out) < depth:
             s = self.states[sid]
             out.append(s)
             sid = s["parents"][0] if s.get("parents") else None

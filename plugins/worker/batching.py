@@ -74,6 +74,7 @@ def _unwrap(outcome: tuple[bool, object]):
     ok, value = outcome
     if ok:
         return value
+    assert isinstance(value, BaseException), "a failed outcome carries its exception"
     raise value
 
 

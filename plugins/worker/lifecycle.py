@@ -30,7 +30,7 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
-from distributed import WorkerPlugin
+from distributed import Worker, WorkerPlugin
 from tornado.ioloop import PeriodicCallback
 
 from dask_kvstate import config
@@ -132,17 +132,17 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
 
     name = LIFECYCLE_WORKER_PLUGIN
     idempotent = True
+    worker: Worker  # set by setup()
 
     def __init__(self, report_interval: str | float | None = None):
         self.report_s = config.get_seconds("lifecycle.report-interval", report_interval)
-        self.worker = None
 
-    async def setup(self, worker) -> None:
+    async def setup(self, worker: Worker) -> None:
         self.worker = worker
         self.blocks: dict[str, set[bytes]] = defaultdict(set)  # session -> blocks of its states
         self.counters: dict[str, int] = defaultdict(int)
         self.rates = Rates()
-        self._sent = None
+        self._sent: dict | None = None
         self._reporter = None
         self._mover = ThreadPoolExecutor(1, thread_name_prefix="kvstate-offload")
         worker.stream_handlers[OFFLOAD] = self._offload
@@ -164,12 +164,13 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         self._mover.shutdown(wait=False)
 
     def _probe(self) -> Rates:
-        rt = self.worker.plugins[WORKER_PLUGIN].runtime
+        rt = self.worker.plugins[WORKER_PLUGIN].runtime  # type: ignore[attr-defined]
         return probe_rates(rt.backend.kv_bytes_per_token * rt.block_tokens)
 
     @property
     def store(self):
-        plugin = self.worker.plugins.get(WORKER_PLUGIN) if self.worker is not None else None
+        worker = getattr(self, "worker", None)  # None before setup
+        plugin = worker.plugins.get(WORKER_PLUGIN) if worker is not None else None
         return None if plugin is None or plugin.runtime is None else plugin.runtime.store
 
     # -- session holds ---------------------------------------------------------------
@@ -179,7 +180,13 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         ts = self.worker.state.tasks.get(key)
         sid = (ts.annotations or {}).get(SESSION_ANNOTATION) if ts is not None else None
         store = self.store
-        if sid is None or store is None or ts.type not in (KVStateRef, list, tuple) or key not in self.worker.data:
+        if (
+            ts is None
+            or sid is None
+            or store is None
+            or ts.type not in (KVStateRef, list, tuple)
+            or key not in self.worker.data
+        ):
             return
         refs = _refs_in(self.worker.data.get(key))
         if refs:

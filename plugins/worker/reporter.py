@@ -38,7 +38,7 @@ class StatsReporter:
     def __init__(self, worker, plugin, interval_s: float):
         self.worker = worker
         self.plugin = plugin
-        self.last = None
+        self.last: dict | None = None
         self.callback = PeriodicCallback(self.report, interval_s * 1000)
 
     @classmethod
