@@ -17,7 +17,7 @@ import tempfile
 import time
 import urllib.request
 
-#: Flags from the issue: no sandbox (root in CI), no GPU, nothing fetched from outside.
+#: Flags for CI: no sandbox (root in CI), no GPU, nothing fetched from outside.
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking")
 
 #: Text of every ``[data-kvstate]`` element and table row, looking inside Bokeh's shadow roots.

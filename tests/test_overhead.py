@@ -1,4 +1,4 @@
-"""Issue 8: what the plugins and the compiler do to graphs with no LLM call in them.
+"""What the plugins and the compiler do to graphs with no LLM call in them.
 
 Nothing, and cheaply: the compiler hands back Dask's own optimised graph and reads it in
 one pass; the plugins keep no per-task state and log no event for such tasks.

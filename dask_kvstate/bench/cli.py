@@ -18,7 +18,7 @@ from pathlib import Path
 
 EXPERIMENTS = {"1": "ttft", "2": "scaling", "3": "crossover", "4": "memory", "5": "throughput"}
 
-# The grid (AAFLOW+ section 6), and a small one that finishes in minutes on two cores.
+# The paper's grid (AAFLOW+ section 6), and a small one that finishes in minutes on two cores.
 FULL = {
     "model": "smollm2-135m",
     "lengths": [512, 1024, 2048, 4096],

@@ -234,7 +234,7 @@ def markdown(res: dict) -> str:
             f"({o['overhead_with_compiler_pct']:+.1f}%).",
             "",
         ]
-        if "cpu_median_s" in o:  # results written before issue 8's profile lack these
+        if "cpu_median_s" in o:  # results of runs without the CPU profile lack these
             out += [
                 _table(
                     [

@@ -167,7 +167,7 @@ class KVPlacement(SchedulerPlugin):
     def transition(self, key, start, finish, *args, **kwargs) -> None:
         # Dask calls every scheduler plugin for every transition of every task; only keys
         # whose value holds a state matter here, so the rest cost one dict lookup, not the
-        # guard's wrapper and try (issue 8).
+        # guard's wrapper and try.
         if key in self.refs:
             self._transition(key, start, finish)
 
