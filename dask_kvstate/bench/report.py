@@ -21,6 +21,13 @@ def _table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def _section(title: str, note: str, columns: list[tuple], rows: list[dict]) -> list[str]:
+    """A titled markdown table; ``columns`` are ``(header, key)`` or ``(header, key, divisor)``."""
+    header = [c[0] for c in columns]
+    cells = [[r[c[1]] / c[2] if len(c) > 2 else r[c[1]] for c in columns] for r in rows]
+    return [*([title, ""] if title else []), note, "", _table(header, cells), ""]
+
+
 def markdown(res: dict) -> str:
     meta = res["meta"]
     out = [
@@ -32,236 +39,158 @@ def markdown(res: dict) -> str:
         "",
     ]
     if "ttft" in res:
-        out += [
+        out += _section(
             "## 1. TTFT vs context length",
-            "",
             f"{res['ttft'][0]['agents']} agents, suffix ~32 tokens; median per-agent time to first token "
             "(kvstate unbatched: TTFT is a per-request latency).",
-            "",
-            _table(
-                [
-                    "L",
-                    "context tok",
-                    "replay s",
-                    "prefix cache s",
-                    "kvstate s",
-                    "vs replay",
-                    "vs prefix",
-                    "fork ms",
-                    "identical",
-                ],
-                [
-                    [
-                        r["L"],
-                        r["context_tokens"],
-                        r["ttft_replay_s"],
-                        r["ttft_prefix_s"],
-                        r["ttft_kvstate_s"],
-                        r["speedup_vs_replay"],
-                        r["speedup_vs_prefix"],
-                        r["fork_ms"],
-                        r["identical"],
-                    ]
-                    for r in res["ttft"]
-                ],
-            ),
-            "",
-        ]
+            [
+                ("L", "L"),
+                ("context tok", "context_tokens"),
+                ("replay s", "ttft_replay_s"),
+                ("prefix cache s", "ttft_prefix_s"),
+                ("kvstate s", "ttft_kvstate_s"),
+                ("vs replay", "speedup_vs_replay"),
+                ("vs prefix", "speedup_vs_prefix"),
+                ("fork ms", "fork_ms"),
+                ("identical", "identical"),
+            ],
+            res["ttft"],
+        )
     if "scaling" in res:
         variants = [r["variant"] for r in res["scaling"][0]["runs"]]
-        out += [
+        out += _section(
             "## 2. Multi-agent scaling",
-            "",
             f"L = {meta['scaling_context']} tokens, Y = {meta['new_tokens']}; aggregate wall time (s).",
-            "",
-            _table(
-                ["k", *variants, "kvstate vs replay", "kvstate vs prefix", "identical"],
-                [
-                    [
-                        r["k"],
-                        *[r[f"wall_{v}_s"] for v in variants],
-                        r["speedup_vs_replay"],
-                        r["speedup_vs_prefix"],
-                        r["identical"],
-                    ]
-                    for r in res["scaling"]
-                ],
-            ),
-            "",
-        ]
+            [
+                ("k", "k"),
+                *[(v, f"wall_{v}_s") for v in variants],
+                ("kvstate vs replay", "speedup_vs_replay"),
+                ("kvstate vs prefix", "speedup_vs_prefix"),
+                ("identical", "identical"),
+            ],
+            res["scaling"],
+        )
     if "crossover" in res:
-        out += [
+        out += _section(
             "## 3. Transfer vs recompute crossover",
-            "",
             "`dask_kvstate.bench.crossover.sweep_cell`: the rule's choice vs both options measured.",
-            "",
-            _table(
-                ["bandwidth", "tokens", "MiB", "rule", "pull s", "recompute s", "right"],
-                [
-                    [c["bandwidth"], c["tokens"], c["mib"], c["choice"], c["t_pull"], c["t_recompute"], c["right"]]
-                    for c in res["crossover"]
-                ],
-            ),
-            "",
-        ]
+            [
+                ("bandwidth", "bandwidth"),
+                ("tokens", "tokens"),
+                ("MiB", "mib"),
+                ("rule", "choice"),
+                ("pull s", "t_pull"),
+                ("recompute s", "t_recompute"),
+                ("right", "right"),
+            ],
+            res["crossover"],
+        )
+    peaks = [
+        ("branches", "branches"),
+        ("peak replay MiB", "peak_replay_bytes", MIB),
+        ("peak prefix MiB", "peak_prefix_bytes", MIB),
+        ("peak kvstate MiB", "peak_kvstate_bytes", MIB),
+    ]
     if "memory" in res:
-        out += [
+        out += _section(
             "## 4. KV memory vs branch factor",
-            "",
             "Peak: most KV held at once (block store device tier + live decode caches, summed over workers). "
             "Computed: KV bytes prefilled.",
-            "",
-            _table(
-                [
-                    "branches",
-                    "peak replay MiB",
-                    "peak prefix MiB",
-                    "peak kvstate MiB",
-                    "replay/kvstate",
-                    "prefix/kvstate",
-                    "computed replay MiB",
-                    "computed kvstate MiB",
-                    "computed ratio",
-                ],
-                [
-                    [
-                        r["branches"],
-                        r["peak_replay_bytes"] / MIB,
-                        r["peak_prefix_bytes"] / MIB,
-                        r["peak_kvstate_bytes"] / MIB,
-                        r["peak_ratio_vs_replay"],
-                        r["peak_ratio_vs_prefix"],
-                        r["computed_replay_bytes"] / MIB,
-                        r["computed_kvstate_bytes"] / MIB,
-                        r["computed_ratio_vs_replay"],
-                    ]
-                    for r in res["memory"]
-                ],
-            ),
-            "",
-        ]
+            [
+                *peaks,
+                ("replay/kvstate", "peak_ratio_vs_replay"),
+                ("prefix/kvstate", "peak_ratio_vs_prefix"),
+                ("computed replay MiB", "computed_replay_bytes", MIB),
+                ("computed kvstate MiB", "computed_kvstate_bytes", MIB),
+                ("computed ratio", "computed_ratio_vs_replay"),
+            ],
+            res["memory"],
+        )
     if "memory_live" in res:
         live = res["memory_live"]
-        out += [
+        out += _section(
             "### 4b. Peak KV with every branch in flight",
-            "",
             f"A cluster whose workers run {live[0]['threads']} tasks at once, so all k agents of every mode are live "
             f"together; context {live[0]['context_tokens']} tokens.",
-            "",
-            _table(
-                [
-                    "branches",
-                    "peak replay MiB",
-                    "peak prefix MiB",
-                    "peak kvstate MiB",
-                    "replay/kvstate",
-                    "prefix/kvstate",
-                    "identical",
-                ],
-                [
-                    [
-                        r["branches"],
-                        r["peak_replay_bytes"] / MIB,
-                        r["peak_prefix_bytes"] / MIB,
-                        r["peak_kvstate_bytes"] / MIB,
-                        r["ratio_vs_replay"],
-                        r["ratio_vs_prefix"],
-                        r["identical"],
-                    ]
-                    for r in live
-                ],
-            ),
-            "",
-        ]
+            [
+                *peaks,
+                ("replay/kvstate", "ratio_vs_replay"),
+                ("prefix/kvstate", "ratio_vs_prefix"),
+                ("identical", "identical"),
+            ],
+            live,
+        )
         if "peak_kvstate_one_copy_bytes" in live[0]:
-            out += [
+            out += _section(
+                "",
                 "kvstate with `placement.max-copies: 1` (one copy of the state; every branch on its holder) against "
                 "default placement (a copy on each worker that runs branches), and what it costs in time:",
-                "",
-                _table(
-                    [
-                        "branches",
-                        "one copy MiB",
-                        "replay/one copy",
-                        "prefix/one copy",
-                        "kvstate wall s",
-                        "one copy wall s",
-                    ],
-                    [
-                        [
-                            r["branches"],
-                            r["peak_kvstate_one_copy_bytes"] / MIB,
-                            r["one_copy_ratio_vs_replay"],
-                            r["one_copy_ratio_vs_prefix"],
-                            r["wall_kvstate_s"],
-                            r["wall_kvstate_one_copy_s"],
-                        ]
-                        for r in live
-                    ],
-                ),
-                "",
-            ]
-    if "throughput" in res:
-        out += [
-            "## 5. Throughput and framework overhead",
-            "",
-            "Omega = worker busy time (wall x workers) - (prefill + decode time inside the model).",
-            "",
-            _table(
-                ["variant", "k", "wall s", "tokens", "tokens/s", "model s", "Omega s", "Omega %"],
                 [
-                    [
-                        r["variant"],
-                        r["k"],
-                        r["wall_s"],
-                        r["generated_tokens"],
-                        r["tokens_per_s"],
-                        r["model_s"],
-                        r["omega_s"],
-                        r["omega_pct"],
-                    ]
-                    for r in res["throughput"]
+                    ("branches", "branches"),
+                    ("one copy MiB", "peak_kvstate_one_copy_bytes", MIB),
+                    ("replay/one copy", "one_copy_ratio_vs_replay"),
+                    ("prefix/one copy", "one_copy_ratio_vs_prefix"),
+                    ("kvstate wall s", "wall_kvstate_s"),
+                    ("one copy wall s", "wall_kvstate_one_copy_s"),
                 ],
-            ),
-            "",
-        ]
+                live,
+            )
+    if "throughput" in res:
+        out += _section(
+            "## 5. Throughput and framework overhead",
+            "Omega = worker busy time (wall x workers) - (prefill + decode time inside the model).",
+            [
+                ("variant", "variant"),
+                ("k", "k"),
+                ("wall s", "wall_s"),
+                ("tokens", "generated_tokens"),
+                ("tokens/s", "tokens_per_s"),
+                ("model s", "model_s"),
+                ("Omega s", "omega_s"),
+                ("Omega %", "omega_pct"),
+            ],
+            res["throughput"],
+        )
     if "overhead" in res:
-        o = res["overhead"]
+        out += _overhead(res["overhead"])
+    return "\n".join(out)
+
+
+def _overhead(o: dict) -> list[str]:
+    out = [
+        f"Plugins on a {o['tasks']}-task non-LLM graph (median of {o['repeats']}): plain Dask "
+        f"{o['median_s']['plain']:.2f} s, with the kvstate plugins {o['median_s']['plugins']:.2f} s "
+        f"({o['overhead_pct']:+.1f}%), plugins + compiler pass {o['median_s']['plugins+compiler']:.2f} s "
+        f"({o['overhead_with_compiler_pct']:+.1f}%).",
+        "",
+    ]
+    if "cpu_median_s" in o:  # results of runs without the CPU profile lack these
+        rows = [
+            {
+                "column": k,
+                "median": o["median_s"][k],
+                "spread": "{:.2f}-{:.2f}".format(*o["spread_s"][k]),
+                "scheduler": o["scheduler_us_per_task"][k],
+                "workers": o["worker_us_per_task"][k],
+            }
+            for k in o["median_s"]
+        ]
+        columns = [
+            ("column", "column"),
+            ("wall median s", "median"),
+            ("wall min-max s", "spread"),
+            ("scheduler+client CPU us/task", "scheduler"),
+            ("workers CPU us/task", "workers"),
+        ]
         out += [
-            f"Plugins on a {o['tasks']}-task non-LLM graph (median of {o['repeats']}): plain Dask "
-            f"{o['median_s']['plain']:.2f} s, with the kvstate plugins {o['median_s']['plugins']:.2f} s "
-            f"({o['overhead_pct']:+.1f}%), plugins + compiler pass {o['median_s']['plugins+compiler']:.2f} s "
-            f"({o['overhead_with_compiler_pct']:+.1f}%).",
+            _table([c[0] for c in columns], [[r[c[1]] for c in columns] for r in rows]),
+            "",
+            f"CPU overhead of the plugins: scheduler {o['scheduler_cpu_overhead_pct']:+.1f}%, workers "
+            f"{o['worker_cpu_overhead_pct']:+.1f}%. Load average (1, 5, 15 min) at start "
+            f"{o['load_average']['start']}, at end {o['load_average']['end']}.",
             "",
         ]
-        if "cpu_median_s" in o:  # results of runs without the CPU profile lack these
-            out += [
-                _table(
-                    [
-                        "column",
-                        "wall median s",
-                        "wall min-max s",
-                        "scheduler+client CPU us/task",
-                        "workers CPU us/task",
-                    ],
-                    [
-                        [
-                            k,
-                            o["median_s"][k],
-                            "{:.2f}-{:.2f}".format(*o["spread_s"][k]),
-                            o["scheduler_us_per_task"][k],
-                            o["worker_us_per_task"][k],
-                        ]
-                        for k in o["median_s"]
-                    ],
-                ),
-                "",
-                f"CPU overhead of the plugins: scheduler {o['scheduler_cpu_overhead_pct']:+.1f}%, workers "
-                f"{o['worker_cpu_overhead_pct']:+.1f}%. Load average (1, 5, 15 min) at start "
-                f"{o['load_average']['start']}, at end {o['load_average']['end']}.",
-                "",
-            ]
-    return "\n".join(out)
+    return out
 
 
 def plots(res: dict, out: Path) -> list[str]:

@@ -220,30 +220,10 @@ class KVStatePage:
         self.history_source = ColumnDataSource(
             {k: [] for k in ("time", "transfers", "recomputes", "transfer_bytes", "prefill_tokens", "tokens_avoided")}
         )
-        self.flow = figure(
-            title="Blocks pulled vs recomputed (cumulative)",
-            x_axis_type="datetime",
-            height=220,
-            sizing_mode="stretch_width",
-            tools="",
+        self.flow = self._cumulative(
+            "Blocks pulled vs recomputed (cumulative)",
+            [("transfers", ACTION_COLORS["pull"], "pulled"), ("recomputes", ACTION_COLORS["recompute"], "recomputed")],
         )
-        self.flow.line(
-            "time",
-            "transfers",
-            source=self.history_source,
-            color=ACTION_COLORS["pull"],
-            legend_label="pulled",
-            line_width=2,
-        )
-        self.flow.line(
-            "time",
-            "recomputes",
-            source=self.history_source,
-            color=ACTION_COLORS["recompute"],
-            legend_label="recomputed",
-            line_width=2,
-        )
-        self.flow.legend.location = "top_left"
         self.flow.add_tools(
             HoverTool(
                 tooltips=[
@@ -253,30 +233,10 @@ class KVStatePage:
                 mode="vline",
             )
         )
-        self.tokens = figure(
-            title="Prefill tokens: computed vs avoided (cumulative)",
-            x_axis_type="datetime",
-            height=220,
-            sizing_mode="stretch_width",
-            tools="",
+        self.tokens = self._cumulative(
+            "Prefill tokens: computed vs avoided (cumulative)",
+            [("prefill_tokens", "#7f7f7f", "prefilled"), ("tokens_avoided", "#2ca02c", "avoided (reused KV)")],
         )
-        self.tokens.line(
-            "time",
-            "prefill_tokens",
-            source=self.history_source,
-            color="#7f7f7f",
-            legend_label="prefilled",
-            line_width=2,
-        )
-        self.tokens.line(
-            "time",
-            "tokens_avoided",
-            source=self.history_source,
-            color="#2ca02c",
-            legend_label="avoided (reused KV)",
-            line_width=2,
-        )
-        self.tokens.legend.location = "top_left"
 
         self.rule_source = ColumnDataSource(
             {
@@ -326,6 +286,16 @@ class KVStatePage:
             self.lineage,
             sizing_mode="stretch_width",
         )
+
+    def _cumulative(self, title: str, lines: list[tuple[str, str, str]]):
+        """A time plot of ``history_source`` columns, one line per ``(column, color, legend)``."""
+        from bokeh.plotting import figure
+
+        fig = figure(title=title, x_axis_type="datetime", height=220, sizing_mode="stretch_width", tools="")
+        for column, color, label in lines:
+            fig.line("time", column, source=self.history_source, color=color, legend_label=label, line_width=2)
+        fig.legend.location = "top_left"
+        return fig
 
     def update(self) -> None:
         obs = self.observer
