@@ -229,13 +229,17 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         nbytes = sum(store.size_of(h) for h in hashes)
         t0 = time.perf_counter()
         moved = store.offload(hashes, tier)
-        seconds = time.perf_counter() - t0
-        if moved:
-            self.rates.add("offload", tier, nbytes, seconds)
-        self.counters["offloads"] += 1
-        self.counters["offloaded_bytes"] += nbytes
+        self._moved("offload", session, decision, tier, moved, nbytes, time.perf_counter() - t0)
+
+    def _moved(self, action: str, session, decision, tier: str, moved: int, nbytes: int, seconds: float) -> None:
+        """Account a finished offload or prefetch (from its thread) and report it from the event loop."""
+        if moved:  # a move that moved nothing measured no rate
+            self.rates.add("offload" if action == "offload" else "restore", tier, nbytes, seconds)
+        count, volume = ("offloads", "offloaded_bytes") if action == "offload" else ("prefetches", "prefetched_bytes")
+        self.counters[count] += 1
+        self.counters[volume] += nbytes
         self.worker.loop.add_callback(
-            self._done, "offload", session, decision, tier=tier, blocks=moved, nbytes=nbytes, seconds=seconds
+            self._done, action, session, decision, tier=tier, blocks=moved, nbytes=nbytes, seconds=seconds
         )
 
     def _prefetch(self, session=None, decision=None, **_) -> None:
@@ -249,16 +253,9 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         t0 = time.perf_counter()
         fut = store.prefetch(hashes)
 
-        def finished(f) -> None:  # in the prefetch thread: hop back to the event loop to send
-            seconds = time.perf_counter() - t0
+        def finished(f) -> None:  # in the prefetch thread
             moved = f.result() if f.exception() is None else 0
-            if moved:
-                self.rates.add("restore", tier, nbytes, seconds)
-            self.counters["prefetches"] += 1
-            self.counters["prefetched_bytes"] += nbytes
-            self.worker.loop.add_callback(
-                self._done, "prefetch", session, decision, tier=tier, blocks=moved, nbytes=nbytes, seconds=seconds
-            )
+            self._moved("prefetch", session, decision, tier, moved, nbytes, time.perf_counter() - t0)
 
         fut.add_done_callback(finished)
 
