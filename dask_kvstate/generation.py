@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, TypedDict
+
 
 class Generation(str):
     """Generated text (a ``str``) that also carries how it was produced.
@@ -46,3 +49,46 @@ class Generation(str):
 
 def _rebuild(text: str, info: dict) -> Generation:
     return Generation(text, **info)
+
+
+class DecodeOptions(TypedDict, total=False):
+    """The keywords every generating call takes: ``generate``, ``resume``, ``resume_many``.
+
+    ``max_new_tokens`` (default ``kvstate.generate.max-new-tokens``), ``temperature``
+    (0 is greedy; default ``kvstate.generate.temperature``), ``top_p`` (default
+    ``kvstate.generate.top-p``), ``seed`` (for sampling; sampling without one is never
+    deduplicated) and ``model`` (one of the models given to ``kvs.install``; default:
+    the state's own, else the first). ``None`` means the default.
+    """
+
+    max_new_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    seed: int | None
+    model: str | None
+
+
+DECODE_OPTIONS = tuple(DecodeOptions.__annotations__)
+
+
+def decode_options(options: Mapping[str, Any], call: str) -> dict[str, Any]:
+    """Every :class:`DecodeOptions` keyword, ``None`` where not given.
+
+    Raises TypeError naming a keyword ``call`` does not take, at once (not later in a
+    task on a worker).
+
+    Examples
+    --------
+    >>> decode_options({"max_new_tokens": 8}, "resume")["max_new_tokens"], decode_options({}, "resume")["seed"]
+    (8, None)
+    >>> decode_options({"max_tokens": 8}, "resume")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: resume() got an unexpected keyword argument 'max_tokens'; it takes max_new_tokens, ...
+    """
+    for name in options:
+        if name not in DECODE_OPTIONS:
+            raise TypeError(
+                f"{call}() got an unexpected keyword argument {name!r}; it takes {', '.join(DECODE_OPTIONS)}"
+            )
+    return {name: options.get(name) for name in DECODE_OPTIONS}

@@ -10,12 +10,18 @@ Everything runs where Dask places it; refs are small, the blocks stay on workers
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import dask
 from dask.base import tokenize
 from dask.delayed import Delayed
 
 from dask_kvstate import config, tasks
+from dask_kvstate.generation import DecodeOptions, decode_options
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 
 def _task(func, *args, nout: int | None = None, unique: bool = False, **kwargs) -> Delayed:
@@ -24,8 +30,11 @@ def _task(func, *args, nout: int | None = None, unique: bool = False, **kwargs) 
     return dask.delayed(func, pure=True, nout=nout)(*args, dask_key_name=f"kvs-{op}-{token}", **kwargs)
 
 
-def _sampling_without_seed(temperature, seed) -> bool:
-    return bool(temperature) and seed is None
+def _decode(options: Mapping[str, Any], call: str) -> dict[str, Any]:
+    """The task's keywords: every decode option (None: the worker's default), and ``unique``
+    for sampling without a seed, which must never be deduplicated."""
+    opts = decode_options(options, call)
+    return {**opts, "unique": bool(opts["temperature"]) and opts["seed"] is None}
 
 
 def materialize(*segments, namespace: str | None = None, model: str | None = None) -> Delayed:
@@ -74,42 +83,18 @@ def extend(state, *segments, model: str | None = None) -> Delayed:
     return _task(tasks.extend, state, *segments, model=model)
 
 
-def resume(
-    state,
-    *segments,
-    max_new_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    model: str | None = None,
-) -> Delayed:
+def resume(state, *segments, **options: Unpack[DecodeOptions]) -> Delayed:
     """Generate from ``state`` followed by ``segments``: ``Delayed[Generation]`` (a str).
 
     Token-identical to ``generate(state.text, *segments)`` (greedy, or sampling with
-    the same seed); the state's KV replaces the prefill of its tokens.
+    the same seed); the state's KV replaces the prefill of its tokens. ``options``:
+    ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``model``
+    (:class:`~dask_kvstate.generation.DecodeOptions`).
     """
-    return _task(
-        tasks.resume,
-        state,
-        *segments,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        model=model,
-        unique=_sampling_without_seed(temperature, seed),
-    )
+    return _task(tasks.resume, state, *segments, **_decode(options, "resume"))
 
 
-def generate(
-    *segments,
-    max_new_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    model: str | None = None,
-    prefix_cache: bool | None = None,
-) -> Delayed:
+def generate(*segments, prefix_cache: bool | None = None, **options: Unpack[DecodeOptions]) -> Delayed:
     """Generate from the prompt ``"".join(segments)`` by text replay: ``Delayed[Generation]``.
 
     ``prefix_cache=True`` (default ``kvstate.generate.prefix-cache``) reuses prompt
@@ -126,17 +111,7 @@ def generate(
     """
     # Only passed when set, so graphs (and keys) without it stay as they were.
     extra = {} if prefix_cache is None else {"prefix_cache": bool(prefix_cache)}
-    return _task(
-        tasks.generate,
-        *segments,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        model=model,
-        unique=_sampling_without_seed(temperature, seed),
-        **extra,
-    )
+    return _task(tasks.generate, *segments, **_decode(options, "generate"), **extra)
 
 
 def merge(*states, policy: str = "concat") -> Delayed:
@@ -172,16 +147,7 @@ def evict(state) -> Delayed:
     return _task(tasks.evict, state, unique=True)
 
 
-def resume_many(
-    state,
-    suffixes,
-    *,
-    max_new_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    model: str | None = None,
-) -> list[Delayed]:
+def resume_many(state, suffixes, **options: Unpack[DecodeOptions]) -> list[Delayed]:
     """Sibling resumes from one state, decoded together: one ``Delayed[Generation]`` per suffix.
 
     Each result equals ``resume(state, suffix)`` token for token; the siblings run as
@@ -199,16 +165,5 @@ def resume_many(
     suffixes = list(suffixes)
     if not suffixes:
         raise ValueError("resume_many needs at least one suffix")
-    batch = _task(
-        tasks.resume_many,
-        state,
-        suffixes,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        model=model,
-        nout=len(suffixes),
-        unique=_sampling_without_seed(temperature, seed),
-    )
+    batch = _task(tasks.resume_many, state, suffixes, nout=len(suffixes), **_decode(options, "resume_many"))
     return list(batch)

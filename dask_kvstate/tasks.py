@@ -12,15 +12,19 @@ Each finds its worker's ``kvstate`` plugin and hands the work to its runtime.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from distributed import get_worker
 from distributed.utils import sync
 
 from dask_kvstate import config
-from dask_kvstate.generation import Generation
+from dask_kvstate.generation import DecodeOptions, Generation, decode_options
 from dask_kvstate.protocol import WORKER_PLUGIN
 from dask_kvstate.state import KVStateRef
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 
 def _plugin():
@@ -68,20 +72,19 @@ def _check_state(state, what: str = "state") -> KVStateRef:
     return state
 
 
-def _gen_params(max_new_tokens, temperature, top_p, seed) -> dict:
-    p = {
-        "max_new_tokens": config.get("generate.max-new-tokens") if max_new_tokens is None else max_new_tokens,
-        "temperature": config.get("generate.temperature") if temperature is None else temperature,
-        "top_p": config.get("generate.top-p") if top_p is None else top_p,
-        "seed": seed,
-    }
+def _gen_params(options: Mapping[str, Any], call: str) -> tuple[str | None, dict]:
+    """The model named in ``options``, and the decode parameters with the worker's defaults filled in."""
+    opts = decode_options(options, call)
+    defaults = {"max_new_tokens": "max-new-tokens", "temperature": "temperature", "top_p": "top-p"}
+    p = {name: config.get(f"generate.{key}") if opts[name] is None else opts[name] for name, key in defaults.items()}
+    p["seed"] = opts["seed"]
     if not isinstance(p["max_new_tokens"], int) or p["max_new_tokens"] < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int, got {p['max_new_tokens']!r}")
     if p["temperature"] < 0:
         raise ValueError(f"temperature must be >= 0 (0 is greedy), got {p['temperature']!r}")
     if not 0 < p["top_p"] <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {p['top_p']!r}")
-    return p
+    return opts["model"], p
 
 
 def materialize(*segments: str, namespace: str | None = None, model: str | None = None) -> KVStateRef:
@@ -94,18 +97,10 @@ def extend(state: KVStateRef, *segments: str, model: str | None = None) -> KVSta
     return _runtime_for_state(state, model).extend(state, join_segments(segments))
 
 
-def generate(
-    *segments: str,
-    max_new_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    model: str | None = None,
-    prefix_cache: bool | None = None,
-) -> Generation:
+def generate(*segments: str, prefix_cache: bool | None = None, **options: Unpack[DecodeOptions]) -> Generation:
     """Text replay: generate from the whole joined prompt (with ``prefix_cache``, reusing
     this worker's cached prompt blocks: the local prefix cache baseline)."""
-    params = _gen_params(max_new_tokens, temperature, top_p, seed)
+    model, params = _gen_params(options, "generate")
     if prefix_cache if prefix_cache is not None else config.get("generate.prefix-cache"):
         from dask_kvstate.plugins.worker import prefix_cache as pc
 
@@ -113,16 +108,7 @@ def generate(
     return runtime(model).generate(join_segments(segments), **params)
 
 
-def resume_many(
-    state: KVStateRef,
-    suffixes: list,
-    *,
-    max_new_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    model: str | None = None,
-) -> list[Generation]:
+def resume_many(state: KVStateRef, suffixes: list, **options: Unpack[DecodeOptions]) -> list[Generation]:
     """Sibling resumes from one state decoded as one batch: one ``Generation`` per suffix.
 
     ``suffixes`` is a list whose items are each a str or a list of str segments.
@@ -130,24 +116,14 @@ def resume_many(
     if not isinstance(suffixes, (list, tuple)) or not suffixes:
         raise ValueError(f"resume_many needs a non-empty list of suffixes, got {suffixes!r:.80}")
     texts = [join_segments(s if isinstance(s, (list, tuple)) else [s]) for s in suffixes]
-    return _runtime_for_state(_check_state(state), model).resume_many(
-        state, texts, **_gen_params(max_new_tokens, temperature, top_p, seed)
-    )
+    model, params = _gen_params(options, "resume_many")
+    return _runtime_for_state(_check_state(state), model).resume_many(state, texts, **params)
 
 
-def resume(
-    state: KVStateRef,
-    *segments: str,
-    max_new_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    model: str | None = None,
-) -> Generation:
+def resume(state: KVStateRef, *segments: str, **options: Unpack[DecodeOptions]) -> Generation:
     """Generate from the state followed by the segments (same tokens as text replay)."""
-    return _runtime_for_state(state, model).resume(
-        state, join_segments(segments), **_gen_params(max_new_tokens, temperature, top_p, seed)
-    )
+    model, params = _gen_params(options, "resume")
+    return _runtime_for_state(state, model).resume(state, join_segments(segments), **params)
 
 
 def fork(state: KVStateRef, k: int) -> list[KVStateRef]:
