@@ -174,7 +174,7 @@ class HFBackend:
         out: list[int] = []
         first_at = time.perf_counter()
         for step in range(max_new_tokens):
-            tok = _pick(logits, temperature, top_p, gen)
+            tok = pick_token(logits, temperature, top_p, gen)
             if step == 0:
                 first_at = time.perf_counter()
             out.append(tok)
@@ -221,7 +221,9 @@ class HFBackend:
         )
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen) -> int:
+def pick_token(logits: torch.Tensor, temperature: float, top_p: float, gen) -> int:
+    """The next token from one row of ``logits``: greedy at temperature 0, else sampled
+    (nucleus ``top_p``) with generator ``gen``; shared by single and batched decoding."""
     if temperature <= 0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits / temperature, dim=-1)

@@ -37,7 +37,6 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
 from dask_kvstate.plugins.scheduler.sessions import PLUGIN_NAME as SESSIONS
-from dask_kvstate.plugins.scheduler.sessions import component_of
 from dask_kvstate.plugins.worker.lifecycle import (
     DONE,
     INVALIDATE,
@@ -45,6 +44,7 @@ from dask_kvstate.plugins.worker.lifecycle import (
     PREFETCH,
     REPORT,
 )
+from dask_kvstate.session import component_of
 
 logger = logging.getLogger("dask_kvstate")
 

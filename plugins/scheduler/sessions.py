@@ -22,12 +22,11 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from time import time
 
-from dask.utils import key_split
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
 from dask_kvstate.plugins.scheduler.control import ControlLoop
-from dask_kvstate.session import ANNOTATION, COMPONENT, TOPIC
+from dask_kvstate.session import ANNOTATION, TOPIC, component_of
 
 logger = logging.getLogger("dask_kvstate")
 
@@ -69,11 +68,6 @@ class Session:
             "closed_at": self.closed_at,
             "ended_at": self.ended_at,
         }
-
-
-def component_of(ts) -> str:
-    """The ``kvstate-component`` annotation, else the key's prefix (the function name)."""
-    return (ts.annotations or {}).get(COMPONENT) or key_split(ts.key)
 
 
 class SessionTracker(SchedulerPlugin):

@@ -39,7 +39,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
 from dask_kvstate.plugins.scheduler.sessions import PLUGIN_NAME as SESSIONS
-from dask_kvstate.plugins.scheduler.sessions import component_of
+from dask_kvstate.session import component_of
 
 PLUGIN_NAME = "kvstate-stealing"
 EVENT = "kvstate-stealing"

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-
-def nbytes(t) -> int:
-    return int(t.nelement() * t.element_size())
+from dask_kvstate.blocks import nbytes
 
 
 def lay_out(kv, block_tokens: int, first_token: int = 0) -> list:

@@ -37,21 +37,15 @@ import threading
 from collections import Counter
 from time import monotonic
 
-from dask.utils import key_split
 from distributed import WorkerPlugin
 
 from dask_kvstate.hints import BatchedCall, capture_args
-from dask_kvstate.session import COMPONENT
+from dask_kvstate.session import component_of
 
 logger = logging.getLogger("dask_kvstate")
 
 PLUGIN_NAME = "kvstate-batching"
 _HEAPED = ("ready", "constrained")
-
-
-def component_of_task(ts) -> str:
-    """A worker task's component: the ``kvstate-component`` annotation, else its key prefix."""
-    return (ts.annotations or {}).get(COMPONENT) or key_split(ts.key)
 
 
 class _Slot:
@@ -126,7 +120,7 @@ class BatchingWorkerPlugin(WorkerPlugin):
                 return _unwrap(slot.outcome)
             return _unwrap(_one(call, args))  # its leader could not read its arguments
         ts = self.worker.state.tasks.get(key)
-        comp = component_of_task(ts) if ts is not None else None
+        comp = component_of(ts) if ts is not None else None
         if comp not in self.batch:
             self.sizes[1] += 1
             return _unwrap(_one(call, args))
@@ -175,7 +169,7 @@ class BatchingWorkerPlugin(WorkerPlugin):
                     and isinstance(func, BatchedCall)
                     and func.name == name
                     and ts.key not in self.claims
-                    and component_of_task(ts) == comp
+                    and component_of(ts) == comp
                 ):
                     found.append(ts)
         found.sort(key=lambda ts: ts.priority)

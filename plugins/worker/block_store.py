@@ -37,14 +37,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import zict
 
+from dask_kvstate.blocks import nbytes
 from dask_kvstate.cost import eviction_score
 from dask_kvstate.plugins.worker.arena import overhang
 from dask_kvstate.plugins.worker.disk_format import CorruptBlockError
-from dask_kvstate.plugins.worker.tiers import DiskTier, ScoredBuffer, nbytes
+from dask_kvstate.plugins.worker.tiers import DiskTier, ScoredBuffer
+from dask_kvstate.state import TIERS
 
 logger = logging.getLogger("dask_kvstate")
-
-TIERS = ("device", "host", "disk")
 
 
 class _Owners:
@@ -354,9 +354,6 @@ class TieredBlockStore:
     def release(self, owner: Hashable) -> None:
         with self._lock:
             self.holds.clear(owner)
-
-    def is_pinned(self, h: bytes) -> bool:
-        return h in self.pins
 
     def discard(self, hashes: Iterable[bytes]) -> int:
         """Drop the unreferenced, unpinned ones of ``hashes`` from every tier; returns bytes freed."""

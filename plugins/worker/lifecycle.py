@@ -34,7 +34,7 @@ from distributed import WorkerPlugin
 from tornado.ioloop import PeriodicCallback
 
 from dask_kvstate.session import ANNOTATION
-from dask_kvstate.state import KVStateRef
+from dask_kvstate.state import KVStateRef, refs_in
 
 logger = logging.getLogger("dask_kvstate")
 
@@ -45,14 +45,6 @@ INVALIDATE = "kvstate_lifecycle_invalidate"
 REPORT = "kvstate-lifecycle-report"
 DONE = "kvstate-lifecycle-done"
 LOWER = ("host", "disk")
-
-
-def _refs_in(value) -> list[KVStateRef]:
-    if isinstance(value, KVStateRef):
-        return [value]
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, KVStateRef) for v in value):
-        return list(value)
-    return []
 
 
 class Rates:
@@ -180,7 +172,7 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         store = self.store
         if sid is None or store is None or ts.type not in (KVStateRef, list, tuple) or key not in self.worker.data:
             return
-        refs = _refs_in(self.worker.data.get(key))
+        refs = refs_in(self.worker.data.get(key))
         if refs:
             held = self.blocks[sid]
             for r in refs:

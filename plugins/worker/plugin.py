@@ -29,21 +29,12 @@ from dask_kvstate.plugins.worker.allocator import retain_freed_memory
 from dask_kvstate.plugins.worker.memory import KVStateSpillData
 from dask_kvstate.plugins.worker.reporter import StatsReporter
 from dask_kvstate.plugins.worker.transport import HANDLER, PackingBuffers, serve_blocks, serve_inline, serve_run
-from dask_kvstate.state import KVStateRef
+from dask_kvstate.state import KVStateRef, refs_in
 
 logger = logging.getLogger("dask_kvstate")
 
 PLUGIN_NAME = "kvstate"
 _RUNNING = ("executing", "long-running", "cancelled", "resumed")
-
-
-def refs_in(value) -> list[KVStateRef]:
-    """The refs a task result holds: a ref, or a list/tuple of refs (fork)."""
-    if isinstance(value, KVStateRef):
-        return [value]
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, KVStateRef) for v in value):
-        return list(value)
-    return []
 
 
 def _parse_budget(name: str, value, default) -> int:

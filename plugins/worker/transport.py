@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from distributed.core import send_recv
 from distributed.protocol import to_serialize
 
+from dask_kvstate.blocks import nbytes as tensor_bytes
+
 HANDLER = "kvstate_get_blocks"
 
 
@@ -198,9 +200,9 @@ def _whole_joined(tensors: Sequence):
     """
     import torch
 
-    from dask_kvstate.blocks import _consecutive_view
+    from dask_kvstate.blocks import consecutive_view
 
-    joined = _consecutive_view(tensors)
+    joined = consecutive_view(tensors)
     if joined is None or joined.device.type != "cpu" or not joined.is_contiguous():
         return None
     storage = joined.untyped_storage()
@@ -408,7 +410,7 @@ async def pull_blocks(
     t0 = time.perf_counter()
     resp = await call(pool, address, HANDLER, connect_timeout=connect_timeout, timeout=timeout, hashes=list(hashes))
     blocks = unpack_blocks(resp, hashes)
-    nbytes = sum(t.nelement() * t.element_size() for t in blocks.values())
+    nbytes = sum(tensor_bytes(t) for t in blocks.values())
     if emulated_bandwidth:
         await asyncio.sleep(max(0.0, nbytes / emulated_bandwidth - (time.perf_counter() - t0)))
     return PullResult(blocks, nbytes, time.perf_counter() - t0, zero_copy="arena" in resp)
