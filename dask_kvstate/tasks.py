@@ -213,7 +213,7 @@ def evict(state: KVStateRef) -> int:
                 holder,
                 "kvstate_evict",
                 state=to_serialize(state),
-                connect_timeout=rt.connect_timeout,
-                timeout=rt.pull_timeout,
+                connect_timeout=rt.settings.connect_timeout,
+                timeout=rt.settings.pull_timeout,
             )
     return freed

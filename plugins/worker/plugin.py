@@ -19,7 +19,6 @@ import threading
 from collections import Counter
 
 import dask.config
-from dask.utils import parse_bytes
 from distributed import WorkerPlugin
 from tornado.ioloop import PeriodicCallback
 
@@ -28,6 +27,7 @@ from dask_kvstate.backends import check_model_name
 from dask_kvstate.plugins.worker.allocator import retain_freed_memory
 from dask_kvstate.plugins.worker.memory import KVStateSpillData
 from dask_kvstate.plugins.worker.reporter import StatsReporter
+from dask_kvstate.plugins.worker.settings import WorkerSettings
 from dask_kvstate.plugins.worker.transport import HANDLER, PackingBuffers, serve_blocks, serve_inline, serve_run
 from dask_kvstate.state import KVStateRef, refs_in
 
@@ -67,6 +67,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
     """
 
     name = PLUGIN_NAME
+    #: ``config`` read on the worker at setup, what the runtime and the serve side act on
+    worker_settings: WorkerSettings
 
     def __init__(
         self,
@@ -110,15 +112,13 @@ class KVStateWorkerPlugin(WorkerPlugin):
         # Loading a model takes seconds; keep the event loop (heartbeats, comms) free.
         loop = asyncio.get_running_loop()
         self.worker = worker
-        self.runtimes = await loop.run_in_executor(None, self._build, worker)
+        self.worker_settings = settings = WorkerSettings.from_config(self.config)
+        self.runtimes = await loop.run_in_executor(None, self._build, worker, settings)
         self.runtime = self.runtimes[self.models[0]]
-        packing = self.config["kvstate"]["transport"].get("packing-bytes", 0)
-        self.packing = PackingBuffers(parse_bytes(packing) if isinstance(packing, str) else int(packing or 0))
-        self.inline_copy_bytes = parse_bytes(dask.config.get("distributed.comm.offload"))
-        self.zero_copy = bool(self.config["kvstate"]["transport"].get("zero-copy", True))
+        self.packing = PackingBuffers(settings.packing_bytes)
         worker.handlers[HANDLER] = self._serve_blocks
         worker.handlers["kvstate_evict"] = self._evict_handler
-        if self.config["kvstate"]["worker"].get("memory-monitor", True):
+        if settings.memory_monitor:
             worker.memory_manager.data = KVStateSpillData(worker.memory_manager.data, self.runtime.store)
         self._sent_blocks: set[bytes] = set()
         self._sent_version = -1
@@ -148,7 +148,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
             )
         return rt
 
-    def _build(self, worker):
+    def _build(self, worker, settings: WorkerSettings):
         import torch
 
         from dask_kvstate.backends import load_backend
@@ -157,22 +157,22 @@ class KVStateWorkerPlugin(WorkerPlugin):
 
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
-        with dask.config.set(self.config):
-            if config.get("worker.malloc-retain") is not None:
-                retain_freed_memory(config.get_bytes("worker.malloc-retain"))
+        if settings.malloc_retain is not None:
+            retain_freed_memory(settings.malloc_retain)
+        with dask.config.set(self.config):  # loading reads the model cache and progress settings
             backends = [load_backend(m) for m in self.models]
-            # One store for every model: block hashes carry the model identity.
-            store = TieredBlockStore(
-                os.path.join(worker.local_directory, "kvstate-blocks"),
-                **self.budgets,
-                half_life_s=config.get_seconds("worker.recency-half-life"),
-                device=backends[0].device,
-            )
-            counters = Counter()
-            runtimes = {b.name: StateRuntime(b, store, worker, counters=counters) for b in backends}
-            for rt in runtimes.values():  # seed each model's prefill cost model on this worker
-                rt.probe(tuple(config.get("placement.probe-tokens")))
-            return runtimes
+        # One store for every model: block hashes carry the model identity.
+        store = TieredBlockStore(
+            os.path.join(worker.local_directory, "kvstate-blocks"),
+            **self.budgets,
+            half_life_s=settings.recency_half_life,
+            device=backends[0].device,
+        )
+        counters: Counter[str] = Counter()
+        runtimes = {b.name: StateRuntime(b, store, worker, counters=counters, settings=settings) for b in backends}
+        for rt in runtimes.values():  # seed each model's prefill cost model on this worker
+            rt.probe(settings.probe_tokens)
+        return runtimes
 
     def _report(self) -> None:
         """Tell the scheduler's placement extension what changed here (blocks, measurements)."""
@@ -286,12 +286,13 @@ class KVStateWorkerPlugin(WorkerPlugin):
         # past Dask's own offload threshold. The thread hop costs a few ms per pull.
         store, packing = self.runtime.store, self.packing if self.packing.keep_bytes else None
         counters = self.runtime.counters
-        reply = serve_run(store, hashes) if self.zero_copy else None  # one run of memory (an arena): no copy
+        # One run of memory (an arena) goes out as it is: no copy.
+        reply = serve_run(store, hashes) if self.worker_settings.zero_copy else None
         if reply is not None:
             counters["served_zero_copy"] += 1
             return reply
         counters["served_packed"] += 1
-        if serve_inline(store, hashes, self.inline_copy_bytes, packing is not None):
+        if serve_inline(store, hashes, self.worker_settings.inline_copy_bytes, packing is not None):
             return serve_blocks(store, hashes, packing, zero_copy=False)
         return await asyncio.to_thread(serve_blocks, store, hashes, packing, zero_copy=False)
 
