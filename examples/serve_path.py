@@ -26,7 +26,9 @@ import torch
 
 from dask_kvstate.plugins.worker.arena import lay_out
 from dask_kvstate.plugins.worker.block_store import TieredBlockStore
-from dask_kvstate.plugins.worker.transport import PackingBuffers, serve_blocks, serve_run, unpack_blocks
+from dask_kvstate.plugins.worker.packing import PackingBuffers
+from dask_kvstate.plugins.worker.serve import serve_blocks, serve_run
+from dask_kvstate.plugins.worker.transport import unpack_blocks
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 64  # SmolLM2-135M
 

@@ -98,7 +98,7 @@ def probe_rates(block_bytes: int, blocks: int = 4) -> Rates:
             store.offload(hashes, tier)
             rates.add("offload", tier, total, time.perf_counter() - t0)
             t0 = time.perf_counter()
-            store._promote(hashes)
+            store.promote(hashes)
             rates.add("restore", tier, total, time.perf_counter() - t0)
         store.close()
     finally:

@@ -26,9 +26,11 @@ from dask_kvstate import config
 from dask_kvstate.backends import check_model_name
 from dask_kvstate.plugins.worker.allocator import retain_freed_memory
 from dask_kvstate.plugins.worker.memory import KVStateSpillData
+from dask_kvstate.plugins.worker.packing import PackingBuffers
 from dask_kvstate.plugins.worker.reporter import StatsReporter
+from dask_kvstate.plugins.worker.serve import serve_blocks, serve_inline, serve_run
 from dask_kvstate.plugins.worker.settings import WorkerSettings
-from dask_kvstate.plugins.worker.transport import HANDLER, PackingBuffers, serve_blocks, serve_inline, serve_run
+from dask_kvstate.plugins.worker.transport import HANDLER
 from dask_kvstate.state import KVStateRef, refs_in
 
 logger = logging.getLogger("dask_kvstate")
