@@ -62,6 +62,15 @@ def block_hashes(
     return tuple(hashes)
 
 
+def nbytes(t) -> int:
+    """Bytes of tensor ``t``'s own elements, not of the storage behind it (an arena, a frame).
+
+    Typed loosely (any object with torch's ``nelement`` and ``element_size``), so this
+    module never imports torch.
+    """
+    return int(t.nelement() * t.element_size())
+
+
 def num_blocks(num_tokens: int, block_tokens: int) -> int:
     """Blocks needed for ``num_tokens`` tokens.
 
@@ -91,7 +100,7 @@ class KVBlock:
 
     @property
     def nbytes(self) -> int:
-        return int(self.tensor.nelement() * self.tensor.element_size())
+        return nbytes(self.tensor)
 
 
 def split_blocks(kv, hashes: Sequence[bytes], block_tokens: int, first: int = 0) -> list[KVBlock]:
@@ -122,11 +131,11 @@ def join_blocks(tensors: Sequence[object]):
         return None
     if len(tensors) == 1:
         return tensors[0]
-    joined = _consecutive_view(tensors)
+    joined = consecutive_view(tensors)
     return joined if joined is not None else torch.cat(list(tensors), dim=3)
 
 
-def _consecutive_view(tensors: Sequence[object]):
+def consecutive_view(tensors: Sequence[object]):
     """One view spanning ``tensors`` if each starts where the previous ends in one storage, else None."""
     first = tensors[0]
     try:
@@ -148,3 +157,13 @@ def _consecutive_view(tensors: Sequence[object]):
             return None
         tokens += t.shape[3]
     return first.as_strided((*first.shape[:3], tokens, first.shape[4]), stride, first.storage_offset())
+
+
+def same_storage(a, b) -> bool:
+    """Whether tensors ``a`` and ``b`` share memory (one is a view of the other's storage)."""
+    if a is None or b is None:
+        return False
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except (AttributeError, RuntimeError):
+        return False

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import dask
+from dask.utils import key_split
 
 from dask_kvstate.protocol import COMPONENT_ANNOTATION, SESSION_ANNOTATION, SESSION_TOPIC
 
@@ -123,6 +124,23 @@ def session(name: str | None = None, client=None) -> Iterator[SessionHandle]:
                 _notify_close(handle.id, client)
             except Exception as e:  # a closing cluster must not mask the block's own error
                 logger.warning("kvstate: could not tell the scheduler that %s ended: %s", handle.id, e)
+
+
+def component_of(ts) -> str:
+    """A task's component: its ``kvstate-component`` annotation, else its key's prefix.
+
+    ``ts`` is a scheduler's or a worker's ``TaskState`` (both carry the annotations),
+    so the scheduler's extensions and the worker's batching agree on what a component is.
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace
+    >>> component_of(SimpleNamespace(key="triage-0a1b2c3d", annotations=None))
+    'triage'
+    >>> component_of(SimpleNamespace(key="triage-0a1b2c3d", annotations={"kvstate-component": "tester"}))
+    'tester'
+    """
+    return (ts.annotations or {}).get(COMPONENT_ANNOTATION) or key_split(ts.key)
 
 
 def component(name: str):

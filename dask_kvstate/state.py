@@ -167,6 +167,22 @@ class KVState:
         return self.kv is not None
 
 
+def refs_in(value) -> list[KVStateRef]:
+    """The refs a task result holds: a ref, or a list/tuple of refs (fork).
+
+    Examples
+    --------
+    >>> ref = example_ref()
+    >>> refs_in(ref) == [ref], refs_in([ref, ref]) == [ref, ref], refs_in([ref, 1]), refs_in("text")
+    (True, True, [], [])
+    """
+    if isinstance(value, KVStateRef):
+        return [value]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, KVStateRef) for v in value):
+        return list(value)
+    return []
+
+
 ARROW_SCHEMA = pa.schema(
     [
         ("state_id", pa.string()),

@@ -16,7 +16,7 @@ from typing import Any
 
 from dask.utils import format_bytes
 
-TIERS = ("device", "host", "disk")
+from dask_kvstate.state import TIERS
 
 #: Counters summed over workers for the cluster totals (absent counters count 0).
 TOTAL_KEYS = (

@@ -60,7 +60,8 @@ def test_a_run_of_arena_blocks_is_sent_as_its_memory_and_received_as_views(tmp_p
 
     import torch
 
-    from dask_kvstate.plugins.worker.transport import serve_blocks, unpack_blocks
+    from dask_kvstate.plugins.worker.serve import serve_blocks
+    from dask_kvstate.plugins.worker.transport import unpack_blocks
 
     kv, hashes, blocks, store = _arena_store(tokens=70)
     asked = [b"?" * 16, *hashes[1:]]  # one unknown block first, then blocks 1..4 of the arena
@@ -92,7 +93,9 @@ def test_an_adopted_state_is_sent_as_its_joined_tensor_and_received_without_a_co
     import torch
 
     from dask_kvstate.blocks import join_blocks
-    from dask_kvstate.plugins.worker.transport import PackingBuffers, serve_blocks, unpack_blocks
+    from dask_kvstate.plugins.worker.packing import PackingBuffers
+    from dask_kvstate.plugins.worker.serve import serve_blocks
+    from dask_kvstate.plugins.worker.transport import unpack_blocks
 
     kv, hashes, blocks, store = _arena_store(tokens=70)
     joined = join_blocks([store.get(h) for h in hashes])  # a copy: the arena is block-major
@@ -116,7 +119,9 @@ def test_blocks_that_are_not_one_run_of_memory_are_packed():
 
     import torch
 
-    from dask_kvstate.plugins.worker.transport import PackingBuffers, serve_blocks, unpack_blocks
+    from dask_kvstate.plugins.worker.packing import PackingBuffers
+    from dask_kvstate.plugins.worker.serve import serve_blocks
+    from dask_kvstate.plugins.worker.transport import unpack_blocks
 
     kv, hashes, blocks, store = _arena_store(tokens=70)
     buffers = PackingBuffers(keep_bytes=2**22)
@@ -145,7 +150,9 @@ def test_cuda_blocks_are_staged_through_host_memory_and_packed():
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from dask_kvstate.plugins.worker.transport import PackingBuffers, serve_blocks, unpack_blocks
+    from dask_kvstate.plugins.worker.packing import PackingBuffers
+    from dask_kvstate.plugins.worker.serve import serve_blocks
+    from dask_kvstate.plugins.worker.transport import unpack_blocks
 
     kv, hashes, blocks, store = _arena_store(tokens=70, device="cuda")
     assert blocks[0].tensor.is_cuda
@@ -250,7 +257,8 @@ def test_fuzz_zero_copy_layouts_raise_only_value_error():
 
     import torch
 
-    from dask_kvstate.plugins.worker.transport import serve_run, unpack_blocks
+    from dask_kvstate.plugins.worker.serve import serve_run
+    from dask_kvstate.plugins.worker.transport import unpack_blocks
 
     kv, hashes, blocks, store = _arena_store(tokens=70)
     reply = serve_run(store, hashes)

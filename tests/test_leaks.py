@@ -32,7 +32,7 @@ def _footprint(dask_worker) -> dict:
         "rss": psutil.Process().memory_info().rss,
         "blocks": len(store),
         "bytes": store.nbytes,
-        "meta": len(store.meta),
+        "meta": len(store.ledger.meta),
         "holds": len(store.holds.count) + len(store.holds.by_owner),
         "pins": len(store.pins.count) + len(store.pins.by_owner),
         "held_keys": len(plugin.held),

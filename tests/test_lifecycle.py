@@ -14,7 +14,7 @@ from distributed import Client, LocalCluster
 from distributed.utils_test import poll_for
 
 import dask_kvstate as kvs
-from dask_kvstate.plugins.scheduler.lifecycle import (
+from dask_kvstate.plugins.scheduler.lifecycle_policy import (
     lifecycle_action,
     move_seconds,
     predict_idle,

@@ -10,7 +10,8 @@ def test_served_blocks_are_zero_copy_frames_not_pickles():
     from distributed.protocol import deserialize, serialize
 
     from dask_kvstate.plugins.worker.block_store import TieredBlockStore
-    from dask_kvstate.plugins.worker.transport import serve_blocks, unpack_blocks
+    from dask_kvstate.plugins.worker.serve import serve_blocks
+    from dask_kvstate.plugins.worker.transport import unpack_blocks
 
     store = TieredBlockStore(device_bytes=2**22, host_bytes=2**22, disk_bytes=2**22)
     block = torch.arange(2 * 2 * 2 * 16 * 16 * 64, dtype=torch.float32).reshape(
@@ -36,7 +37,8 @@ def test_blocks_of_any_dtype_survive_the_wire(dtype):
     from distributed.protocol import deserialize, serialize
 
     from dask_kvstate.plugins.worker.block_store import TieredBlockStore
-    from dask_kvstate.plugins.worker.transport import serve_blocks, unpack_blocks
+    from dask_kvstate.plugins.worker.serve import serve_blocks
+    from dask_kvstate.plugins.worker.transport import unpack_blocks
 
     store = TieredBlockStore(device_bytes=2**20, host_bytes=2**20, disk_bytes=2**20)
     block = torch.randn(2, 2, 2, 5, 8).to(getattr(torch, dtype))
@@ -59,7 +61,9 @@ def test_a_pull_is_one_frame_in_a_buffer_reused_once_the_comm_let_go():
     from distributed.protocol import deserialize, serialize
 
     from dask_kvstate.plugins.worker.block_store import TieredBlockStore
-    from dask_kvstate.plugins.worker.transport import PackingBuffers, serve_blocks, unpack_blocks
+    from dask_kvstate.plugins.worker.packing import PackingBuffers
+    from dask_kvstate.plugins.worker.serve import serve_blocks
+    from dask_kvstate.plugins.worker.transport import unpack_blocks
 
     store = TieredBlockStore(device_bytes=2**24, host_bytes=2**22, disk_bytes=2**22)
     blocks = {bytes([i]) * 16: torch.randn(2, 2, 2, 16, 64 * (i + 1)) for i in range(6)}  # small...

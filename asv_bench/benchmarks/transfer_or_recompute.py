@@ -93,7 +93,7 @@ class ServePath:
 
     def setup(self):
         from dask_kvstate.plugins.worker.block_store import TieredBlockStore
-        from dask_kvstate.plugins.worker.transport import PackingBuffers
+        from dask_kvstate.plugins.worker.packing import PackingBuffers
 
         self.hashes, blocks = serve_path.smollm2_blocks(64)
         self.store = TieredBlockStore(device_bytes=2**31, host_bytes=2**31, disk_bytes=2**31, device="cpu")
@@ -105,11 +105,11 @@ class ServePath:
         self.store.close()
 
     def time_serve_packed(self):
-        from dask_kvstate.plugins.worker.transport import serve_blocks
+        from dask_kvstate.plugins.worker.serve import serve_blocks
 
         serve_blocks(self.store, self.hashes, self.buffers, zero_copy=False)
 
     def time_serve_zero_copy(self):
-        from dask_kvstate.plugins.worker.transport import serve_run
+        from dask_kvstate.plugins.worker.serve import serve_run
 
         serve_run(self.store, self.hashes)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from dask_kvstate.backends.cascade import SharedPrefixKV
-from dask_kvstate.backends.hf import GenerationResult, _pick
+from dask_kvstate.backends.hf import GenerationResult, pick_token
 
 
 @dataclass
@@ -135,7 +135,7 @@ def generate_batch(
     live = []
     if max_new_tokens > 0:
         for b in range(len(rows)):
-            outs[b].append(_pick(logits[b], temperature, top_p, gens[b]))
+            outs[b].append(pick_token(logits[b], temperature, top_p, gens[b]))
             if outs[b][-1] not in backend.eos_ids and max_new_tokens > 1:
                 live.append(b)
     first = time.perf_counter()
@@ -152,7 +152,7 @@ def generate_batch(
         kv.advance([1] * len(live))
         keep = []
         for r, b in enumerate(live):
-            outs[b].append(_pick(logits[r], temperature, top_p, gens[b]))
+            outs[b].append(pick_token(logits[r], temperature, top_p, gens[b]))
             if outs[b][-1] not in backend.eos_ids and len(outs[b]) < max_new_tokens:
                 keep.append(r)
         if len(keep) < len(live):

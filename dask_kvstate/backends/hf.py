@@ -16,7 +16,9 @@ import hashlib
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -174,7 +176,7 @@ class HFBackend:
         out: list[int] = []
         first_at = time.perf_counter()
         for step in range(max_new_tokens):
-            tok = _pick(logits, temperature, top_p, gen)
+            tok = pick_token(logits, temperature, top_p, gen)
             if step == 0:
                 first_at = time.perf_counter()
             out.append(tok)
@@ -195,11 +197,14 @@ class HFBackend:
         top_p: float = 1.0,
         seed: int | None = None,
         started: float | None = None,
+        on_prefill: Callable[[Any], None] | None = None,
     ) -> GenerationResult:
         """Generate from prompt ``ids``, reusing ``past_kv`` for its leading tokens.
 
         ``past_kv`` must be the KV of ``ids[:past_len]`` with ``past_len < len(ids)``.
-        ``started`` is when the caller began (for TTFT); defaults to now.
+        ``started`` is when the caller began (for TTFT); defaults to now. ``on_prefill``
+        is called with the prompt's cache before decoding starts (the local prefix cache
+        keeps the prompt's blocks there); its time counts as decode time.
         """
         t0 = time.perf_counter() if started is None else started
         if not ids:
@@ -207,6 +212,8 @@ class HFBackend:
         p0 = time.perf_counter()
         cache, logits = self.prefill(ids, past_kv)
         p1 = time.perf_counter()
+        if on_prefill is not None:
+            on_prefill(cache)
         out, first_at = self.decode(
             cache, logits, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
         )
@@ -221,7 +228,9 @@ class HFBackend:
         )
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen) -> int:
+def pick_token(logits: torch.Tensor, temperature: float, top_p: float, gen) -> int:
+    """The next token from one row of ``logits``: greedy at temperature 0, else sampled
+    (nucleus ``top_p``) with generator ``gen``; shared by single and batched decoding."""
     if temperature <= 0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits / temperature, dim=-1)

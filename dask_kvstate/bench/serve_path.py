@@ -58,7 +58,9 @@ def _filled_store(hashes, blocks):
 def serve(mib: int, repeats: int) -> dict:
     """Packing copy vs zero-copy run on the holder, and unpack + inserts on the puller, in ms."""
     from dask_kvstate.plugins.worker.block_store import TieredBlockStore
-    from dask_kvstate.plugins.worker.transport import PackingBuffers, serve_blocks, serve_run, unpack_blocks
+    from dask_kvstate.plugins.worker.packing import PackingBuffers
+    from dask_kvstate.plugins.worker.serve import serve_blocks, serve_run
+    from dask_kvstate.plugins.worker.transport import unpack_blocks
 
     hashes, blocks = smollm2_blocks(mib)
     store = _filled_store(hashes, blocks)
@@ -89,7 +91,7 @@ def wire(mib: int, repeats: int) -> dict:
     from distributed import Client, LocalCluster
     from distributed.protocol import to_serialize
 
-    from dask_kvstate.plugins.worker.transport import serve_run
+    from dask_kvstate.plugins.worker.serve import serve_run
 
     def install(dask_worker, mib=mib):
         hashes, blocks = smollm2_blocks(mib)

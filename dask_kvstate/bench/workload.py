@@ -85,7 +85,7 @@ def _reset(dask_worker) -> None:
         rt.store.device_peak = rt.store.device.total_weight
         rt.counters["kv_peak_bytes"] = rt.store.device.total_weight
     if getattr(plugin, "placement", False):
-        plugin._report()  # now, not at the next 200 ms tick: placement must not count the dropped blocks
+        plugin.report_to_placement()  # now, not at the next report tick: placement must not count the dropped blocks
 
 
 def settle(client, timeout: float = 60.0) -> None:

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from time import time
 from typing import TYPE_CHECKING
 
-from dask.utils import key_split
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 if TYPE_CHECKING:
@@ -33,12 +32,12 @@ from dask_kvstate import config
 from dask_kvstate.plugins.scheduler.control import ControlLoop
 from dask_kvstate.plugins.scheduler.handshake import serve_hello
 from dask_kvstate.protocol import (
-    COMPONENT_ANNOTATION,
     SCHEDULING_WORKER_PLUGIN,
     SESSION_ANNOTATION,
     SESSION_TOPIC,
     SESSIONS_EXTENSION,
 )
+from dask_kvstate.session import component_of
 
 logger = logging.getLogger("dask_kvstate")
 
@@ -79,11 +78,6 @@ class Session:
             "closed_at": self.closed_at,
             "ended_at": self.ended_at,
         }
-
-
-def component_of(ts) -> str:
-    """The ``kvstate-component`` annotation, else the key's prefix (the function name)."""
-    return (ts.annotations or {}).get(COMPONENT_ANNOTATION) or key_split(ts.key)
 
 
 class SessionTracker(SchedulerPlugin):

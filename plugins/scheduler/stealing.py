@@ -38,7 +38,6 @@ from collections import Counter
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
-from dask_kvstate.plugins.scheduler.sessions import component_of
 from dask_kvstate.protocol import (
     PLACEMENT_ANNOTATION,
     PLACEMENT_EXTENSION,
@@ -46,6 +45,7 @@ from dask_kvstate.protocol import (
     STEALING_EXTENSION,
     STEALING_TOPIC,
 )
+from dask_kvstate.session import component_of
 
 
 def _priority(ts):

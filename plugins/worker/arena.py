@@ -10,7 +10,7 @@ arena costs nothing extra.
 Why: a pull of a state's blocks is then one run of memory, and :func:`span` finds it
 by pointer arithmetic (same storage, each block starting where the previous one
 ends), so the holder can hand that memory to the comm as one frame without packing
-it (``transport.serve_blocks``). Blocks received in one frame are views of it in the
+it (``serve.serve_blocks``). Blocks received in one frame are views of it in the
 same way, so a puller that serves them on finds one run too.
 
 Costs, by design: a view keeps its whole arena alive. When some blocks of an arena
@@ -26,9 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-
-def nbytes(t) -> int:
-    return int(t.nelement() * t.element_size())
+from dask_kvstate.blocks import nbytes
 
 
 def lay_out(kv, block_tokens: int, first_token: int = 0) -> list:

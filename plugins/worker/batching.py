@@ -37,20 +37,15 @@ import threading
 from collections import Counter
 from time import monotonic
 
-from dask.utils import key_split
 from distributed import WorkerPlugin
 
 from dask_kvstate.hints import BatchedCall, capture_args
-from dask_kvstate.protocol import BATCHING_WORKER_PLUGIN, COMPONENT_ANNOTATION
+from dask_kvstate.protocol import BATCHING_WORKER_PLUGIN
+from dask_kvstate.session import component_of
 
 logger = logging.getLogger("dask_kvstate")
 
 _HEAPED = ("ready", "constrained")
-
-
-def component_of_task(ts) -> str:
-    """A worker task's component: the ``kvstate-component`` annotation, else its key prefix."""
-    return (ts.annotations or {}).get(COMPONENT_ANNOTATION) or key_split(ts.key)
 
 
 class _Slot:
@@ -110,7 +105,7 @@ class BatchingWorkerPlugin(WorkerPlugin):
                 return _unwrap(slot.outcome)
             return _unwrap(_one(call, args))  # its leader could not read its arguments
         ts = self.worker.state.tasks.get(key)
-        comp = component_of_task(ts) if ts is not None else None
+        comp = component_of(ts) if ts is not None else None
         if comp not in self.batch:
             self.sizes[1] += 1
             return _unwrap(_one(call, args))
@@ -159,7 +154,7 @@ class BatchingWorkerPlugin(WorkerPlugin):
                     and isinstance(func, BatchedCall)
                     and func.name == name
                     and ts.key not in self.claims
-                    and component_of_task(ts) == comp
+                    and component_of(ts) == comp
                 ):
                     found.append(ts)
         found.sort(key=lambda ts: ts.priority)

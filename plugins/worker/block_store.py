@@ -29,47 +29,22 @@ from __future__ import annotations
 import logging
 import tempfile
 import threading
-import time
 from collections import Counter
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import zict
 
-from dask_kvstate.cost import eviction_score
-from dask_kvstate.plugins.worker.arena import overhang
+from dask_kvstate.blocks import nbytes
+from dask_kvstate.plugins.worker import disk_faults
 from dask_kvstate.plugins.worker.disk_format import CorruptBlockError
-from dask_kvstate.plugins.worker.tiers import DiskTier, ScoredBuffer, nbytes
+from dask_kvstate.plugins.worker.ledger import BlockLedger
+from dask_kvstate.plugins.worker.store_stats import store_stats
+from dask_kvstate.plugins.worker.tiers import DiskTier, ScoredBuffer
+from dask_kvstate.state import TIERS
 
 logger = logging.getLogger("dask_kvstate")
-
-TIERS = ("device", "host", "disk")
-
-
-class _Owners:
-    """Per-owner sets of hashes, with a per-hash count (pins or holds)."""
-
-    def __init__(self):
-        self.by_owner: dict[Hashable, tuple[bytes, ...]] = {}
-        self.count: Counter[bytes] = Counter()
-
-    def set(self, owner: Hashable, hashes: Iterable[bytes]) -> None:
-        self.clear(owner)
-        hs = tuple(dict.fromkeys(hashes))
-        self.by_owner[owner] = hs
-        self.count.update(hs)
-
-    def clear(self, owner: Hashable) -> tuple[bytes, ...]:
-        hs = self.by_owner.pop(owner, ())
-        self.count.subtract(hs)
-        for h in hs:
-            if self.count[h] <= 0:
-                del self.count[h]
-        return hs
-
-    def __contains__(self, h: object) -> bool:
-        return self.count.get(h, 0) > 0
 
 
 class TieredBlockStore:
@@ -114,14 +89,10 @@ class TieredBlockStore:
         for name, v in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("disk_bytes", disk_bytes)):
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be a non-negative number of bytes, got {v!r}")
-        if half_life_s <= 0:
-            raise ValueError(f"half_life_s must be > 0, got {half_life_s!r}")
+        self.ledger = BlockLedger(half_life_s)
+        self.pins, self.holds = self.ledger.pins, self.ledger.holds
         self.device_type = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.half_life_s = float(half_life_s)
         self.directory = directory or tempfile.mkdtemp(prefix="kvstate-blocks-")
-        self.pins = _Owners()  # in use: do not move
-        self.holds = _Owners()  # referenced: do not drop
-        self.meta: dict[bytes, list] = {}  # hash -> [hits, last used (monotonic s), nbytes]
         self.counters: dict[str, Counter[str]] = {t: Counter() for t in TIERS}
         self.counters["store"] = Counter()
         self.device_peak = 0
@@ -130,13 +101,13 @@ class TieredBlockStore:
         self._lock = threading.RLock()
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvstate-prefetch")
 
-        self.disk = DiskTier(self.directory, disk_bytes, victims=self._disk_victims, on_drop=self._dropped)
+        self.disk = DiskTier(self.directory, disk_bytes, victims=self._disk_victims, on_drop=self.dropped)
         self._host = ScoredBuffer(
             {},
             self.disk,
             host_bytes,
-            score=self._score,
-            movable=self._movable,
+            score=self.ledger.score,
+            movable=self.ledger.movable,
             fast_to_slow_callbacks=[self._count("host", "spills")],
             slow_to_fast_callbacks=[self._count("host", "unspills")],
         )
@@ -150,8 +121,8 @@ class TieredBlockStore:
             {},
             host_side,
             device_bytes,
-            score=self._score,
-            movable=self._movable,
+            score=self.ledger.score,
+            movable=self.ledger.movable,
             fast_to_slow_callbacks=[self._count("device", "spills")],
             slow_to_fast_callbacks=[self._count("device", "unspills")],
         )
@@ -159,26 +130,14 @@ class TieredBlockStore:
         self.device = self._device.fast
         self.host = self._host.fast
 
-    # -- scoring -------------------------------------------------------------------
-    def _score(self, h: bytes, now: float) -> float:
-        hits, last, size = self.meta.get(h, (0, 0.0, 1))
-        return eviction_score(hits, now - last, size, self.half_life_s)
-
-    def _movable(self, h: bytes) -> bool:
-        return h not in self.pins
-
-    def _disk_victims(self):
+    # -- bookkeeping ---------------------------------------------------------------
+    def _disk_victims(self) -> Iterator[bytes]:
         """Unreferenced blocks on disk, lowest score first (asked when the disk is full)."""
-        now = time.monotonic()
-        yield from sorted(self._droppable(self.disk), key=lambda h: self._score(h, now))
+        return iter(self.ledger.lowest(self.disk))
 
-    def _droppable(self, hashes) -> list[bytes]:
-        """Those of ``hashes`` no ref holds and no running task pins."""
-        return [h for h in hashes if h not in self.holds and h not in self.pins]
-
-    def _dropped(self, h: bytes) -> None:
+    def dropped(self, h: bytes) -> None:
         """Bookkeeping for a block deleted from every tier to make room."""
-        self.meta.pop(h, None)
+        self.ledger.forget(h)
         self.counters["store"]["dropped"] += 1
         self.version += 1
 
@@ -188,13 +147,9 @@ class TieredBlockStore:
 
         return cb
 
-    def _touch(self, h: bytes, hit: bool, size: int | None = None) -> None:
-        m = self.meta.setdefault(h, [0, 0.0, size or 1])
-        m[0] += hit
-        m[1] = time.monotonic()
-
     def size_of(self, h: bytes) -> int:
-        return self.meta[h][2] if h in self.meta else 0
+        """Bytes of block ``h`` (0 if not stored)."""
+        return self.ledger.size_of(h)
 
     def _note_peak(self) -> None:
         self.device_peak = max(self.device_peak, self.device.total_weight)
@@ -229,13 +184,13 @@ class TieredBlockStore:
             if h in self:
                 return
             tensor = tensor.to(self.device_type, non_blocking=True)
-            self._touch(h, hit=False, size=nbytes(tensor))
+            self.ledger.touch(h, hit=False, size=nbytes(tensor))
             self.counters["store"]["puts"] += 1
             self.version += 1
             try:
                 self._device[h] = tensor
             except OSError as e:  # DiskFullError or a real disk error while spilling
-                self._disk_full(e)
+                disk_faults.disk_full(self, e)
             self._note_peak()
 
     def get(self, h: bytes) -> torch.Tensor | None:
@@ -249,14 +204,14 @@ class TieredBlockStore:
                 self.counters[t]["misses"] += 1
             if tier is None:
                 return None
-            self._touch(h, hit=True)  # before promotion, so the score sees this use
+            self.ledger.touch(h, hit=True)  # before promotion, so the score sees this use
             try:
                 value = self._device[h]
             except CorruptBlockError as e:
-                self._corrupt(h, e)
+                disk_faults.damaged(self, h, e)
                 return None
             except OSError as e:
-                self._disk_full(e)
+                disk_faults.disk_full(self, e)
                 value = self.peek(h)
                 if value is None:
                     return None
@@ -296,7 +251,7 @@ class TieredBlockStore:
                 try:
                     return self.disk[h]
                 except CorruptBlockError as e:
-                    self._corrupt(h, e)
+                    disk_faults.damaged(self, h, e)
             return None
 
     def peek_memory(self, h: bytes) -> torch.Tensor | None:
@@ -304,31 +259,6 @@ class TieredBlockStore:
         with self._lock:
             v = self.device.d.get(h)
             return v if v is not None else self.host.d.get(h)
-
-    def _corrupt(self, h: bytes, err: Exception) -> None:
-        self.counters["disk"]["checksum_failures"] += 1
-        logger.warning("kvstate: spilled block %s is damaged (%s); treating it as a miss", h.hex()[:12], err)
-        self.disk.discard(h)
-        self.meta.pop(h, None)
-        self.version += 1
-
-    def _disk_full(self, err: Exception) -> None:
-        """The disk took no more: keep blocks above, dropping unreferenced ones if over budget."""
-        self.counters["disk"]["full"] += 1
-        logger.info("kvstate: %s", err)
-        # A failed spill inside a nested zict.Buffer can leave a key in both tiers
-        # (the lower one inserted it before its own eviction failed): keep the upper.
-        for k in [k for k in self.host.d if k in self.device.d]:
-            del self.host[k]
-        for lru in (self.host, self.device):
-            while lru.total_weight > lru.n:
-                victims = self._droppable(lru.order)
-                if not victims:
-                    break
-                now = time.monotonic()
-                k = min(victims, key=lambda h: self._score(h, now))
-                del lru[k]
-                self._dropped(k)
 
     # -- protection ----------------------------------------------------------------
     def pin(self, owner: Hashable, hashes: Iterable[bytes]) -> None:
@@ -355,20 +285,17 @@ class TieredBlockStore:
         with self._lock:
             self.holds.clear(owner)
 
-    def is_pinned(self, h: bytes) -> bool:
-        return h in self.pins
-
     def discard(self, hashes: Iterable[bytes]) -> int:
         """Drop the unreferenced, unpinned ones of ``hashes`` from every tier; returns bytes freed."""
         freed = 0
         with self._lock:
-            for h in self._droppable(hashes):
+            for h in self.ledger.droppable(hashes):
                 size = self.size_of(h)
                 try:
                     del self._device[h]
                 except KeyError:  # not stored here
                     continue
-                self.meta.pop(h, None)
+                self.ledger.forget(h)
                 self.version += 1
                 freed += size
         return freed
@@ -379,29 +306,30 @@ class TieredBlockStore:
             self._device.evict_until_below_target()
             self._host.evict_until_below_target()
         except OSError as e:
-            self._disk_full(e)
+            disk_faults.disk_full(self, e)
 
     # -- moving on request ---------------------------------------------------------
     def prefetch(self, hashes: Iterable[bytes]) -> Future:
         """Bring ``hashes`` up to the device tier in the background; the future gives how many moved."""
         hashes = list(hashes)
-        return self._prefetcher.submit(self._promote, hashes)
+        return self._prefetcher.submit(self.promote, hashes)
 
-    def _promote(self, hashes: list[bytes]) -> int:
+    def promote(self, hashes: list[bytes]) -> int:
+        """Bring ``hashes`` up to the device tier now; returns how many moved. Never raises."""
         moved = 0
         for h in hashes:
             with self._lock:
                 tier = self.where(h)
                 if tier in (None, "device"):
                     continue
-                self._touch(h, hit=False)
+                self.ledger.touch(h, hit=False)
                 try:
                     self._device[h]
                     moved += 1
                 except CorruptBlockError as e:
-                    self._corrupt(h, e)
+                    disk_faults.damaged(self, h, e)
                 except OSError as e:
-                    self._disk_full(e)
+                    disk_faults.disk_full(self, e)
                 self._note_peak()
         return moved
 
@@ -423,7 +351,7 @@ class TieredBlockStore:
                     if tier == "disk" and h in self.host:
                         self.host.evict(h)
                 except OSError as e:
-                    self._disk_full(e)
+                    disk_faults.disk_full(self, e)
                 after = self.where(h)
                 moved += after is not None and TIERS.index(after) >= TIERS.index(tier)
         return moved
@@ -434,50 +362,21 @@ class TieredBlockStore:
         move. Never raises (``ManualEvictProto.evict``)."""
         with self._lock:
             try:
-                if not any(self._movable(k) for k in self.host) and self.device:
+                if not any(self.ledger.movable(k) for k in self.host) and self.device:
                     self.device.evict()  # down to host first
                 key, _, w = self.host.evict()
                 return int(w) if key is not None else -1
             except KeyError:
                 return -1
             except OSError as e:
-                self._disk_full(e)
+                disk_faults.disk_full(self, e)
                 return -1
 
     # -- accounting ----------------------------------------------------------------
-    def held_bytes(self) -> int:
-        with self._lock:
-            return sum(self.size_of(h) for h in self.holds.count if h in self)
-
     def stats(self) -> dict:
+        """Blocks, bytes and counters per tier, for ``kvs.stats``."""
         with self._lock:
-            tiers = {
-                "device": {
-                    "blocks": len(self.device),
-                    "bytes": int(self.device.total_weight),
-                    "capacity": int(self.device.n),
-                    "peak_bytes": int(self.device_peak),
-                },
-                "host": {"blocks": len(self.host), "bytes": int(self.host.total_weight), "capacity": int(self.host.n)},
-                "disk": {"blocks": len(self.disk), "bytes": int(self.disk.total), "capacity": self.disk.capacity},
-            }
-            for t in TIERS:
-                tiers[t].update({w: self.counters[t][w] for w in ("hits", "misses", "spills", "unspills")})
-            tiers["disk"].update({w: self.counters["disk"][w] for w in ("checksum_failures", "full")})
-            return {
-                "tier": self.tier,
-                "blocks": len(self),
-                "bytes": self.nbytes,
-                "pinned_bytes": self.held_bytes(),
-                "hits": sum(self.counters[t]["hits"] for t in TIERS),
-                "misses": self.counters["disk"]["misses"],
-                "evictions": self.counters["device"]["spills"] + self.counters["store"]["dropped"],
-                "dropped": self.counters["store"]["dropped"],
-                # memory held beyond the tiers' weights: arenas (dask_kvstate/arena.py)
-                # kept alive by some of their blocks after others left memory
-                "arena_overhang_bytes": overhang([*self.device.d.values(), *self.host.d.values()]),
-                "tiers": tiers,
-            }
+            return store_stats(self)
 
     def close(self) -> None:
         self._prefetcher.shutdown(wait=False)

@@ -46,19 +46,11 @@ from dask_kvstate.protocol import (
     SESSION_ANNOTATION,
     WORKER_PLUGIN,
 )
-from dask_kvstate.state import KVStateRef
+from dask_kvstate.state import KVStateRef, refs_in
 
 logger = logging.getLogger("dask_kvstate")
 
 LOWER = ("host", "disk")
-
-
-def _refs_in(value) -> list[KVStateRef]:
-    if isinstance(value, KVStateRef):
-        return [value]
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, KVStateRef) for v in value):
-        return list(value)
-    return []
 
 
 class Rates:
@@ -112,7 +104,7 @@ def probe_rates(block_bytes: int, blocks: int = 4) -> Rates:
             store.offload(hashes, tier)
             rates.add("offload", tier, total, time.perf_counter() - t0)
             t0 = time.perf_counter()
-            store._promote(hashes)
+            store.promote(hashes)
             rates.add("restore", tier, total, time.perf_counter() - t0)
         store.close()
     finally:
@@ -188,7 +180,7 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
             or key not in self.worker.data
         ):
             return
-        refs = _refs_in(self.worker.data.get(key))
+        refs = refs_in(self.worker.data.get(key))
         if refs:
             held = self.blocks[sid]
             for r in refs:

@@ -21,7 +21,6 @@ import threading
 from collections import Counter
 
 import dask.config
-from dask.utils import parse_bytes
 from distributed import WorkerPlugin
 from distributed.protocol import to_serialize
 from distributed.utils import sync
@@ -32,8 +31,11 @@ from dask_kvstate.backends import check_model_name
 from dask_kvstate.plugins.worker.allocator import retain_freed_memory
 from dask_kvstate.plugins.worker.handshake import hello
 from dask_kvstate.plugins.worker.memory import KVStateSpillData
+from dask_kvstate.plugins.worker.packing import PackingBuffers
 from dask_kvstate.plugins.worker.reporter import StatsReporter
-from dask_kvstate.plugins.worker.transport import PackingBuffers, call, serve_blocks, serve_inline, serve_run
+from dask_kvstate.plugins.worker.serve import serve_blocks, serve_inline, serve_run
+from dask_kvstate.plugins.worker.settings import WorkerSettings
+from dask_kvstate.plugins.worker.transport import call
 from dask_kvstate.protocol import (
     BLOCKS,
     EVICT,
@@ -44,20 +46,11 @@ from dask_kvstate.protocol import (
     REF,
     WORKER_PLUGIN,
 )
-from dask_kvstate.state import KVStateRef
+from dask_kvstate.state import KVStateRef, refs_in
 
 logger = logging.getLogger("dask_kvstate")
 
 _RUNNING = ("executing", "long-running", "cancelled", "resumed")
-
-
-def refs_in(value) -> list[KVStateRef]:
-    """The refs a task result holds: a ref, or a list/tuple of refs (fork)."""
-    if isinstance(value, KVStateRef):
-        return [value]
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, KVStateRef) for v in value):
-        return list(value)
-    return []
 
 
 class KVStateWorkerPlugin(WorkerPlugin):
@@ -79,6 +72,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
     """
 
     name = WORKER_PLUGIN
+    #: ``config`` read on the worker at setup, what the runtime and the serve side act on
+    worker_settings: WorkerSettings
 
     def __init__(
         self,
@@ -122,17 +117,13 @@ class KVStateWorkerPlugin(WorkerPlugin):
         # Loading a model takes seconds; keep the event loop (heartbeats, comms) free.
         loop = asyncio.get_running_loop()
         self.worker = worker
-        self.runtimes = await loop.run_in_executor(None, self._build, worker)
+        self.worker_settings = settings = WorkerSettings.from_config(self.config)
+        self.runtimes = await loop.run_in_executor(None, self._build, worker, settings)
         self.runtime = self.runtimes[self.models[0]]
-        carried = self.config["kvstate"]
-        self.packing = PackingBuffers(
-            config.get_bytes("transport.packing-bytes", carried["transport"]["packing-bytes"])
-        )
-        self.inline_copy_bytes = parse_bytes(dask.config.get("distributed.comm.offload"))
-        self.zero_copy = bool(carried["transport"]["zero-copy"])
+        self.packing = PackingBuffers(settings.packing_bytes)
         worker.handlers[GET_BLOCKS] = self._serve_blocks
         worker.handlers[EVICT] = self._evict_handler
-        if carried["worker"]["memory-monitor"]:
+        if settings.memory_monitor:
             worker.memory_manager.data = KVStateSpillData(worker.memory_manager.data, self.runtime.store)
         self._sent_blocks: set[bytes] = set()
         self._sent_version = -1
@@ -141,10 +132,9 @@ class KVStateWorkerPlugin(WorkerPlugin):
         extensions = await hello(worker, self.name)
         self.placement = PLACEMENT_EXTENSION in extensions  # report only to a placement extension
         if self.placement:
-            every = config.get_seconds("placement.report-interval", carried["placement"]["report-interval"])
-            self._reporter = PeriodicCallback(self._report, every * 1000)
+            self._reporter = PeriodicCallback(self.report_to_placement, settings.placement_report_interval * 1000)
             self._reporter.start()
-            self._report()  # the probe's numbers, before the first task can need them
+            self.report_to_placement()  # the probe's numbers, before the first task can need them
         # Stats for the dashboard page, pushed only to a scheduler running the observe extension.
         self._observer = StatsReporter.start(worker, self, extensions.get(OBSERVE_EXTENSION))
         logger.info("kvstate: %s ready on %s", ", ".join(self.models), worker.address)
@@ -161,7 +151,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
             )
         return rt
 
-    def _build(self, worker):
+    def _build(self, worker, settings: WorkerSettings):
         import torch
 
         from dask_kvstate.backends import load_backend
@@ -170,24 +160,24 @@ class KVStateWorkerPlugin(WorkerPlugin):
 
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
-        with dask.config.set(self.config):
-            if config.get("worker.malloc-retain") is not None:
-                retain_freed_memory(config.get_bytes("worker.malloc-retain"))
+        if settings.malloc_retain is not None:
+            retain_freed_memory(settings.malloc_retain)
+        with dask.config.set(self.config):  # loading reads the model cache and progress settings
             backends = [load_backend(m) for m in self.models]
-            # One store for every model: block hashes carry the model identity.
-            store = TieredBlockStore(
-                os.path.join(worker.local_directory, "kvstate-blocks"),
-                **self.budgets,
-                half_life_s=config.get_seconds("worker.recency-half-life"),
-                device=backends[0].device,
-            )
-            counters = Counter()
-            runtimes = {b.name: StateRuntime(b, store, worker, counters=counters) for b in backends}
-            for rt in runtimes.values():  # seed each model's prefill cost model on this worker
-                rt.probe(tuple(config.get("placement.probe-tokens")))
-            return runtimes
+        # One store for every model: block hashes carry the model identity.
+        store = TieredBlockStore(
+            os.path.join(worker.local_directory, "kvstate-blocks"),
+            **self.budgets,
+            half_life_s=settings.recency_half_life,
+            device=backends[0].device,
+        )
+        counters: Counter[str] = Counter()
+        runtimes = {b.name: StateRuntime(b, store, worker, counters=counters, settings=settings) for b in backends}
+        for rt in runtimes.values():  # seed each model's prefill cost model on this worker
+            rt.probe(settings.probe_tokens)
+        return runtimes
 
-    def _report(self) -> None:
+    def report_to_placement(self) -> None:
         """Tell the scheduler's placement extension what changed here (blocks, measurements)."""
         rt = self.runtime
         stream = self.worker.batched_stream
@@ -304,8 +294,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
                     holder,
                     EVICT,
                     state=to_serialize(ref),
-                    connect_timeout=self.runtime.connect_timeout,
-                    timeout=self.runtime.pull_timeout,
+                    connect_timeout=self.worker_settings.connect_timeout,
+                    timeout=self.worker_settings.pull_timeout,
                 )
         return freed
 
@@ -318,12 +308,13 @@ class KVStateWorkerPlugin(WorkerPlugin):
         # past Dask's own offload threshold. The thread hop costs a few ms per pull.
         store, packing = self.runtime.store, self.packing if self.packing.keep_bytes else None
         counters = self.runtime.counters
-        reply = serve_run(store, hashes) if self.zero_copy else None  # one run of memory (an arena): no copy
+        # One run of memory (an arena) goes out as it is: no copy.
+        reply = serve_run(store, hashes) if self.worker_settings.zero_copy else None
         if reply is not None:
             counters["served_zero_copy"] += 1
             return reply
         counters["served_packed"] += 1
-        if serve_inline(store, hashes, self.inline_copy_bytes, packing is not None):
+        if serve_inline(store, hashes, self.worker_settings.inline_copy_bytes, packing is not None):
             return serve_blocks(store, hashes, packing, zero_copy=False)
         return await asyncio.to_thread(serve_blocks, store, hashes, packing, zero_copy=False)
 

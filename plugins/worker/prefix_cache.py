@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 
-from dask_kvstate.backends.hf import GenerationResult
 from dask_kvstate.blocks import join_blocks
 from dask_kvstate.generation import Generation
 
@@ -36,7 +35,7 @@ def generate(
     if not ids:
         raise ValueError("cannot generate from an empty prompt: give at least one token of text")
     hashes = rt.hashes(ids, namespace)
-    rt.store.pin(rt._task_owner(), hashes)  # the plugin unpins when the task ends
+    rt.store.pin(rt.task_owner(), hashes)  # the plugin unpins when the task ends
     present = []
     for h in hashes:
         t = rt.store.get(h)
@@ -49,26 +48,18 @@ def generate(
     past = join_blocks(present)
     # At least the last prompt token is re-run: its logits start decoding.
     keep = 0 if past is None else min(int(past.shape[3]), len(ids) - 1)
-    past = past[:, :, :, :keep] if keep else None
-    rt.counters["prefill_tokens"] += len(ids) - keep
-    rt.counters["reused_tokens"] += keep
-    with rt.live_kv((len(ids) + max_new_tokens) * backend.kv_bytes_per_token):
-        p0 = time.perf_counter()
-        cache, logits = backend.prefill(ids, past)
-        p1 = time.perf_counter()
+
+    def keep_prompt(cache) -> None:  # before decoding: the cache holds exactly the prompt
         if len(present) < len(hashes):
-            rt._store_kv(backend.kv_from_cache(cache), hashes, len(present))
-        out, first_at = backend.decode(
-            cache, logits, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
-        )
-    res = GenerationResult(
-        token_ids=out,
-        ttft=(first_at - t0) if out else 0.0,
-        prefill_s=p1 - p0,
-        decode_s=time.perf_counter() - p1,
-        prefill_tokens=len(ids) - keep,
-        reused_tokens=keep,
+            rt.store_kv(backend.kv_from_cache(cache), hashes, len(present))
+
+    return rt.generate_from(
+        ids,
+        past[:, :, :, :keep] if keep else None,
+        t0,
+        on_prefill=keep_prompt,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
     )
-    rt.counters["generations"] += 1
-    rt.prefill_meter.add(res.prefill_tokens, res.reused_tokens, res.prefill_s)
-    return Generation.from_result(backend, res, ids)

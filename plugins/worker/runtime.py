@@ -1,50 +1,35 @@
-"""The worker-side engine behind the operators: resolve refs, prefill, resume.
+"""The worker-side operators: what every ``kvs.*`` task ends up calling.
 
-One :class:`StateRuntime` lives in each worker's ``kvstate`` plugin and owns nothing
-but references to the backend, the block store and the worker. Every operator task
-ends up here.
+One :class:`StateRuntime` per model lives in each worker's ``kvstate`` plugin; the
+tasks in :mod:`dask_kvstate.tasks` call its methods. It is a
+:class:`~dask_kvstate.plugins.worker.engine.KVEngine` (hash, prefill, store) with the
+operators on top; resolving a consumer's ref is :mod:`~dask_kvstate.plugins.worker.resolve`,
+the pull-or-recompute choice inside it :mod:`~dask_kvstate.plugins.worker.decide`,
+measurements for benchmarks :mod:`~dask_kvstate.plugins.worker.probes`.
 
-Resolving a ref (turning metadata into KV tensors on this worker) follows the paper's
-rule: local blocks are hits; missing blocks are pulled from the holder; whatever is
-still missing (holder gone, holder evicted them, pull failed) is recomputed from the
-state's text. An incompatible state (other model, config or tokenizer) is never used:
-its text is prefilled from scratch. No path raises because KV went missing, and
-every path yields the KV of tokenize(text), so output equals text replay.
+Every operator keeps the library's promise: the KV it builds or reads is the KV of
+tokenize(text), so output equals text replay.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import logging
-import os
-import threading
 import time
-from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import replace
 
 import torch
 
-from dask_kvstate import config
-from dask_kvstate.blocks import block_hashes, join_blocks, split_blocks
-from dask_kvstate.cost import transfer_or_recompute
+from dask_kvstate.blocks import join_blocks, same_storage
 from dask_kvstate.errors import MergeError
 from dask_kvstate.generation import Generation
+from dask_kvstate.plugins.worker import decide, probes
+from dask_kvstate.plugins.worker.accounting import runtime_stats
+from dask_kvstate.plugins.worker.engine import KVEngine
 from dask_kvstate.plugins.worker.events import worker_event
-from dask_kvstate.plugins.worker.measure import LinkMeter, PrefillMeter
-from dask_kvstate.plugins.worker.transport import pull_blocks
-from dask_kvstate.protocol import (
-    COMPATIBILITY_TOPIC,
-    IDLE_THREADS,
-    OUTCOME,
-    PLACEMENT_ANNOTATION,
-    STORE_TOPIC,
-    WORKER_PLUGIN,
-)
+from dask_kvstate.plugins.worker.resolve import Resolver
+from dask_kvstate.protocol import STORE_TOPIC
 from dask_kvstate.state import KVState, KVStateRef, Lineage, Placement, incompatibility, new_state_id
-
-logger = logging.getLogger("dask_kvstate")
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -62,347 +47,29 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-class StateRuntime:
+class StateRuntime(KVEngine):
     """Operators on one worker: a backend, a block store and the worker's comm pool."""
 
-    def __init__(self, backend, store, worker=None, counters: Counter | None = None):
-        self.backend = backend
-        self.store = store
-        self.worker = worker
-        self.address = worker.address if worker is not None else None
-        self.block_tokens = int(config.get("block-tokens"))
-        self.connect_timeout = config.get_seconds("transport.connect-timeout")
-        self.pull_timeout = config.get_seconds("transport.timeout")
-        self.emulated_bandwidth = config.get_bandwidth("transport.emulated-bandwidth")
-        self.rule = config.get("placement.rule")
-        self.borrow_min_tokens = int(config.get("worker.borrow-idle-threads"))
-        self.prefill_meter = PrefillMeter()
-        # Seeded with Dask's own estimate (or the emulated link, when one is configured)
-        # until real pulls are measured.
-        seed = getattr(worker, "bandwidth", None) or 1e8
-        self.links = LinkMeter(
-            seed_bandwidth=min(seed, self.emulated_bandwidth or seed),
-            latency=max(getattr(worker, "latency", 0.0) or 0.0, 1e-3),
-        )
-        self.counters: Counter[str] = Counter() if counters is None else counters
-        self._live_bytes = 0  # KV in decode caches now (see live_kv)
-        self._live_lock = threading.Lock()
-        self._resolve_guard = threading.Lock()
-        self._resolve_locks: dict[tuple[bytes, ...], tuple[threading.Lock, int]] = {}
+    def __init__(self, backend, store, worker=None, counters=None, settings=None):
+        super().__init__(backend, store, worker, counters=counters, settings=settings)
+        self.resolver = Resolver(self)
 
-    # -- helpers -------------------------------------------------------------------
-    def hashes(self, ids: Sequence[int], namespace: str) -> tuple[bytes, ...]:
-        return block_hashes(ids, identity=self.backend.kv_identity, namespace=namespace, block_tokens=self.block_tokens)
-
-    def _task_owner(self) -> Hashable:
-        """Pin owner for blocks in use by the running task (released by the plugin)."""
-        key = None
-        if self.worker is not None:
-            try:
-                key = self.worker.get_current_task()
-            except KeyError:  # not inside a task (direct use from tools)
-                key = None
-        return ("task", key)
-
-    def _new_ref(
-        self,
-        op: str,
-        parents: tuple[str, ...],
-        text: str,
-        ids: Sequence[int],
-        hashes: tuple[bytes, ...],
-        namespace: str,
-    ) -> KVStateRef:
-        return KVStateRef(
-            state_id=new_state_id(),
-            model_name=self.backend.name,
-            model=self.backend.model_fingerprint,
-            config=self.backend.config_fingerprint,
-            namespace=namespace,
-            block_tokens=self.block_tokens,
-            num_tokens=len(ids),
-            blocks=hashes,
-            text=text,
-            nbytes=len(ids) * self.backend.kv_bytes_per_token,
-            lineage=Lineage(op, parents),
-            placement=Placement(self.address, self.store.tier),
-        )
-
-    def _store_kv(self, kv: torch.Tensor, hashes: tuple[bytes, ...], first_block: int) -> list[torch.Tensor]:
-        """Cut ``kv`` into blocks ``first_block...``, store them, return their tensors."""
-        blocks = split_blocks(kv, hashes, self.block_tokens, first_block)
-        for block in blocks:
-            self.store.put(block.hash, block.tensor)
-        return [block.tensor for block in blocks]
-
-    def _prefill(self, ids: Sequence[int], past: torch.Tensor | None) -> torch.Tensor:
-        past_len = 0 if past is None else past.shape[3]
-        self.counters["prefill_tokens"] += len(ids) - past_len
-        self.counters["reused_tokens"] += past_len
-        with self._borrowed_threads(len(ids) - past_len) as threads:
-            t0 = time.perf_counter()
-            cache, _ = self.backend.prefill(list(ids), past)
-            seconds = time.perf_counter() - t0
-        if threads == torch.get_num_threads():
-            # The meter predicts recompute time at this worker's own thread count.
-            self.prefill_meter.add(len(ids) - past_len, past_len, seconds)
-        return self.backend.kv_from_cache(cache)
-
-    @contextlib.contextmanager
-    def _borrowed_threads(self, tokens: int):
-        """Run a long prefill with the idle threads of other workers on this host too.
-
-        A state's prefill is the critical path of every branch that waits on it, and
-        while it runs the workers that will run those branches have nothing to do (on
-        two cores with one single-threaded worker each, a 4,096-token materialize left
-        one core idle for ~18 s). The scheduler's placement extension counts the idle
-        threads; torch's intra-op pool grows by that many for the prefill and shrinks
-        back after. Yields the thread count used. Costs one scheduler round trip, so only
-        prefills of ``kvstate.worker.borrow-idle-threads`` tokens or more ask.
-        """
-        own = torch.get_num_threads()
-        extra = 0
-        if self.worker is not None and self.borrow_min_tokens and tokens >= self.borrow_min_tokens:
-            from distributed.utils import sync
-
-            try:
-                extra = int(
-                    sync(
-                        self.worker.loop,
-                        getattr(self.worker.scheduler, IDLE_THREADS),
-                        worker=self.address,
-                        callback_timeout=self.connect_timeout,
-                    )
-                )
-            except Exception as e:  # no placement extension, a scheduler away: just don't borrow
-                logger.debug("kvstate: not borrowing threads (%s)", e)
-        threads = min(own + max(extra, 0), os.cpu_count() or own)
-        if threads <= own:
-            yield own
-            return
-        self.counters["borrowed_threads"] += threads - own
-        torch.set_num_threads(threads)
-        try:
-            yield threads
-        finally:
-            torch.set_num_threads(own)
-
-    # -- resolve -------------------------------------------------------------------
+    # -- resolving and measuring ---------------------------------------------------
     def resolve(self, ref: KVStateRef) -> KVState:
-        """``ref`` with its token ids and KV on this worker (``kv`` None if unusable here).
-
-        Never raises for missing blocks, dead holders or incompatible states.
-        """
-        if not isinstance(ref, KVStateRef):
-            raise TypeError(
-                f"expected a KVStateRef (the result of kvs.materialize/extend/fork), got {type(ref).__name__}"
-            )
-        ids = self.backend.tokenize(ref.text)
-        why = incompatibility(ref, model=self.backend.model_fingerprint, config=self.backend.config_fingerprint)
-        if why is None and (len(ids) != ref.num_tokens or self.hashes(ids, ref.namespace) != ref.blocks):
-            why = "its block table does not match the tokens of its text"
-        if why is not None:
-            self.counters["incompatible"] += 1
-            logger.info("kvstate: not reusing state %s (%s); recomputing from text", ref.state_id[:8], why)
-            # One event per refusal: rare by nature, and each names a state a user may be debugging.
-            worker_event(
-                self.worker,
-                COMPATIBILITY_TOPIC,
-                {
-                    "kind": "refused",
-                    "state": ref.state_id,
-                    "model": ref.model_name,
-                    "here": self.backend.name,
-                    "tokens": ref.num_tokens,
-                    "reason": why,
-                },
-            )
-            return KVState(ref, ids, None)
-        if not ids:
-            return KVState(ref, ids, None)
-        self.store.pin(self._task_owner(), ref.blocks)
-        # One resolve of a block table at a time on this worker: concurrent resumes of one
-        # state (sibling batches on a worker with several threads) would each pull or
-        # recompute the missing blocks and each keep a joined copy; the later ones now
-        # find the first's blocks, adopted, and join them to a view.
-        with self._resolving(ref.blocks):
-            return KVState(ref, ids, self._fill(ref, ids))
-
-    @contextlib.contextmanager
-    def _resolving(self, blocks: tuple[bytes, ...]):
-        with self._resolve_guard:
-            lock, users = self._resolve_locks.get(blocks, (None, 0))
-            lock = lock or threading.Lock()
-            self._resolve_locks[blocks] = (lock, users + 1)
-        try:
-            with lock:
-                yield
-        finally:
-            with self._resolve_guard:
-                lock, users = self._resolve_locks[blocks]
-                if users == 1:
-                    del self._resolve_locks[blocks]
-                else:
-                    self._resolve_locks[blocks] = (lock, users - 1)
-
-    def _fill(self, ref: KVStateRef, ids: list[int]) -> torch.Tensor:
-        """The KV of ``ref``'s blocks on this worker as one tensor: held, pulled or recomputed."""
-        tensors = [self.store.get(h) for h in ref.blocks]
-        missing = [h for h, t in zip(ref.blocks, tensors) if t is None]
-        self.counters["block_hits"] += len(tensors) - len(missing)
-        holder = ref.placement.worker
-        decision = None
-        if missing and self.worker is not None and holder not in (None, self.address):
-            decision = self._decide(ref, tensors, holder)
-            if decision["action"] == "pull":
-                t0 = time.perf_counter()
-                pulled = self._pull(holder, missing)
-                decision["seconds"] = time.perf_counter() - t0
-                tensors = [pulled.get(h, t) if t is None else t for h, t in zip(ref.blocks, tensors)]
-        first_missing = next((i for i, t in enumerate(tensors) if t is None), None)
-        if first_missing is not None:
-            t0 = time.perf_counter()
-            tensors = self._recompute(ids, ref.blocks, tensors, first_missing)
-            if decision is not None and decision["action"] == "recompute":
-                decision["seconds"] = time.perf_counter() - t0
-        if decision is not None and "seconds" in decision:
-            self._outcome(decision)
-        device = self.backend.device  # a block read back from a lower tier may sit in host memory
-        kv = join_blocks([t.to(device, non_blocking=True) for t in tensors])
-        if len(tensors) > 1 and not _same_storage(kv, tensors[0]):
-            # Keep the joined copy as the blocks' storage: one copy of the state here, not two.
-            self.counters["adopted_blocks"] += self.store.adopt(ref.blocks, kv, self.block_tokens)
-        return kv
-
-    # -- transfer or recompute -------------------------------------------------------
-    def _decide(self, ref: KVStateRef, tensors: list, holder: str) -> dict:
-        """Pull the missing blocks from ``holder`` or recompute them (AAFLOW+ eq. 30).
-
-        The scheduler's placement extension decides when it sent this task here for its
-        KV (the ``kvstate-placement`` annotation); otherwise (stolen, loose fallback,
-        extension off) this worker decides with its own measurements, same rule.
-        """
-        first = next(i for i, t in enumerate(tensors) if t is None)
-        key = self._task_owner()[1]
-        ts = self.worker.state.tasks.get(key) if key is not None else None
-        ann = ((ts.annotations or {}).get(PLACEMENT_ANNOTATION) if ts is not None else None) or {}
-        d = self._rule(ref, first, holder)
-        if ann.get("worker") == self.address and ann.get("action") in ("pull", "recompute"):
-            d.update(action=ann["action"], t_transfer=ann["t_transfer"], t_recompute=ann["t_recompute"], by="scheduler")
-        if self.rule in ("pull", "recompute"):
-            d.update(action=self.rule, by="config")
-        self.counters[f"chose_{d['action']}"] += 1
-        return {**d, "key": key, "holder": holder}
-
-    def _rule(self, ref: KVStateRef, first: int, holder: str) -> dict:
-        """The rule with this worker's measurements, for ``ref`` missing blocks ``first...``."""
-        missing_tokens = ref.num_tokens - first * ref.block_tokens
-        missing_bytes = missing_tokens * self.backend.kv_bytes_per_token
-        per_token, per_pair = self.prefill_meter.coefficients()
-        action, tt, tr = transfer_or_recompute(
-            missing_bytes,
-            missing_tokens,
-            first * ref.block_tokens,
-            bandwidth=self.links.bandwidth(holder),
-            latency=self.links.latency,
-            per_token_s=per_token,
-            per_pair_s=per_pair,
-        )
-        return {
-            "action": action,
-            "t_transfer": tt,
-            "t_recompute": tr,
-            "by": "worker",
-            "missing_bytes": missing_bytes,
-            "missing_tokens": missing_tokens,
-        }
-
-    def _outcome(self, d: dict) -> None:
-        """Count a decision that was slower than the other option's estimate, and tell the scheduler."""
-        other = d["t_recompute"] if d["action"] == "pull" else d["t_transfer"]
-        if d["seconds"] > other:
-            self.counters["slower_choice"] += 1
-        plugin = self.worker.plugins.get(WORKER_PLUGIN) if self.worker is not None else None
-        if plugin is not None and plugin.placement:
-            self.worker.loop.add_callback(self.worker.batched_stream.send, {"op": OUTCOME, **d})
+        """``ref`` with its token ids and KV on this worker (see :meth:`Resolver.resolve`)."""
+        return self.resolver.resolve(ref)
 
     def estimate(self, ref: KVStateRef) -> dict:
-        """What the rule would do for ``ref`` on this worker now, without doing it."""
-        first = next((i for i, h in enumerate(ref.blocks) if h not in self.store), None)
-        if first is None or ref.placement.worker in (None, self.address):
-            return {"action": "local", "t_transfer": 0.0, "t_recompute": 0.0}
-        return self._rule(ref, first, ref.placement.worker)
+        """What the transfer-or-recompute rule would do for ``ref`` here now, without doing it."""
+        return decide.estimate(self, ref)
 
     def measure_fill(self, ref: KVStateRef, action: str) -> float:
-        """Seconds to fill ``ref``'s blocks here by ``action`` ("pull" or "recompute"), from
-        none held locally; the blocks are dropped again after. For benchmarks of the rule."""
-        if action not in ("pull", "recompute"):
-            raise ValueError(f"action must be 'pull' or 'recompute', got {action!r}")
-        if ref.placement.worker in (None, self.address):
-            raise ValueError("measure_fill needs a state held by another worker")
-        ids = self.backend.tokenize(ref.text)
-        self.store.discard(ref.blocks)
-        t0 = time.perf_counter()
-        if action == "pull":
-            got = self._pull(ref.placement.worker, list(ref.blocks))
-            if len(got) != len(ref.blocks):
-                raise RuntimeError(f"pull from {ref.placement.worker} returned {len(got)} of {len(ref.blocks)} blocks")
-        else:
-            self._recompute(ids, ref.blocks, [None] * len(ref.blocks), 0)
-        seconds = time.perf_counter() - t0
-        self.store.discard(ref.blocks)
-        return seconds
+        """Seconds to pull or recompute all of ``ref``'s blocks here (benchmarks of the rule)."""
+        return probes.measure_fill(self.resolver, ref, action)
 
     def probe(self, sizes=(32, 256)) -> None:
         """Time a few prefills of this worker's model to seed the prefill cost model."""
-        vocab = int(getattr(self.backend.config, "vocab_size", 1000))
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, vocab, (max(sizes),), generator=g).tolist()
-        self.backend.prefill(ids[: min(sizes)])  # warm-up: first calls pay one-off kernel setup
-        for n in sizes:
-            t0 = time.perf_counter()
-            self.backend.prefill(ids[:n])
-            self.prefill_meter.add(n, 0, time.perf_counter() - t0)
-
-    def _pull(self, holder: str, hashes: list[bytes]) -> dict[bytes, torch.Tensor]:
-        from distributed.utils import sync
-
-        try:
-            res = sync(
-                self.worker.loop,
-                pull_blocks,
-                self.worker.rpc,
-                holder,
-                hashes,
-                connect_timeout=self.connect_timeout,
-                timeout=self.pull_timeout,
-                emulated_bandwidth=self.emulated_bandwidth,
-            )
-        except Exception as e:
-            self.counters["transfer_failures"] += 1
-            logger.warning(
-                "kvstate: pulling %d blocks from %s failed (%s: %s); recomputing",
-                len(hashes),
-                holder,
-                type(e).__name__,
-                e,
-            )
-            return {}
-        for h, t in res.blocks.items():  # the store moves them to its device; resolve to the model's
-            self.store.put(h, t)
-        self.counters["transfers"] += len(res.blocks)
-        self.counters["pulls_zero_copy" if res.zero_copy else "pulls_packed"] += 1
-        self.counters["transfer_bytes"] += res.nbytes
-        self.counters["transfer_seconds"] += res.seconds
-        self.links.add(holder, res.nbytes, res.seconds)
-        return res.blocks
-
-    def _recompute(self, ids, hashes, tensors, first: int) -> list[torch.Tensor]:
-        past = join_blocks(tensors[:first])
-        rebuilt = self._store_kv(self._prefill(ids, past), hashes, first)
-        self.counters["recomputes"] += len(hashes) - first
-        self.counters["recompute_tokens"] += len(ids) - first * self.block_tokens
-        return tensors[:first] + rebuilt
+        probes.probe(self, sizes)
 
     # -- operators -----------------------------------------------------------------
     def materialize(self, text: str, namespace: str) -> KVStateRef:
@@ -411,7 +78,7 @@ class StateRuntime:
         if not ids:
             raise ValueError("cannot materialize an empty prompt: the segments joined to no tokens")
         hashes = self.hashes(ids, namespace)
-        self.store.pin(self._task_owner(), hashes)
+        self.store.pin(self.task_owner(), hashes)
         present = []
         for h in hashes:
             t = self.store.get(h)
@@ -420,12 +87,12 @@ class StateRuntime:
             present.append(t)
         self.counters["block_hits"] += len(present)
         if len(present) < len(hashes):
-            kv = self._prefill(ids, join_blocks(present))
-            self._store_kv(kv, hashes, len(present))
+            kv = self.prefill(ids, join_blocks(present))
+            self.store_kv(kv, hashes, len(present))
         else:
             self.counters["reused_tokens"] += len(ids)
         self.counters["materializations"] += 1
-        return self._new_ref("materialize", (), text, ids, hashes, namespace)
+        return self.new_ref("materialize", (), text, ids, hashes, namespace)
 
     def extend(self, ref: KVStateRef, text: str) -> KVStateRef:
         """``ref`` followed by ``text``: the KV of tokenize(ref.text + text)."""
@@ -435,16 +102,16 @@ class StateRuntime:
         if not ids:
             raise ValueError("cannot extend to an empty prompt")
         hashes = self.hashes(ids, ref.namespace)
-        self.store.pin(self._task_owner(), ref.blocks + hashes)
+        self.store.pin(self.task_owner(), ref.blocks + hashes)
         keep = common_prefix(old.token_ids, ids) if old.usable else 0
         if keep == len(ids):
             kv = old.kv[:, :, :, :keep]
             self.counters["reused_tokens"] += keep
         else:
-            kv = self._prefill(ids, old.kv[:, :, :, :keep] if keep else None)
-        self._store_kv(kv, hashes, keep // self.block_tokens)
+            kv = self.prefill(ids, old.kv[:, :, :, :keep] if keep else None)
+        self.store_kv(kv, hashes, keep // self.block_tokens)
         self.counters["extensions"] += 1
-        return self._new_ref("extend", (ref.state_id,), full, ids, hashes, ref.namespace)
+        return self.new_ref("extend", (ref.state_id,), full, ids, hashes, ref.namespace)
 
     def generate(
         self, text: str, *, max_new_tokens: int, temperature: float, top_p: float, seed: int | None
@@ -452,43 +119,34 @@ class StateRuntime:
         """Text replay: the whole prompt through the model, no state involved."""
         t0 = time.perf_counter()
         ids = self.backend.tokenize(text)
-        return self._generate(
+        return self.generate_from(
             ids, None, t0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
         )
 
-    def _generate(self, ids: list[int], past: torch.Tensor | None, started: float, **params) -> Generation:
-        """Decode from ``ids`` with ``past`` as the KV of their leading tokens; counts and measures."""
+    def generate_from(self, ids: list[int], past: torch.Tensor | None, started: float, **params) -> Generation:
+        """Decode from ``ids`` with ``past`` as the KV of their leading tokens; counts and measures.
+
+        ``params`` are the backend's ``generate`` options (sampling, ``on_prefill``);
+        ``started`` is when the call began, for its time to first token.
+        """
         keep = 0 if past is None else int(past.shape[3])
         self.counters["prefill_tokens"] += len(ids) - keep
         self.counters["reused_tokens"] += keep
-        with self.live_kv((len(ids) + params["max_new_tokens"]) * self.backend.kv_bytes_per_token):
+        with self.live.hold((len(ids) + params["max_new_tokens"]) * self.backend.kv_bytes_per_token):
             res = self.backend.generate(ids, past, started=started, **params)
         self.counters["generations"] += 1
         self.prefill_meter.add(res.prefill_tokens, res.reused_tokens, res.prefill_s)
         return Generation.from_result(self.backend, res, ids)
 
-    def resume(
-        self, ref: KVStateRef, text: str, *, max_new_tokens: int, temperature: float, top_p: float, seed: int | None
-    ) -> Generation:
+    def resume(self, ref: KVStateRef, text: str, **params) -> Generation:
         """Generate from ``ref`` followed by ``text``; equals ``generate(ref.text + text)``.
 
-        The state's KV is read in place (shared-prefix attention, ``backends/cascade.py``),
-        not copied into a transformers cache.
+        ``params`` are :meth:`generate`'s. The state's KV is read in place (shared-prefix
+        attention, ``backends/cascade.py``), not copied into a transformers cache.
         """
-        return self._resume_rows(
-            ref, [text], max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
-        )[0]
+        return self._resume_rows(ref, [text], **params)[0]
 
-    def resume_many(
-        self,
-        ref: KVStateRef,
-        texts: Sequence[str],
-        *,
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float,
-        seed: int | None,
-    ) -> list[Generation]:
+    def resume_many(self, ref: KVStateRef, texts: Sequence[str], **params) -> list[Generation]:
         """Sibling resumes from one state, decoded as one batch; one ``Generation`` per text.
 
         Each equals ``resume(ref, text)``: the state is resolved once, every sibling's
@@ -497,9 +155,7 @@ class StateRuntime:
         """
         self.counters["batched_resumes"] += len(texts)
         self.counters["resume_batches"] += 1
-        return self._resume_rows(
-            ref, texts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
-        )
+        return self._resume_rows(ref, texts, **params)
 
     def _resume_rows(
         self,
@@ -529,9 +185,9 @@ class StateRuntime:
         # store's own memory (blocks on a lower tier, or not adopted).
         live = kv_bytes(self.backend, rows, max_new_tokens)
         held = self.store.peek(ref.blocks[0]) if prefix is not None else None
-        if prefix is not None and not _same_storage(prefix, held):
+        if prefix is not None and not same_storage(prefix, held):
             live += prefix.nbytes
-        with self.live_kv(live):
+        with self.live.hold(live):
             results = generate_batch(
                 self.backend,
                 rows,
@@ -550,25 +206,6 @@ class StateRuntime:
             g.batch_id, g.batch_rows = batch_id, len(rows)
             out.append(g)
         return out
-
-    @contextlib.contextmanager
-    def live_kv(self, nbytes: int):
-        """Count ``nbytes`` of decode-time KV (caches outside the store) while inside.
-
-        ``kv_peak_bytes`` is the most KV this worker held at once: the store's device
-        tier plus the caches of generations running then (each at its final size, an
-        upper bound when a row stops early at EOS). The benchmarks compare it across
-        text replay, the prefix cache and kvstate.
-        """
-        with self._live_lock:
-            self._live_bytes += nbytes
-            now = self.store.device.total_weight + self._live_bytes
-            self.counters["kv_peak_bytes"] = max(self.counters["kv_peak_bytes"], now)
-        try:
-            yield
-        finally:
-            with self._live_lock:
-                self._live_bytes -= nbytes
 
     def fork(self, ref: KVStateRef, k: int) -> list[KVStateRef]:
         """``k`` new states sharing ``ref``'s blocks: O(1), nothing is copied."""
@@ -629,16 +266,4 @@ class StateRuntime:
         return freed
 
     def stats(self) -> dict:
-        # Tokens whose KV came from a state (or the prefix cache) instead of a prefill.
-        avoided = {"prefill_tokens_avoided": self.counters["reused_tokens"]}
-        return {"model": self.backend.name, **self.store.stats(), **dict(self.counters), **avoided}
-
-
-def _same_storage(a, b) -> bool:
-    """Whether tensors ``a`` and ``b`` share memory (one is a view of the other's storage)."""
-    if a is None or b is None:
-        return False
-    try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    except (AttributeError, RuntimeError):
-        return False
+        return runtime_stats(self.backend.name, self.store, self.counters)

@@ -22,11 +22,8 @@ import torch
 import zict
 from zict.common import nodefault
 
+from dask_kvstate.blocks import nbytes
 from dask_kvstate.plugins.worker import disk_format
-
-
-def nbytes(t: torch.Tensor) -> int:
-    return t.nelement() * t.element_size()
 
 
 def weight(key, value) -> int:

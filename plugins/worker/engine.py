@@ -1,0 +1,137 @@
+"""One model's KV on one worker: what resolving, deciding and the operators share.
+
+A :class:`KVEngine` holds references to the backend, the worker's block store (shared
+by every model on the worker: block hashes carry the model identity), the worker, its
+settings, its counters and the meters behind the transfer-or-recompute rule. Its
+methods are the steps every operator is made of: hash token ids into a block table,
+prefill (metered, with the idle threads of other workers on the host for a long one),
+cut KV into blocks and store them, and name the new state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import Counter
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from dask_kvstate.blocks import block_hashes, split_blocks
+from dask_kvstate.plugins.worker import scheduler_link
+from dask_kvstate.plugins.worker.accounting import LiveKV
+from dask_kvstate.plugins.worker.measure import LinkMeter, PrefillMeter
+from dask_kvstate.plugins.worker.settings import WorkerSettings
+from dask_kvstate.state import KVStateRef, Lineage, Placement, new_state_id
+
+
+class KVEngine:
+    """A backend, a block store and the worker's comm pool, with this worker's settings.
+
+    ``settings`` default to the current config (for a runtime used without a worker
+    plugin, as benchmarks do); ``counters`` may be shared by the engines of several
+    models on one worker.
+    """
+
+    def __init__(
+        self, backend, store, worker=None, counters: Counter | None = None, settings: WorkerSettings | None = None
+    ):
+        self.backend = backend
+        self.store = store
+        self.worker = worker
+        self.address = worker.address if worker is not None else None
+        self.settings = settings if settings is not None else WorkerSettings.from_config()
+        self.block_tokens = self.settings.block_tokens
+        self.prefill_meter = PrefillMeter()
+        # Seeded with Dask's own estimate (or the emulated link, when one is configured)
+        # until real pulls are measured.
+        seed = getattr(worker, "bandwidth", None) or 1e8
+        self.links = LinkMeter(
+            seed_bandwidth=min(seed, self.settings.emulated_bandwidth or seed),
+            latency=max(getattr(worker, "latency", 0.0) or 0.0, 1e-3),
+        )
+        self.counters: Counter[str] = Counter() if counters is None else counters
+        self.live = LiveKV(store, self.counters)
+
+    def hashes(self, ids: Sequence[int], namespace: str) -> tuple[bytes, ...]:
+        """The block table of ``ids`` under this model and ``namespace``."""
+        return block_hashes(ids, identity=self.backend.kv_identity, namespace=namespace, block_tokens=self.block_tokens)
+
+    def task_owner(self) -> tuple[str, Hashable | None]:
+        """Pin owner for blocks in use by the running task (the worker plugin unpins it when the task ends)."""
+        return ("task", scheduler_link.current_task(self.worker))
+
+    def new_ref(
+        self,
+        op: str,
+        parents: tuple[str, ...],
+        text: str,
+        ids: Sequence[int],
+        hashes: tuple[bytes, ...],
+        namespace: str,
+    ) -> KVStateRef:
+        """The descriptor of a state this worker just built (and holds)."""
+        return KVStateRef(
+            state_id=new_state_id(),
+            model_name=self.backend.name,
+            model=self.backend.model_fingerprint,
+            config=self.backend.config_fingerprint,
+            namespace=namespace,
+            block_tokens=self.block_tokens,
+            num_tokens=len(ids),
+            blocks=hashes,
+            text=text,
+            nbytes=len(ids) * self.backend.kv_bytes_per_token,
+            lineage=Lineage(op, parents),
+            placement=Placement(self.address, self.store.tier),
+        )
+
+    def store_kv(self, kv: torch.Tensor, hashes: tuple[bytes, ...], first_block: int) -> list:
+        """Cut ``kv`` into blocks ``first_block...``, store them, return their tensors."""
+        blocks = split_blocks(kv, hashes, self.block_tokens, first_block)
+        for block in blocks:
+            self.store.put(block.hash, block.tensor)
+        return [block.tensor for block in blocks]
+
+    def prefill(self, ids: Sequence[int], past: torch.Tensor | None) -> torch.Tensor:
+        """The KV of ``ids``, ``past`` being that of their leading tokens; counted and metered."""
+        past_len = 0 if past is None else past.shape[3]
+        self.counters["prefill_tokens"] += len(ids) - past_len
+        self.counters["reused_tokens"] += past_len
+        with self._borrowed_threads(len(ids) - past_len) as threads:
+            t0 = time.perf_counter()
+            cache, _ = self.backend.prefill(list(ids), past)
+            seconds = time.perf_counter() - t0
+        if threads == torch.get_num_threads():
+            # The meter predicts recompute time at this worker's own thread count.
+            self.prefill_meter.add(len(ids) - past_len, past_len, seconds)
+        return self.backend.kv_from_cache(cache)
+
+    @contextlib.contextmanager
+    def _borrowed_threads(self, tokens: int):
+        """Run a long prefill with the idle threads of other workers on this host too.
+
+        A state's prefill is the critical path of every branch that waits on it, and
+        while it runs the workers that will run those branches have nothing to do (on
+        two cores with one single-threaded worker each, a 4,096-token materialize left
+        one core idle for ~18 s). The scheduler's placement extension counts the idle
+        threads; torch's intra-op pool grows by that many for the prefill and shrinks
+        back after. Yields the thread count used. Costs one scheduler round trip, so only
+        prefills of ``kvstate.worker.borrow-idle-threads`` tokens or more ask.
+        """
+        own = torch.get_num_threads()
+        extra = 0
+        least = self.settings.borrow_min_tokens
+        if self.worker is not None and least and tokens >= least:
+            extra = scheduler_link.idle_threads(self.worker, timeout=self.settings.connect_timeout)
+        threads = min(own + max(extra, 0), os.cpu_count() or own)
+        if threads <= own:
+            yield own
+            return
+        self.counters["borrowed_threads"] += threads - own
+        torch.set_num_threads(threads)
+        try:
+            yield threads
+        finally:
+            torch.set_num_threads(own)

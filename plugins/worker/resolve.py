@@ -1,0 +1,171 @@
+"""Resolving a ref: turning a state's metadata into its KV tensors on this worker.
+
+The paper's rule: local blocks are hits; missing blocks are pulled from the holder
+(or recomputed, as :mod:`~dask_kvstate.plugins.worker.decide` chooses); whatever is
+still missing (holder gone, holder evicted them, pull failed) is recomputed from the
+state's text. An incompatible state (other model, config or tokenizer) is never used:
+its text is prefilled from scratch by the operator. No path raises because KV went
+missing, and every path yields the KV of tokenize(text), so output equals text replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from dask_kvstate.blocks import join_blocks, same_storage
+from dask_kvstate.plugins.worker import decide
+from dask_kvstate.plugins.worker.engine import KVEngine
+from dask_kvstate.plugins.worker.events import worker_event
+from dask_kvstate.plugins.worker.transport import pull_blocks
+from dask_kvstate.protocol import COMPATIBILITY_TOPIC
+from dask_kvstate.state import KVState, KVStateRef, incompatibility
+
+logger = logging.getLogger("dask_kvstate")
+
+
+class Resolver:
+    """Resolves refs for one engine, one resolve of a block table at a time."""
+
+    def __init__(self, kv: KVEngine):
+        self.kv = kv
+        self._guard = threading.Lock()
+        self._locks: dict[tuple[bytes, ...], tuple[threading.Lock, int]] = {}
+
+    def resolve(self, ref: KVStateRef) -> KVState:
+        """``ref`` with its token ids and KV on this worker (``kv`` None if unusable here).
+
+        Never raises for missing blocks, dead holders or incompatible states.
+        """
+        kv = self.kv
+        if not isinstance(ref, KVStateRef):
+            raise TypeError(
+                f"expected a KVStateRef (the result of kvs.materialize/extend/fork), got {type(ref).__name__}"
+            )
+        ids = kv.backend.tokenize(ref.text)
+        why = incompatibility(ref, model=kv.backend.model_fingerprint, config=kv.backend.config_fingerprint)
+        if why is None and (len(ids) != ref.num_tokens or kv.hashes(ids, ref.namespace) != ref.blocks):
+            why = "its block table does not match the tokens of its text"
+        if why is not None:
+            kv.counters["incompatible"] += 1
+            logger.info("kvstate: not reusing state %s (%s); recomputing from text", ref.state_id[:8], why)
+            # One event per refusal: rare by nature, and each names a state a user may be debugging.
+            worker_event(
+                kv.worker,
+                COMPATIBILITY_TOPIC,
+                {
+                    "kind": "refused",
+                    "state": ref.state_id,
+                    "model": ref.model_name,
+                    "here": kv.backend.name,
+                    "tokens": ref.num_tokens,
+                    "reason": why,
+                },
+            )
+            return KVState(ref, ids, None)
+        if not ids:
+            return KVState(ref, ids, None)
+        kv.store.pin(kv.task_owner(), ref.blocks)
+        # One resolve of a block table at a time on this worker: concurrent resumes of one
+        # state (sibling batches on a worker with several threads) would each pull or
+        # recompute the missing blocks and each keep a joined copy; the later ones find
+        # the first's blocks, adopted, and join them to a view.
+        with self._resolving(ref.blocks):
+            return KVState(ref, ids, self.fill(ref, ids))
+
+    @contextlib.contextmanager
+    def _resolving(self, blocks: tuple[bytes, ...]):
+        with self._guard:
+            lock, users = self._locks.get(blocks, (None, 0))
+            lock = lock or threading.Lock()
+            self._locks[blocks] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:
+                lock, users = self._locks[blocks]
+                if users == 1:
+                    del self._locks[blocks]
+                else:
+                    self._locks[blocks] = (lock, users - 1)
+
+    def fill(self, ref: KVStateRef, ids: list[int]) -> torch.Tensor:
+        """The KV of ``ref``'s blocks on this worker as one tensor: held, pulled or recomputed."""
+        kv = self.kv
+        tensors = [kv.store.get(h) for h in ref.blocks]
+        missing = [h for h, t in zip(ref.blocks, tensors) if t is None]
+        kv.counters["block_hits"] += len(tensors) - len(missing)
+        holder = ref.placement.worker
+        decision = None
+        if missing and kv.worker is not None and holder not in (None, kv.address):
+            first = next(i for i, t in enumerate(tensors) if t is None)
+            decision = decide.choose(kv, ref, first, holder)
+            if decision["action"] == "pull":
+                t0 = time.perf_counter()
+                pulled = self.pull(holder, missing)
+                decision["seconds"] = time.perf_counter() - t0
+                tensors = [pulled.get(h, t) if t is None else t for h, t in zip(ref.blocks, tensors)]
+        first_missing = next((i for i, t in enumerate(tensors) if t is None), None)
+        if first_missing is not None:
+            t0 = time.perf_counter()
+            tensors = self.recompute(ids, ref.blocks, tensors, first_missing)
+            if decision is not None and decision["action"] == "recompute":
+                decision["seconds"] = time.perf_counter() - t0
+        if decision is not None and "seconds" in decision:
+            decide.record_outcome(kv, decision)
+        device = kv.backend.device  # a block read back from a lower tier may sit in host memory
+        joined = join_blocks([t.to(device, non_blocking=True) for t in tensors])
+        if len(tensors) > 1 and not same_storage(joined, tensors[0]):
+            # Keep the joined copy as the blocks' storage: one copy of the state here, not two.
+            kv.counters["adopted_blocks"] += kv.store.adopt(ref.blocks, joined, kv.block_tokens)
+        return joined
+
+    def pull(self, holder: str, hashes: list[bytes]) -> dict[bytes, Any]:
+        """Blocks ``hashes`` from worker ``holder``, stored here; ``{}`` when the pull fails (logged)."""
+        from distributed.utils import sync
+
+        kv = self.kv
+        try:
+            res = sync(
+                kv.worker.loop,
+                pull_blocks,
+                kv.worker.rpc,
+                holder,
+                hashes,
+                connect_timeout=kv.settings.connect_timeout,
+                timeout=kv.settings.pull_timeout,
+                emulated_bandwidth=kv.settings.emulated_bandwidth,
+            )
+        except Exception as e:
+            kv.counters["transfer_failures"] += 1
+            logger.warning(
+                "kvstate: pulling %d blocks from %s failed (%s: %s); recomputing",
+                len(hashes),
+                holder,
+                type(e).__name__,
+                e,
+            )
+            return {}
+        for h, t in res.blocks.items():  # the store moves them to its device; resolve to the model's
+            kv.store.put(h, t)
+        kv.counters["transfers"] += len(res.blocks)
+        kv.counters["pulls_zero_copy" if res.zero_copy else "pulls_packed"] += 1
+        kv.counters["transfer_bytes"] += res.nbytes
+        kv.counters["transfer_seconds"] += res.seconds
+        kv.links.add(holder, res.nbytes, res.seconds)
+        return res.blocks
+
+    def recompute(self, ids, hashes, tensors, first: int) -> list[torch.Tensor]:
+        """``tensors`` with blocks ``first...`` rebuilt by a prefill over the ones before, and stored."""
+        kv = self.kv
+        past = join_blocks(tensors[:first])
+        rebuilt = kv.store_kv(kv.prefill(ids, past), hashes, first)
+        kv.counters["recomputes"] += len(hashes) - first
+        kv.counters["recompute_tokens"] += len(ids) - first * kv.block_tokens
+        return tensors[:first] + rebuilt

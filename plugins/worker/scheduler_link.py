@@ -1,0 +1,64 @@
+"""What the runtime asks and tells the scheduler, and what it reads of the running task.
+
+Every exchange with the scheduler that the operators make sits here, so the runtime's
+other modules are plain computation: the idle threads a long prefill may borrow (an
+RPC to the placement extension), the placement extension's choice for the running
+task (its annotation), and the outcome of a transfer-or-recompute choice (a stream
+message, only to a scheduler that runs the extension). Every function here is a no-op
+or a neutral answer without a worker (the runtime used directly, as benchmarks do).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable
+
+from dask_kvstate.protocol import IDLE_THREADS, OUTCOME, PLACEMENT_ANNOTATION, WORKER_PLUGIN
+
+logger = logging.getLogger("dask_kvstate")
+
+
+def current_task(worker) -> Hashable | None:
+    """The key of the task running in this thread, or None (no worker, or not inside a task)."""
+    if worker is None:
+        return None
+    try:
+        return worker.get_current_task()
+    except KeyError:  # not inside a task (direct use from tools)
+        return None
+
+
+def idle_threads(worker, timeout: float) -> int:
+    """Threads the placement extension counts idle on this worker's host; 0 if it cannot say.
+
+    Costs one scheduler round trip. Never raises: without the extension, or with the
+    scheduler away, the answer is 0 (borrow nothing).
+    """
+    from distributed.utils import sync
+
+    try:
+        return int(
+            sync(
+                worker.loop,
+                getattr(worker.scheduler, IDLE_THREADS),
+                worker=worker.address,
+                callback_timeout=timeout,
+            )
+        )
+    except Exception as e:  # no placement extension, a scheduler away: just don't borrow
+        logger.debug("kvstate: not borrowing threads (%s)", e)
+        return 0
+
+
+def placement_choice(worker, key: Hashable | None) -> dict:
+    """The placement extension's choice for task ``key`` (its ``kvstate-placement``
+    annotation), or ``{}`` when the task carries none."""
+    ts = worker.state.tasks.get(key) if key is not None else None
+    return ((ts.annotations or {}).get(PLACEMENT_ANNOTATION) if ts is not None else None) or {}
+
+
+def send_outcome(worker, decision: dict) -> None:
+    """Tell the placement extension how a choice it priced turned out (if it runs)."""
+    plugin = worker.plugins.get(WORKER_PLUGIN) if worker is not None else None
+    if plugin is not None and plugin.placement:
+        worker.loop.add_callback(worker.batched_stream.send, {"op": OUTCOME, **decision})
