@@ -16,8 +16,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # for annotations only: this module never imports torch, so the scheduler need not
+    import torch
 
 HASH_BYTES = 16
 
@@ -92,7 +96,7 @@ class KVBlock:
 
     hash: bytes
     start: int
-    tensor: object  # torch.Tensor; typed loosely so this module never imports torch
+    tensor: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -119,7 +123,7 @@ def split_blocks(kv, hashes: Sequence[bytes], block_tokens: int, first: int = 0)
     return [KVBlock(hashes[first + i], (first + i) * block_tokens, t) for i, t in enumerate(tensors)]
 
 
-def join_blocks(tensors: Sequence[object]):
+def join_blocks(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """Concatenate block tensors along the token axis (``None`` when there are none).
 
     Blocks that are consecutive token slices of one tensor (see
@@ -135,7 +139,7 @@ def join_blocks(tensors: Sequence[object]):
     return joined if joined is not None else torch.cat(list(tensors), dim=3)
 
 
-def consecutive_view(tensors: Sequence[object]):
+def consecutive_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """One view spanning ``tensors`` if each starts where the previous ends in one storage, else None."""
     first = tensors[0]
     try:

@@ -24,6 +24,9 @@ class Generation(str):
     """
 
     token_ids: list[int]
+    #: set on the rows of one batched decode (``resume_many``): the batch's id and size
+    batch_id: str
+    batch_rows: int
 
     def __new__(cls, text: str, **info):
         self = super().__new__(cls, text)

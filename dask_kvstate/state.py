@@ -22,11 +22,15 @@ from __future__ import annotations
 import uuid
 import zlib
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 from dask.sizeof import sizeof
 
 from dask_kvstate.blocks import HASH_BYTES, num_blocks
+
+if TYPE_CHECKING:  # for annotations only: this module never imports torch
+    import torch
 
 #: Operators that can produce a state (lineage ``op``).
 LINEAGE_OPS = ("materialize", "fork", "extend", "transfer", "merge")
@@ -160,7 +164,7 @@ class KVState:
 
     ref: KVStateRef
     token_ids: list[int]
-    kv: object | None  # torch.Tensor; typed loosely so this module never imports torch
+    kv: torch.Tensor | None
 
     @property
     def usable(self) -> bool:

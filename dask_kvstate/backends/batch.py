@@ -93,7 +93,7 @@ def generate_batch(
         return [
             backend.generate(
                 r.ids,
-                prefix[:, :, :, : r.keep] if r.keep else None,
+                prefix[:, :, :, : r.keep] if prefix is not None and r.keep else None,
                 max_new_tokens=max_new_tokens,
                 temperature=temperature,
                 top_p=top_p,
@@ -151,15 +151,15 @@ def generate_batch(
         logits = res.logits[:, -1].float()
         kv.advance([1] * len(live))
         keep = []
-        for r, b in enumerate(live):
-            outs[b].append(pick_token(logits[r], temperature, top_p, gens[b]))
+        for i, b in enumerate(live):
+            outs[b].append(pick_token(logits[i], temperature, top_p, gens[b]))
             if outs[b][-1] not in backend.eos_ids and len(outs[b]) < max_new_tokens:
-                keep.append(r)
+                keep.append(i)
         if len(keep) < len(live):
             # Finished rows leave the batch, so later steps cost only what is still running.
             if keep:
                 kv.select(keep)
-            live = [live[r] for r in keep]
+            live = [live[i] for i in keep]
     decode_s = time.perf_counter() - first
     return [
         GenerationResult(

@@ -112,7 +112,7 @@ def span(tensors: Sequence):
             return None
         end += nbytes(t)
     out = torch.empty(0, dtype=torch.uint8)
-    out.set_(storage, first.data_ptr() - base, (end - first.data_ptr(),))
+    out.set_(storage, first.data_ptr() - base, (end - first.data_ptr(),))  # type: ignore[call-overload]
     return out
 
 

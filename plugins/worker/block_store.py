@@ -30,7 +30,7 @@ import logging
 import tempfile
 import threading
 from collections import Counter
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -111,7 +111,7 @@ class TieredBlockStore:
             fast_to_slow_callbacks=[self._count("host", "spills")],
             slow_to_fast_callbacks=[self._count("host", "unspills")],
         )
-        host_side = self._host
+        host_side: MutableMapping = self._host
         if self.device_type.type == "cuda":
             # Host copies are pinned, so moving them back up is an async DMA.
             host_side = zict.Func(
@@ -152,7 +152,7 @@ class TieredBlockStore:
         return self.ledger.size_of(h)
 
     def _note_peak(self) -> None:
-        self.device_peak = max(self.device_peak, self.device.total_weight)
+        self.device_peak = max(self.device_peak, int(self.device.total_weight))
 
     # -- mapping-like ----------------------------------------------------------------
     def where(self, h: bytes) -> str | None:
@@ -166,7 +166,7 @@ class TieredBlockStore:
         return None
 
     def __contains__(self, h: object) -> bool:
-        return self.where(h) is not None
+        return isinstance(h, bytes) and self.where(h) is not None
 
     def __iter__(self):
         return iter([*self.device, *self.host, *self.disk])

@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import dask.config
 from distributed import WorkerPlugin
@@ -47,6 +48,9 @@ from dask_kvstate.protocol import (
     WORKER_PLUGIN,
 )
 from dask_kvstate.state import KVStateRef, refs_in
+
+if TYPE_CHECKING:
+    from dask_kvstate.plugins.worker.runtime import StateRuntime
 
 logger = logging.getLogger("dask_kvstate")
 
@@ -98,8 +102,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
         }
         self.config = {"kvstate": dask.config.get("kvstate")}
         self.placement = False  # whether the scheduler runs the placement extension
-        self.runtime = None  # of the default (first) model
-        self.runtimes: dict = {}  # model name -> StateRuntime, all sharing one block store
+        self.runtime: StateRuntime | None = None  # of the default (first) model
+        self.runtimes: dict[str, StateRuntime] = {}  # model name -> its runtime, all sharing one block store
         self.held: dict = {}  # key -> state ids pinned for it
         self._lock = threading.Lock()  # transitions run on the event loop, evict in a task thread
 
@@ -127,7 +131,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
             worker.memory_manager.data = KVStateSpillData(worker.memory_manager.data, self.runtime.store)
         self._sent_blocks: set[bytes] = set()
         self._sent_version = -1
-        self._sent_metrics = None
+        self._sent_metrics: dict | None = None
         self._reporter = None
         extensions = await hello(worker, self.name)
         self.placement = PLACEMENT_EXTENSION in extensions  # report only to a placement extension
@@ -205,10 +209,9 @@ class KVStateWorkerPlugin(WorkerPlugin):
             self._sent_metrics = metrics
 
     def teardown(self, worker) -> None:
-        if getattr(self, "_reporter", None) is not None:
-            self._reporter.stop()
-        if getattr(self, "_observer", None) is not None:
-            self._observer.stop()
+        for periodic in (getattr(self, "_reporter", None), getattr(self, "_observer", None)):
+            if periodic is not None:
+                periodic.stop()
         for name in (GET_BLOCKS, EVICT):
             worker.handlers.pop(name, None)
         if isinstance(worker.memory_manager.data, KVStateSpillData):
@@ -236,8 +239,9 @@ class KVStateWorkerPlugin(WorkerPlugin):
                     self.held[key] = [r.state_id for r in refs]
             if refs and start == "executing" and self.placement:  # computed here: the extension wants it
                 self._send_ref(key, refs[0])
-            if refs and start == "executing" and getattr(self, "_observer", None) is not None:
-                self._observer.send_states(key, refs)
+            observer = getattr(self, "_observer", None)
+            if refs and start == "executing" and observer is not None:
+                observer.send_states(key, refs)
         elif start == "memory" and key in self.held:
             with self._lock:
                 for sid in self.held.pop(key, ()):
@@ -272,6 +276,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
 
     def evict(self, ref: KVStateRef) -> int:
         """Drop ``ref``'s blocks here unless another live state still uses them."""
+        if self.runtime is None:  # torn down: the blocks went with the store
+            return 0
         with self._lock:
             owners = self.owners_of(ref.state_id)
             for key in {o[1] for o in owners}:

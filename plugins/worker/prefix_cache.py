@@ -55,7 +55,7 @@ def generate(
 
     return rt.generate_from(
         ids,
-        past[:, :, :, :keep] if keep else None,
+        past[:, :, :, :keep] if keep and past is not None else None,
         t0,
         on_prefill=keep_prompt,
         max_new_tokens=max_new_tokens,

@@ -124,6 +124,7 @@ class Resolver:
         if len(tensors) > 1 and not same_storage(joined, tensors[0]):
             # Keep the joined copy as the blocks' storage: one copy of the state here, not two.
             kv.counters["adopted_blocks"] += kv.store.adopt(ref.blocks, joined, kv.block_tokens)
+        assert joined is not None, "a compatible state with tokens has blocks"
         return joined
 
     def pull(self, holder: str, hashes: list[bytes]) -> dict[bytes, Any]:
@@ -157,7 +158,7 @@ class Resolver:
         kv.counters["transfers"] += len(res.blocks)
         kv.counters["pulls_zero_copy" if res.zero_copy else "pulls_packed"] += 1
         kv.counters["transfer_bytes"] += res.nbytes
-        kv.counters["transfer_seconds"] += res.seconds
+        kv.counters["transfer_seconds"] += res.seconds  # type: ignore[assignment]  # a float counter
         kv.links.add(holder, res.nbytes, res.seconds)
         return res.blocks
 

@@ -32,8 +32,8 @@ from dask_kvstate.protocol import STORE_TOPIC
 from dask_kvstate.state import KVState, KVStateRef, Lineage, Placement, incompatibility, new_state_id
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences.
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """Length of the longest common prefix of two sequences (token ids, or texts).
 
     Examples
     --------
@@ -103,12 +103,13 @@ class StateRuntime(KVEngine):
             raise ValueError("cannot extend to an empty prompt")
         hashes = self.hashes(ids, ref.namespace)
         self.store.pin(self.task_owner(), ref.blocks + hashes)
-        keep = common_prefix(old.token_ids, ids) if old.usable else 0
-        if keep == len(ids):
-            kv = old.kv[:, :, :, :keep]
+        past = old.kv if old.usable else None
+        keep = common_prefix(old.token_ids, ids) if past is not None else 0
+        if past is not None and keep == len(ids):
+            kv = past[:, :, :, :keep]
             self.counters["reused_tokens"] += keep
         else:
-            kv = self.prefill(ids, old.kv[:, :, :, :keep] if keep else None)
+            kv = self.prefill(ids, past[:, :, :, :keep] if past is not None and keep else None)
         self.store_kv(kv, hashes, keep // self.block_tokens)
         self.counters["extensions"] += 1
         return self.new_ref("extend", (ref.state_id,), full, ids, hashes, ref.namespace)
