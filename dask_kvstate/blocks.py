@@ -107,22 +107,6 @@ class KVBlock:
         return nbytes(self.tensor)
 
 
-def split_blocks(kv, hashes: Sequence[bytes], block_tokens: int, first: int = 0) -> list[KVBlock]:
-    """Cut a sequence KV tensor ``[L, 2, H, T, D]`` into blocks ``first, first+1, ...``.
-
-    The blocks are contiguous views of one new buffer, laid out block-major
-    (:func:`dask_kvstate.plugins.worker.arena.lay_out`): one copy for all of them, and a pull of
-    consecutive blocks is one run of memory the holder sends without packing.
-    """
-    from dask_kvstate.plugins.worker.arena import lay_out
-
-    total = kv.shape[3]
-    assert total <= len(hashes) * block_tokens, "more tokens than hashed blocks"
-    tensors = lay_out(kv, block_tokens, first * block_tokens)
-    assert len(tensors) == len(hashes) - first, f"{len(tensors)} blocks for {len(hashes) - first} hashes"
-    return [KVBlock(hashes[first + i], (first + i) * block_tokens, t) for i, t in enumerate(tensors)]
-
-
 def join_blocks(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """Concatenate block tensors along the token axis (``None`` when there are none).
 

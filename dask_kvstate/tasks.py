@@ -102,9 +102,7 @@ def generate(*segments: str, prefix_cache: bool | None = None, **options: Unpack
     this worker's cached prompt blocks: the local prefix cache baseline)."""
     model, params = _gen_params(options, "generate")
     if prefix_cache if prefix_cache is not None else config.get("generate.prefix-cache"):
-        from dask_kvstate.plugins.worker import prefix_cache as pc
-
-        return pc.generate(runtime(model), join_segments(segments), config.get("namespace"), **params)
+        return runtime(model).generate_cached(join_segments(segments), config.get("namespace"), **params)
     return runtime(model).generate(join_segments(segments), **params)
 
 

@@ -17,7 +17,7 @@ from .conftest import CONTEXT, on
 def _arena_store(tokens=70, block_tokens=16, device="cpu"):
     import torch
 
-    from dask_kvstate.blocks import split_blocks
+    from dask_kvstate.plugins.worker.arena import split_blocks
     from dask_kvstate.plugins.worker.block_store import TieredBlockStore
 
     kv = torch.randn(3, 2, 2, tokens, 8, device=device)

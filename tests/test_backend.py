@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dask_kvstate.backends import check_model_name, load_backend
-from dask_kvstate.blocks import block_hashes, join_blocks, split_blocks
+from dask_kvstate.blocks import block_hashes, join_blocks
+from dask_kvstate.plugins.worker.arena import split_blocks
 
 from .conftest import CONTEXT
 

@@ -223,7 +223,8 @@ def test_a_pinned_block_over_the_budget_does_not_stop_eviction(store):
 
 def test_adopted_blocks_join_as_a_view_and_spill_intact(tmp_path):
     """After a resume joins a state's blocks, the store keeps the joined copy: one copy, views after."""
-    from dask_kvstate.blocks import join_blocks, split_blocks
+    from dask_kvstate.blocks import join_blocks
+    from dask_kvstate.plugins.worker.arena import split_blocks
 
     kv = torch.randn(2, 2, 2, 40, 4)
     hashes = [bytes([i]) * 8 for i in range(3)]  # 16 + 16 + 8 tokens

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from dask_kvstate.blocks import nbytes
+from dask_kvstate.blocks import KVBlock, nbytes
 
 
 def lay_out(kv, block_tokens: int, first_token: int = 0) -> list:
@@ -136,3 +136,17 @@ def overhang(tensors: Iterable) -> int:
         storages[(str(t.device), s.data_ptr())] = s.nbytes()
         own += nbytes(t)
     return max(0, sum(storages.values()) - own)
+
+
+def split_blocks(kv, hashes: Sequence[bytes], block_tokens: int, first: int = 0) -> list[KVBlock]:
+    """Cut a sequence KV tensor ``[L, 2, H, T, D]`` into blocks ``first, first+1, ...``.
+
+    The blocks are contiguous views of one new buffer, laid out block-major
+    (:func:`lay_out`): one copy for all of them, and a pull of
+    consecutive blocks is one run of memory the holder sends without packing.
+    """
+    total = kv.shape[3]
+    assert total <= len(hashes) * block_tokens, "more tokens than hashed blocks"
+    tensors = lay_out(kv, block_tokens, first * block_tokens)
+    assert len(tensors) == len(hashes) - first, f"{len(tensors)} blocks for {len(hashes) - first} hashes"
+    return [KVBlock(hashes[first + i], (first + i) * block_tokens, t) for i, t in enumerate(tensors)]

@@ -18,9 +18,10 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from dask_kvstate.blocks import block_hashes, split_blocks
+from dask_kvstate.blocks import block_hashes
 from dask_kvstate.plugins.worker import scheduler_link
 from dask_kvstate.plugins.worker.accounting import LiveKV
+from dask_kvstate.plugins.worker.arena import split_blocks
 from dask_kvstate.plugins.worker.measure import LinkMeter, PrefillMeter
 from dask_kvstate.plugins.worker.settings import WorkerSettings
 from dask_kvstate.state import KVStateRef, Lineage, Placement, new_state_id

@@ -38,8 +38,8 @@ class PrefillMeter:
     def coefficients(self) -> tuple[float, float]:
         if not self.obs:
             raise ValueError("no prefill observed yet: the plugin's probe seeds this")
-        # The worker plugin reports these every 200 ms; the fit (numpy arrays and a
-        # least-squares solve) cost ~1 ms of worker CPU each time (issue 8's profile), so
+        # The worker plugin reports these every placement.report-interval; the fit (numpy arrays and a
+        # least-squares solve) cost ~1 ms of worker CPU each time (measured in a profile), so
         # it is redone only after a new observation.
         if self._fit is None:
             self._fit = self._solve()

@@ -224,7 +224,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
 
     # -- refcounts -----------------------------------------------------------------
     def transition(self, key, start, finish, **kwargs) -> None:
-        # Dask calls this for every transition of every task, KV or not (issue 8): each
+        # Dask calls this for every transition of every task, KV or not: each
         # branch below starts with a check that costs a dict lookup or less, and takes no
         # lock for a task that holds or pins nothing.
         rt = self.runtime

@@ -23,7 +23,7 @@ import torch
 from dask_kvstate.blocks import join_blocks, same_storage
 from dask_kvstate.errors import MergeError
 from dask_kvstate.generation import Generation
-from dask_kvstate.plugins.worker import decide, probes
+from dask_kvstate.plugins.worker import decide, prefix_cache, probes
 from dask_kvstate.plugins.worker.accounting import runtime_stats
 from dask_kvstate.plugins.worker.engine import KVEngine
 from dask_kvstate.plugins.worker.events import worker_event
@@ -122,6 +122,14 @@ class StateRuntime(KVEngine):
         ids = self.backend.tokenize(text)
         return self.generate_from(
             ids, None, t0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
+        )
+
+    def generate_cached(
+        self, text: str, namespace: str, *, max_new_tokens: int, temperature: float, top_p: float, seed: int | None
+    ) -> Generation:
+        """Text replay through this worker's automatic prefix cache (:mod:`.prefix_cache`)."""
+        return prefix_cache.generate(
+            self, text, namespace, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
         )
 
     def generate_from(self, ids: list[int], past: torch.Tensor | None, started: float, **params) -> Generation:
