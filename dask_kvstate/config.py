@@ -158,15 +158,8 @@ def _number(key: str, value) -> float:
 def get_bytes(key: str, value=None) -> int:
     """``value`` (None: the setting ``key``) as a byte count, checked; ValueError names ``key``.
 
-    Examples
-    --------
-    >>> with dask.config.set({"kvstate.worker.device-bytes": "1KiB"}):
-    ...     get_bytes("worker.device-bytes")
+    >>> get_bytes("worker.device-bytes", "1KiB")
     1024
-    >>> get_bytes("worker.device-bytes", "lots")
-    Traceback (most recent call last):
-    ...
-    ValueError: kvstate.worker.device-bytes must be a byte size like '16GiB', got 'lots'
     """
     return int(_number(key, value))
 

@@ -265,7 +265,7 @@ class CapacityController(SchedulerPlugin):
         for ws in sorted(self.scheduler.running, key=lambda w: w.address):
             if (
                 ws.resources.get(donor, 0) >= 1
-                and ws.address in self.tracker.control_workers
+                and ws.address in self.tracker.announced
                 and not any(self.role_of.get(ts.key) == donor for ts in ws.processing)
             ):
                 return ws

@@ -31,3 +31,23 @@ def serve_hello(scheduler) -> None:
         return answers
 
     scheduler.handlers[HELLO] = kvstate_hello
+
+
+class AnnouncedWorkers:
+    """Mixin for an extension with a worker half: which workers run that half.
+
+    ``worker_half`` names the worker plugin. A worker enters ``announced`` when its copy
+    of that plugin says hello and leaves it when the worker goes: the extension sends
+    the plugin's stream ops only to these workers.
+    """
+
+    worker_half: str
+    announced: set[str]
+
+    def kvstate_hello(self, worker: str | None, plugin: str | None) -> bool:
+        if worker is not None and plugin == self.worker_half:
+            self.announced.add(worker)
+        return True
+
+    def remove_worker(self, scheduler, worker: str, **kwargs) -> None:
+        self.announced.discard(worker)

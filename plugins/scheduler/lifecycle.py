@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from distributed import Scheduler
 
 from dask_kvstate import config
-from dask_kvstate.plugins.scheduler.handshake import serve_hello
+from dask_kvstate.plugins.scheduler.handshake import AnnouncedWorkers, serve_hello
 from dask_kvstate.plugins.scheduler.lifecycle_policy import (
     lifecycle_action,
     move_seconds,
@@ -64,12 +64,13 @@ from dask_kvstate.session import component_of
 logger = logging.getLogger("dask_kvstate")
 
 
-class KVLifecycle(SchedulerPlugin):
+class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
     """Scheduler side of the KV lifecycle (installed by ``kvs.install`` when ``kvstate.lifecycle.enabled``)."""
 
     scheduler: Scheduler  # set by start()
 
     name = LIFECYCLE_EXTENSION
+    worker_half = LIFECYCLE_WORKER_PLUGIN
     idempotent = True
 
     def __init__(
@@ -84,7 +85,7 @@ class KVLifecycle(SchedulerPlugin):
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
-        self.workers: set[str] = set()
+        self.announced: set[str] = set()  # workers running the lifecycle worker plugin
         self.reports: dict[str, dict] = {}  # worker -> last report
         self.started: dict = {}  # key -> time it went processing
         self.durations: dict[str, list] = defaultdict(lambda: [0, 0.0, 0.0])  # component -> [n, sum s, sum s^2]
@@ -101,14 +102,8 @@ class KVLifecycle(SchedulerPlugin):
         tracker.on_end.append(self._on_end)
         tracker.loop.add("lifecycle", self.run_once)
 
-    def kvstate_hello(self, worker: str | None, plugin: str | None) -> bool:
-        """A worker's lifecycle plugin announces itself: it gets offload / prefetch / invalidate."""
-        if worker is not None and plugin == LIFECYCLE_WORKER_PLUGIN:
-            self.workers.add(worker)
-        return True
-
-    def remove_worker(self, scheduler, worker, **kwargs) -> None:
-        self.workers.discard(worker)
+    def remove_worker(self, scheduler, worker: str, **kwargs) -> None:
+        super().remove_worker(scheduler, worker, **kwargs)
         self.reports.pop(worker, None)
 
     # -- reports -------------------------------------------------------------------------
@@ -190,7 +185,7 @@ class KVLifecycle(SchedulerPlugin):
     def run_once(self) -> None:
         sessions = self.tracker.sessions
         for worker, report in list(self.reports.items()):
-            if worker not in self.workers or worker not in self.scheduler.stream_comms:
+            if worker not in self.announced or worker not in self.scheduler.stream_comms:
                 continue
             dev, host = report["device"], report["host"]
             idle = []
@@ -297,7 +292,7 @@ class KVLifecycle(SchedulerPlugin):
     def _on_end(self, session) -> None:
         for s, w in [k for k in self.last if k[0] == session.id]:
             del self.last[(s, w)]
-        for worker in list(self.workers):
+        for worker in list(self.announced):
             task = asyncio.ensure_future(self._invalidate(worker, session.id))
             self._invalidations.add(task)  # a reference until done: the loop keeps only a weak one
             task.add_done_callback(self._invalidations.discard)
@@ -322,7 +317,7 @@ class KVLifecycle(SchedulerPlugin):
     def stats(self) -> dict:
         return {
             **dict(self.counters),
-            "workers": len(self.workers),
+            "workers": len(self.announced),
             "components": {c: self.mean_duration(c) for c in self.durations},
             "ended": dict(list(self.ended_bytes.items())[-100:]),
             "reports": {

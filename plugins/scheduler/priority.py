@@ -119,7 +119,7 @@ class ProgressPriority(SchedulerPlugin):
                     self.counters["queued_revised"] += 1
                 else:
                     ts.priority = new
-                    if ws is not None and ws.address in self.tracker.control_workers:
+                    if ws is not None and ws.address in self.tracker.announced:
                         to_workers[ws.address][key] = new
                     self.counters["scheduler_revised" if ws is None else "worker_revised"] += 1
         for addr, prios in to_workers.items():

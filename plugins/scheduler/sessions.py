@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 from dask_kvstate import config
 from dask_kvstate.plugins.scheduler.control import ControlLoop
-from dask_kvstate.plugins.scheduler.handshake import serve_hello
+from dask_kvstate.plugins.scheduler.handshake import AnnouncedWorkers, serve_hello
 from dask_kvstate.protocol import (
     SCHEDULING_WORKER_PLUGIN,
     SESSION_ANNOTATION,
@@ -80,12 +80,13 @@ class Session:
         }
 
 
-class SessionTracker(SchedulerPlugin):
+class SessionTracker(AnnouncedWorkers, SchedulerPlugin):
     """Scheduler side of ``kvs.session`` (installed by ``kvs.install`` when enabled)."""
 
     scheduler: Scheduler  # set by start()
 
     name = SESSIONS_EXTENSION
+    worker_half = SCHEDULING_WORKER_PLUGIN
     idempotent = True
 
     def __init__(self, interval: str | float | None = None):
@@ -98,7 +99,7 @@ class SessionTracker(SchedulerPlugin):
         self.closing: set[Session] = set()  # closed, waiting for their tasks to go
         self.ended: deque = deque(maxlen=ENDED_KEPT)
         self.on_end: list = []
-        self.control_workers: set[str] = set()
+        self.announced: set[str] = set()  # workers running the kvstate-scheduling plugin
         self.counters: Counter[str] = Counter()
         self._seq = 0
         self.loop = ControlLoop(self.interval_s)
@@ -123,15 +124,6 @@ class SessionTracker(SchedulerPlugin):
 
     async def close(self) -> None:
         self.loop.stop()
-
-    def kvstate_hello(self, worker: str | None, plugin: str | None) -> bool:
-        """A worker's ``kvstate-scheduling`` plugin announces its handlers: it may get their ops."""
-        if worker is not None and plugin == SCHEDULING_WORKER_PLUGIN:
-            self.control_workers.add(worker)
-        return True
-
-    def remove_worker(self, scheduler, worker, **kwargs) -> None:
-        self.control_workers.discard(worker)
 
     # -- Dask hooks ----------------------------------------------------------------
     def update_graph(self, scheduler, *, tasks=(), annotations=None, **kwargs) -> None:
@@ -226,7 +218,7 @@ class SessionTracker(SchedulerPlugin):
             "ended": self.counters["ended"],
             "inherited_graphs": self.counters["inherited_graphs"],
             "late_tasks": self.counters["late_tasks"],
-            "workers": len(self.control_workers),
+            "workers": len(self.announced),
             "sessions": {sid: s.summary() for sid, s in list(self.sessions.items())[:100]},
             "recently_ended": list(self.ended)[-100:],
             "control_loop": self.loop.stats(),
