@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, TypedDict
+
+from dask_kvstate import config
 
 
 class Generation(str):
@@ -95,3 +98,53 @@ def decode_options(options: Mapping[str, Any], call: str) -> dict[str, Any]:
                 f"{call}() got an unexpected keyword argument {name!r}; it takes {', '.join(DECODE_OPTIONS)}"
             )
     return {name: options.get(name) for name in DECODE_OPTIONS}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to decode, checked once and carried from the task down to the model.
+
+    The one value every generating path passes on (as vLLM's ``SamplingParams``):
+    ``max_new_tokens``; ``temperature`` (0 is greedy); ``top_p`` (nucleus sampling);
+    ``seed`` (the sampler's seed; None draws one). Raises ValueError naming a bad field.
+
+    Examples
+    --------
+    >>> Sampling(8)
+    Sampling(max_new_tokens=8, temperature=0.0, top_p=1.0, seed=None)
+    >>> Sampling(8, top_p=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: top_p must be in (0, 1], got 0
+    """
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be a non-negative int, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> Sampling:
+        """The sampling of :class:`DecodeOptions`, with ``kvstate.generate.*`` where they say None.
+
+        >>> Sampling.from_options({"max_new_tokens": 4, "seed": 1}).seed
+        1
+        """
+
+        def pick(name: str, key: str):
+            return config.get(f"generate.{key}") if options.get(name) is None else options[name]
+
+        return cls(
+            max_new_tokens=pick("max_new_tokens", "max-new-tokens"),
+            temperature=pick("temperature", "temperature"),
+            top_p=pick("top_p", "top-p"),
+            seed=options.get("seed"),
+        )

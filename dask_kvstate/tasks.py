@@ -19,7 +19,7 @@ from distributed import get_worker
 from distributed.utils import sync
 
 from dask_kvstate import config
-from dask_kvstate.generation import DecodeOptions, Generation, decode_options
+from dask_kvstate.generation import DecodeOptions, Generation, Sampling, decode_options
 from dask_kvstate.protocol import WORKER_PLUGIN
 from dask_kvstate.state import KVStateRef
 
@@ -72,19 +72,10 @@ def _check_state(state, what: str = "state") -> KVStateRef:
     return state
 
 
-def _gen_params(options: Mapping[str, Any], call: str) -> tuple[str | None, dict]:
-    """The model named in ``options``, and the decode parameters with the worker's defaults filled in."""
+def _sampling(options: Mapping[str, Any], call: str) -> tuple[str | None, Sampling]:
+    """The model named in ``options``, and how to decode, with the worker's defaults filled in."""
     opts = decode_options(options, call)
-    defaults = {"max_new_tokens": "max-new-tokens", "temperature": "temperature", "top_p": "top-p"}
-    p = {name: config.get(f"generate.{key}") if opts[name] is None else opts[name] for name, key in defaults.items()}
-    p["seed"] = opts["seed"]
-    if not isinstance(p["max_new_tokens"], int) or p["max_new_tokens"] < 0:
-        raise ValueError(f"max_new_tokens must be a non-negative int, got {p['max_new_tokens']!r}")
-    if p["temperature"] < 0:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {p['temperature']!r}")
-    if not 0 < p["top_p"] <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {p['top_p']!r}")
-    return opts["model"], p
+    return opts["model"], Sampling.from_options(opts)
 
 
 def materialize(*segments: str, namespace: str | None = None, model: str | None = None) -> KVStateRef:
@@ -100,10 +91,10 @@ def extend(state: KVStateRef, *segments: str, model: str | None = None) -> KVSta
 def generate(*segments: str, prefix_cache: bool | None = None, **options: Unpack[DecodeOptions]) -> Generation:
     """Text replay: generate from the whole joined prompt (with ``prefix_cache``, reusing
     this worker's cached prompt blocks: the local prefix cache baseline)."""
-    model, params = _gen_params(options, "generate")
+    model, sampling = _sampling(options, "generate")
     if prefix_cache if prefix_cache is not None else config.get("generate.prefix-cache"):
-        return runtime(model).generate_cached(join_segments(segments), config.get("namespace"), **params)
-    return runtime(model).generate(join_segments(segments), **params)
+        return runtime(model).generate_cached(join_segments(segments), config.get("namespace"), sampling)
+    return runtime(model).generate(join_segments(segments), sampling)
 
 
 def resume_many(state: KVStateRef, suffixes: list, **options: Unpack[DecodeOptions]) -> list[Generation]:
@@ -114,14 +105,14 @@ def resume_many(state: KVStateRef, suffixes: list, **options: Unpack[DecodeOptio
     if not isinstance(suffixes, (list, tuple)) or not suffixes:
         raise ValueError(f"resume_many needs a non-empty list of suffixes, got {suffixes!r:.80}")
     texts = [join_segments(s if isinstance(s, (list, tuple)) else [s]) for s in suffixes]
-    model, params = _gen_params(options, "resume_many")
-    return _runtime_for_state(_check_state(state), model).resume_many(state, texts, **params)
+    model, sampling = _sampling(options, "resume_many")
+    return _runtime_for_state(_check_state(state), model).resume_many(state, texts, sampling)
 
 
 def resume(state: KVStateRef, *segments: str, **options: Unpack[DecodeOptions]) -> Generation:
     """Generate from the state followed by the segments (same tokens as text replay)."""
-    model, params = _gen_params(options, "resume")
-    return _runtime_for_state(state, model).resume(state, join_segments(segments), **params)
+    model, sampling = _sampling(options, "resume")
+    return _runtime_for_state(state, model).resume(state, join_segments(segments), sampling)
 
 
 def fork(state: KVStateRef, k: int) -> list[KVStateRef]:

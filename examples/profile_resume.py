@@ -17,6 +17,7 @@ import torch
 from dask_kvstate.backends import load_backend
 from dask_kvstate.backends.batch import Row, generate_batch
 from dask_kvstate.blocks import join_blocks
+from dask_kvstate.generation import Sampling
 
 
 def best(f, n: int = 3) -> float:
@@ -48,9 +49,7 @@ def main(argv=None) -> dict:
     joined = join_blocks(blocks)
     r["cache_copy_s"] = best(lambda: b.cache_from_kv(joined))
     r["resume_forward_s"] = best(lambda: b.prefill(ids + suffix, joined))
-    r["cascade_first_token_s"] = best(
-        lambda: generate_batch(b, [Row(ids + suffix, len(ids))], joined, max_new_tokens=1)
-    )
+    r["cascade_first_token_s"] = best(lambda: generate_batch(b, [Row(ids + suffix, len(ids))], joined, Sampling(1)))
     print(
         f"prefill {args.tokens}: {r['prefill_s']:.2f} s | join {len(blocks)} blocks {r['join_s'] * 1e3:.0f} ms | "
         f"cache copy {r['cache_copy_s'] * 1e3:.0f} ms | resume forward of {args.suffix} (incl. cache copy) "

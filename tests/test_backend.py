@@ -7,6 +7,7 @@ import torch
 
 from dask_kvstate.backends import check_model_name, load_backend
 from dask_kvstate.blocks import block_hashes, join_blocks
+from dask_kvstate.generation import Sampling
 from dask_kvstate.plugins.worker.arena import split_blocks
 
 from .conftest import CONTEXT
@@ -28,12 +29,12 @@ def test_fingerprints_are_stable_and_describe_the_kv_layout(backend):
 
 def test_resume_from_any_split_is_token_identical_to_text_replay(backend):
     ids = backend.tokenize(CONTEXT + "Question: who tries again?")
-    replay = backend.generate(ids, max_new_tokens=24)
+    replay = backend.generate(ids, None, Sampling(max_new_tokens=24))
     assert len(replay.token_ids) > 0
     for split in range(1, len(ids), 7):
         cache, _ = backend.prefill(ids[:split])
         kv = backend.kv_from_cache(cache)
-        out = backend.generate(ids, kv, max_new_tokens=24)
+        out = backend.generate(ids, kv, Sampling(max_new_tokens=24))
         assert out.token_ids == replay.token_ids, f"split at {split}"
         assert out.reused_tokens == split and out.prefill_tokens == len(ids) - split
 
@@ -47,15 +48,15 @@ def test_blocks_round_trip_and_are_never_mutated_by_a_forward_pass(backend):
     joined = join_blocks([b.tensor for b in blocks])
     assert torch.equal(joined, kv)
     snapshot = [b.tensor.clone() for b in blocks]
-    backend.generate(ids + backend.tokenize(" more"), joined, max_new_tokens=4)
+    backend.generate(ids + backend.tokenize(" more"), joined, Sampling(max_new_tokens=4))
     assert all(torch.equal(a, b.tensor) for a, b in zip(snapshot, blocks))
 
 
 def test_seeded_sampling_is_reproducible(backend):
     ids = backend.tokenize(CONTEXT)
-    a = backend.generate(ids, max_new_tokens=12, temperature=0.9, top_p=0.9, seed=7)
-    b = backend.generate(ids, max_new_tokens=12, temperature=0.9, top_p=0.9, seed=7)
-    c = backend.generate(ids, max_new_tokens=12, temperature=0.9, top_p=0.9, seed=8)
+    a = backend.generate(ids, None, Sampling(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=7))
+    b = backend.generate(ids, None, Sampling(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=7))
+    c = backend.generate(ids, None, Sampling(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=8))
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
 
@@ -66,4 +67,7 @@ def test_local_model_folder_loads_like_a_named_model(tmp_path, backend):
     folder = load_backend(str(tmp_path))
     assert folder.config_fingerprint == backend.config_fingerprint
     ids = backend.tokenize(CONTEXT)
-    assert folder.generate(ids, max_new_tokens=8).token_ids == backend.generate(ids, max_new_tokens=8).token_ids
+    assert (
+        folder.generate(ids, None, Sampling(max_new_tokens=8)).token_ids
+        == backend.generate(ids, None, Sampling(max_new_tokens=8)).token_ids
+    )

@@ -7,6 +7,7 @@ import pytest
 
 import dask_kvstate as kvs
 from dask_kvstate.backends.batch import Row, generate_batch
+from dask_kvstate.generation import Sampling
 from dask_kvstate.plugins.worker.runtime import common_prefix
 
 from .conftest import CONTEXT, on, stats_of
@@ -28,14 +29,14 @@ def rows_for(backend, suffixes, seed=None):
 
 def stock(backend, row, kv, **params):
     """The same generation through transformers' own cache (DynamicCache, sdpa): the reference."""
-    return backend.generate(row.ids, kv[:, :, :, : row.keep], seed=row.seed, **params).token_ids
+    return backend.generate(row.ids, kv[:, :, :, : row.keep], Sampling(seed=row.seed, **params)).token_ids
 
 
 def test_batched_decode_equals_unbatched_token_for_token(backend):
     rows, kv = rows_for(backend, SUFFIXES)
     assert len({len(r.ids) for r in rows}) > 1, "the suffixes should differ in length"
     single = [stock(backend, r, kv, max_new_tokens=20) for r in rows]
-    batched = generate_batch(backend, rows, kv, max_new_tokens=20)
+    batched = generate_batch(backend, rows, kv, Sampling(max_new_tokens=20))
     assert [b.token_ids for b in batched] == single
     assert all(len(t) == 20 for t in single)
 
@@ -43,7 +44,7 @@ def test_batched_decode_equals_unbatched_token_for_token(backend):
 def test_batched_sampling_with_seeds_equals_unbatched(backend):
     rows, kv = rows_for(backend, SUFFIXES[:3], seed=7)
     single = [stock(backend, r, kv, max_new_tokens=12, temperature=0.9) for r in rows]
-    batched = generate_batch(backend, rows, kv, max_new_tokens=12, temperature=0.9)
+    batched = generate_batch(backend, rows, kv, Sampling(max_new_tokens=12, temperature=0.9))
     assert [b.token_ids for b in batched] == single
 
 
@@ -54,7 +55,7 @@ def test_rows_that_stop_early_leave_the_batch(backend):
     eos = backend.eos_ids
     try:
         backend.eos_ids = frozenset({full[1][2]})
-        batched = generate_batch(backend, rows, kv, max_new_tokens=10)
+        batched = generate_batch(backend, rows, kv, Sampling(max_new_tokens=10))
         single = [stock(backend, r, kv, max_new_tokens=10) for r in rows]
     finally:
         backend.eos_ids = eos
@@ -140,5 +141,5 @@ def test_smollm2_batched_siblings_equal_unbatched_on_the_bench_prompts():
         ids = smol.tokenize(context + workload.suffix(i))
         rows.append(Row(ids, min(common_prefix(prefix, ids), len(ids) - 1)))
     single = [stock(smol, r, kv, max_new_tokens=32) for r in rows]
-    batched = [r.token_ids for r in generate_batch(smol, rows, kv, max_new_tokens=32)]
+    batched = [r.token_ids for r in generate_batch(smol, rows, kv, Sampling(max_new_tokens=32))]
     assert batched == single

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 
+from dask_kvstate.generation import Sampling
+
 from .common import ModelSuite
 
 
@@ -28,11 +30,11 @@ class SiblingDecode(ModelSuite):
     def _batched(self):
         from dask_kvstate.backends.batch import generate_batch
 
-        return generate_batch(self.backend, self.rows, self.kv, max_new_tokens=self.new_tokens)
+        return generate_batch(self.backend, self.rows, self.kv, Sampling(self.new_tokens))
 
     def _unbatched(self):
         # transformers' own cache, one row after another: what a resume did before batching.
-        return [self.backend.generate(r.ids, self.kv, max_new_tokens=self.new_tokens) for r in self.rows]
+        return [self.backend.generate(r.ids, self.kv, Sampling(self.new_tokens)) for r in self.rows]
 
     def time_batched(self, siblings, context_tokens):
         self._batched()

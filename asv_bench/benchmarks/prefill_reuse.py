@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+from dask_kvstate.generation import Sampling
+
 
 class PrefillReuse:
     params = ([256, 1024], ["tiny-llama"])
@@ -27,17 +29,17 @@ class PrefillReuse:
         self.kv = self.backend.kv_from_cache(cache)
 
     def time_text_replay(self, context_tokens, model):
-        self.backend.generate(self.prompt, max_new_tokens=1)
+        self.backend.generate(self.prompt, None, Sampling(1))
 
     def time_resume_from_state(self, context_tokens, model):
-        self.backend.generate(self.prompt, self.kv, max_new_tokens=1)
+        self.backend.generate(self.prompt, self.kv, Sampling(1))
 
     def track_ttft_speedup(self, context_tokens, model):
         def best(past):
             runs = []
             for _ in range(3):
                 t0 = time.perf_counter()
-                self.backend.generate(self.prompt, past, max_new_tokens=1)
+                self.backend.generate(self.prompt, past, Sampling(1))
                 runs.append(time.perf_counter() - t0)
             return min(runs)
 

@@ -25,29 +25,27 @@ tests (tiny-llama, and SmolLM2 on the benchmark prompts in a slow test).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from dask_kvstate.backends.cascade import SharedPrefixKV
-from dask_kvstate.backends.hf import GenerationResult, pick_token
+from dask_kvstate.backends.hf import GenerationResult, generator, pick_token
+from dask_kvstate.generation import Sampling
 
 
 @dataclass
 class Row:
-    """One sibling: its prompt ids, how many leading ones the shared prefix covers, its seed."""
+    """One sibling: its prompt ids, how many leading ones the shared prefix covers, its own
+    seed (None: the batch's :class:`Sampling` seed)."""
 
     ids: list[int]
     keep: int = 0  # ids[:keep] are the prefix's first keep tokens; keep < len(ids)
     seed: int | None = None
 
 
-def _generator(device, temperature: float, seed: int | None):
-    if temperature <= 0:
-        return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(int(seed) if seed is not None else torch.seed())
-    return gen
+def _row_sampling(sampling: Sampling, row: Row) -> Sampling:
+    return sampling if row.seed is None else replace(sampling, seed=row.seed)
 
 
 def _capacity(rows: list[Row], max_new_tokens: int) -> int:
@@ -62,18 +60,11 @@ def kv_bytes(backend, rows: list[Row], max_new_tokens: int) -> int:
 
 @torch.inference_mode()
 def generate_batch(
-    backend,
-    rows: list[Row],
-    prefix: torch.Tensor | None = None,
-    *,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    started: float | None = None,
+    backend, rows: list[Row], prefix: torch.Tensor | None, sampling: Sampling, *, started: float | None = None
 ) -> list[GenerationResult]:
     """Generate for every row over the shared ``prefix`` KV ([L, 2, H, P, D]); one result per row.
 
-    Each row's tokens equal ``backend.generate(row.ids, prefix[..., :row.keep, :])``
+    Each row's tokens equal ``backend.generate(row.ids, prefix[..., :row.keep, :], sampling)``
     (greedy, or sampling with the row's seed). ``ttft`` is from ``started`` (default:
     now) to the row's first token; all rows' suffixes are prefilled by one forward, so
     they share it. Raises ValueError for an empty row or a ``keep`` the prefix can't cover.
@@ -94,10 +85,7 @@ def generate_batch(
             backend.generate(
                 r.ids,
                 prefix[:, :, :, : r.keep] if prefix is not None and r.keep else None,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                seed=r.seed,
+                _row_sampling(sampling, r),
                 started=t0,
             )
             for r in rows
@@ -108,7 +96,7 @@ def generate_batch(
     kv = SharedPrefixKV(
         prefix,
         [r.keep for r in rows],
-        _capacity(rows, max_new_tokens),
+        _capacity(rows, sampling.max_new_tokens),
         num_layers=backend.num_layers,
         kv_heads=backend.kv_heads,
         head_dim=backend.head_dim,
@@ -116,7 +104,7 @@ def generate_batch(
         device=device,
     )
     decoder, head = backend.model.get_decoder(), backend.model.get_output_embeddings()
-    gens = [_generator(device, temperature, r.seed) for r in rows]
+    gens = [generator(device, sampling.temperature, _row_sampling(sampling, r).seed) for r in rows]
     outs: list[list[int]] = [[] for _ in rows]
 
     # Prefill: every row's own tokens in one forward, right-padded (a pad sits after a
@@ -133,10 +121,10 @@ def generate_batch(
     logits = head(last).float()
     kv.advance(own)
     live = []
-    if max_new_tokens > 0:
+    if sampling.max_new_tokens > 0:
         for b in range(len(rows)):
-            outs[b].append(pick_token(logits[b], temperature, top_p, gens[b]))
-            if outs[b][-1] not in backend.eos_ids and max_new_tokens > 1:
+            outs[b].append(pick_token(logits[b], sampling.temperature, sampling.top_p, gens[b]))
+            if outs[b][-1] not in backend.eos_ids and sampling.max_new_tokens > 1:
                 live.append(b)
     first = time.perf_counter()
     prefill_s = first - p0
@@ -152,8 +140,8 @@ def generate_batch(
         kv.advance([1] * len(live))
         keep = []
         for i, b in enumerate(live):
-            outs[b].append(pick_token(logits[i], temperature, top_p, gens[b]))
-            if outs[b][-1] not in backend.eos_ids and len(outs[b]) < max_new_tokens:
+            outs[b].append(pick_token(logits[i], sampling.temperature, sampling.top_p, gens[b]))
+            if outs[b][-1] not in backend.eos_ids and len(outs[b]) < sampling.max_new_tokens:
                 keep.append(i)
         if len(keep) < len(live):
             # Finished rows leave the batch, so later steps cost only what is still running.

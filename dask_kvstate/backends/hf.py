@@ -24,6 +24,7 @@ import torch
 
 from dask_kvstate.backends import cascade, models
 from dask_kvstate.blocks import kv_identity
+from dask_kvstate.generation import Sampling
 
 
 @dataclass
@@ -158,29 +159,17 @@ class HFBackend:
         return out.cache, out.logits[0, -1].float()
 
     @torch.inference_mode()
-    def decode(
-        self,
-        cache,
-        logits: torch.Tensor,
-        *,
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-    ) -> tuple[list[int], float]:
-        """Decode up to ``max_new_tokens`` from ``logits``; returns (ids, time of first token)."""
-        gen = None
-        if temperature > 0:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(int(seed) if seed is not None else torch.seed())
+    def decode(self, cache, logits: torch.Tensor, sampling: Sampling) -> tuple[list[int], float]:
+        """Decode up to ``sampling.max_new_tokens`` from ``logits``; returns (ids, time of first token)."""
+        gen = generator(self.device, sampling.temperature, sampling.seed)
         out: list[int] = []
         first_at = time.perf_counter()
-        for step in range(max_new_tokens):
-            tok = pick_token(logits, temperature, top_p, gen)
+        for step in range(sampling.max_new_tokens):
+            tok = pick_token(logits, sampling.temperature, sampling.top_p, gen)
             if step == 0:
                 first_at = time.perf_counter()
             out.append(tok)
-            if tok in self.eos_ids or step == max_new_tokens - 1:
+            if tok in self.eos_ids or step == sampling.max_new_tokens - 1:
                 break
             x = torch.tensor([[tok]], dtype=torch.long, device=self.device)
             res = self.model(input_ids=x, cache=cache, use_cache=True)
@@ -190,16 +179,13 @@ class HFBackend:
     def generate(
         self,
         ids: list[int],
-        past_kv: torch.Tensor | None = None,
+        past_kv: torch.Tensor | None,
+        sampling: Sampling,
         *,
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
         started: float | None = None,
         on_prefill: Callable[[Any], None] | None = None,
     ) -> GenerationResult:
-        """Generate from prompt ``ids``, reusing ``past_kv`` for its leading tokens.
+        """Generate from prompt ``ids`` as ``sampling`` says, reusing ``past_kv`` (or None) for its leading tokens.
 
         ``past_kv`` must be the KV of ``ids[:past_len]`` with ``past_len < len(ids)``.
         ``started`` is when the caller began (for TTFT); defaults to now. ``on_prefill``
@@ -214,9 +200,7 @@ class HFBackend:
         p1 = time.perf_counter()
         if on_prefill is not None:
             on_prefill(cache)
-        out, first_at = self.decode(
-            cache, logits, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
-        )
+        out, first_at = self.decode(cache, logits, sampling)
         reused = 0 if past_kv is None else int(past_kv.shape[3])
         return GenerationResult(
             token_ids=out,
@@ -226,6 +210,15 @@ class HFBackend:
             prefill_tokens=len(ids) - reused,
             reused_tokens=reused,
         )
+
+
+def generator(device, temperature: float, seed: int | None) -> torch.Generator | None:
+    """The sampler's random generator (seeded with ``seed``, or a fresh seed); None when greedy."""
+    if temperature <= 0:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed) if seed is not None else torch.seed())
+    return gen
 
 
 def pick_token(logits: torch.Tensor, temperature: float, top_p: float, gen) -> int:

@@ -22,6 +22,7 @@ from typing import Any
 import dask
 
 import dask_kvstate as kvs
+from dask_kvstate.generation import Sampling
 from dask_kvstate.protocol import WORKER_PLUGIN
 
 MODES = ("replay", "prefix", "kvstate")
@@ -111,7 +112,7 @@ def settle(client, timeout: float = 60.0) -> None:
 
 def warm_up(dask_worker) -> None:
     """Run with ``client.run``: a first generate pays kernel and allocator setup, so no measured run does."""
-    dask_worker.plugins[WORKER_PLUGIN].runtime.backend.generate([1, 2, 3], max_new_tokens=2)
+    dask_worker.plugins[WORKER_PLUGIN].runtime.backend.generate([1, 2, 3], None, Sampling(2))
 
 
 def kv_bytes_per_token(client) -> int:

@@ -17,12 +17,10 @@ from __future__ import annotations
 import time
 
 from dask_kvstate.blocks import join_blocks
-from dask_kvstate.generation import Generation
+from dask_kvstate.generation import Generation, Sampling
 
 
-def generate(
-    rt, text: str, namespace: str, *, max_new_tokens: int, temperature: float, top_p: float, seed: int | None
-) -> Generation:
+def generate(rt, text: str, namespace: str, sampling: Sampling) -> Generation:
     """Generate from ``text`` on runtime ``rt``, reusing and filling its local prefix cache.
 
     Token-identical to text replay: the reused blocks are the KV of exactly the
@@ -54,12 +52,5 @@ def generate(
             rt.store_kv(backend.kv_from_cache(cache), hashes, len(present))
 
     return rt.generate_from(
-        ids,
-        past[:, :, :, :keep] if keep and past is not None else None,
-        t0,
-        on_prefill=keep_prompt,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
+        ids, past[:, :, :, :keep] if keep and past is not None else None, sampling, t0, on_prefill=keep_prompt
     )

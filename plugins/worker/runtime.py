@@ -22,7 +22,7 @@ import torch
 
 from dask_kvstate.blocks import join_blocks, same_storage
 from dask_kvstate.errors import MergeError
-from dask_kvstate.generation import Generation
+from dask_kvstate.generation import Generation, Sampling
 from dask_kvstate.plugins.worker import decide, prefix_cache, probes
 from dask_kvstate.plugins.worker.accounting import runtime_stats
 from dask_kvstate.plugins.worker.engine import KVEngine
@@ -114,48 +114,41 @@ class StateRuntime(KVEngine):
         self.counters["extensions"] += 1
         return self.new_ref("extend", (ref.state_id,), full, ids, hashes, ref.namespace)
 
-    def generate(
-        self, text: str, *, max_new_tokens: int, temperature: float, top_p: float, seed: int | None
-    ) -> Generation:
+    def generate(self, text: str, sampling: Sampling) -> Generation:
         """Text replay: the whole prompt through the model, no state involved."""
         t0 = time.perf_counter()
-        ids = self.backend.tokenize(text)
-        return self.generate_from(
-            ids, None, t0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
-        )
+        return self.generate_from(self.backend.tokenize(text), None, sampling, t0)
 
-    def generate_cached(
-        self, text: str, namespace: str, *, max_new_tokens: int, temperature: float, top_p: float, seed: int | None
-    ) -> Generation:
+    def generate_cached(self, text: str, namespace: str, sampling: Sampling) -> Generation:
         """Text replay through this worker's automatic prefix cache (:mod:`.prefix_cache`)."""
-        return prefix_cache.generate(
-            self, text, namespace, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
-        )
+        return prefix_cache.generate(self, text, namespace, sampling)
 
-    def generate_from(self, ids: list[int], past: torch.Tensor | None, started: float, **params) -> Generation:
+    def generate_from(
+        self, ids: list[int], past: torch.Tensor | None, sampling: Sampling, started: float, **hooks
+    ) -> Generation:
         """Decode from ``ids`` with ``past`` as the KV of their leading tokens; counts and measures.
 
-        ``params`` are the backend's ``generate`` options (sampling, ``on_prefill``);
-        ``started`` is when the call began, for its time to first token.
+        ``started`` is when the call began, for its time to first token; ``hooks`` go to
+        the backend's ``generate`` (``on_prefill``).
         """
         keep = 0 if past is None else int(past.shape[3])
         self.counters["prefill_tokens"] += len(ids) - keep
         self.counters["reused_tokens"] += keep
-        with self.live.hold((len(ids) + params["max_new_tokens"]) * self.backend.kv_bytes_per_token):
-            res = self.backend.generate(ids, past, started=started, **params)
+        with self.live.hold((len(ids) + sampling.max_new_tokens) * self.backend.kv_bytes_per_token):
+            res = self.backend.generate(ids, past, sampling, started=started, **hooks)
         self.counters["generations"] += 1
         self.prefill_meter.add(res.prefill_tokens, res.reused_tokens, res.prefill_s)
         return Generation.from_result(self.backend, res, ids)
 
-    def resume(self, ref: KVStateRef, text: str, **params) -> Generation:
+    def resume(self, ref: KVStateRef, text: str, sampling: Sampling) -> Generation:
         """Generate from ``ref`` followed by ``text``; equals ``generate(ref.text + text)``.
 
-        ``params`` are :meth:`generate`'s. The state's KV is read in place (shared-prefix
+        The state's KV is read in place (shared-prefix
         attention, ``backends/cascade.py``), not copied into a transformers cache.
         """
-        return self._resume_rows(ref, [text], **params)[0]
+        return self._resume_rows(ref, [text], sampling)[0]
 
-    def resume_many(self, ref: KVStateRef, texts: Sequence[str], **params) -> list[Generation]:
+    def resume_many(self, ref: KVStateRef, texts: Sequence[str], sampling: Sampling) -> list[Generation]:
         """Sibling resumes from one state, decoded as one batch; one ``Generation`` per text.
 
         Each equals ``resume(ref, text)``: the state is resolved once, every sibling's
@@ -164,18 +157,9 @@ class StateRuntime(KVEngine):
         """
         self.counters["batched_resumes"] += len(texts)
         self.counters["resume_batches"] += 1
-        return self._resume_rows(ref, texts, **params)
+        return self._resume_rows(ref, texts, sampling)
 
-    def _resume_rows(
-        self,
-        ref: KVStateRef,
-        texts: Sequence[str],
-        *,
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float,
-        seed: int | None,
-    ) -> list[Generation]:
+    def _resume_rows(self, ref: KVStateRef, texts: Sequence[str], sampling: Sampling) -> list[Generation]:
         from dask_kvstate.backends.batch import Row, generate_batch, kv_bytes
 
         t0 = time.perf_counter()
@@ -185,27 +169,19 @@ class StateRuntime(KVEngine):
             ids = self.backend.tokenize(ref.text + text)
             # At least the last prompt token is re-run: its logits start decoding.
             keep = min(common_prefix(old.token_ids, ids), len(ids) - 1) if old.usable else 0
-            rows.append(Row(ids, keep, seed))
+            rows.append(Row(ids, keep))
             self.counters["prefill_tokens"] += len(ids) - keep
             self.counters["reused_tokens"] += keep
         self.counters["resumes"] += len(rows)
         prefix = old.kv if old.usable and any(r.keep for r in rows) else None
         # Held while decoding: the rows' own buffers, plus the state's KV if it is not the
         # store's own memory (blocks on a lower tier, or not adopted).
-        live = kv_bytes(self.backend, rows, max_new_tokens)
+        live = kv_bytes(self.backend, rows, sampling.max_new_tokens)
         held = self.store.peek(ref.blocks[0]) if prefix is not None else None
         if prefix is not None and not same_storage(prefix, held):
             live += prefix.nbytes
         with self.live.hold(live):
-            results = generate_batch(
-                self.backend,
-                rows,
-                prefix,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                started=t0,
-            )
+            results = generate_batch(self.backend, rows, prefix, sampling, started=t0)
         self.counters["generations"] += len(rows)
         out = []
         batch_id = new_state_id()  # rows of one batch share its decode time (decode_s is the batch's)
