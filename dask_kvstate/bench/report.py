@@ -21,11 +21,12 @@ def _table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def _section(title: str, note: str, columns: list[tuple], rows: list[dict]) -> list[str]:
-    """A titled markdown table; ``columns`` are ``(header, key)`` or ``(header, key, divisor)``."""
-    header = [c[0] for c in columns]
-    cells = [[r[c[1]] / c[2] if len(c) > 2 else r[c[1]] for c in columns] for r in rows]
-    return [*([title, ""] if title else []), note, "", _table(header, cells), ""]
+def _section(title: str, note: str, columns: str, rows: list[dict]) -> list[str]:
+    """A titled markdown table. ``columns`` reads ``"header=key | header=key | ..."``: each
+    column's header and the key of ``rows`` it shows; keys ending in ``_bytes`` show MiB."""
+    pairs = [[p.strip() for p in column.split("=")] for column in columns.split("|")]
+    cells = [[r[k] / MIB if k.endswith("_bytes") else r[k] for _, k in pairs] for r in rows]
+    return [*([title, ""] if title else []), note, "", _table([h for h, _ in pairs], cells), ""]
 
 
 def markdown(res: dict) -> str:
@@ -43,67 +44,40 @@ def markdown(res: dict) -> str:
             "## 1. TTFT vs context length",
             f"{res['ttft'][0]['agents']} agents, suffix ~32 tokens; median per-agent time to first token "
             "(kvstate unbatched: TTFT is a per-request latency).",
-            [
-                ("L", "L"),
-                ("context tok", "context_tokens"),
-                ("replay s", "ttft_replay_s"),
-                ("prefix cache s", "ttft_prefix_s"),
-                ("kvstate s", "ttft_kvstate_s"),
-                ("vs replay", "speedup_vs_replay"),
-                ("vs prefix", "speedup_vs_prefix"),
-                ("fork ms", "fork_ms"),
-                ("identical", "identical"),
-            ],
+            "L=L | context tok=context_tokens | replay s=ttft_replay_s | prefix cache s=ttft_prefix_s | "
+            "kvstate s=ttft_kvstate_s | vs replay=speedup_vs_replay | vs prefix=speedup_vs_prefix | fork ms=fork_ms | "
+            "identical=identical",
             res["ttft"],
         )
     if "scaling" in res:
-        variants = [r["variant"] for r in res["scaling"][0]["runs"]]
+        variants = " | ".join(f"{v}=wall_{v}_s" for v in (r["variant"] for r in res["scaling"][0]["runs"]))
         out += _section(
             "## 2. Multi-agent scaling",
             f"L = {meta['scaling_context']} tokens, Y = {meta['new_tokens']}; aggregate wall time (s).",
-            [
-                ("k", "k"),
-                *[(v, f"wall_{v}_s") for v in variants],
-                ("kvstate vs replay", "speedup_vs_replay"),
-                ("kvstate vs prefix", "speedup_vs_prefix"),
-                ("identical", "identical"),
-            ],
+            f"k=k | {variants} | kvstate vs replay=speedup_vs_replay | kvstate vs prefix=speedup_vs_prefix | "
+            "identical=identical",
             res["scaling"],
         )
     if "crossover" in res:
         out += _section(
             "## 3. Transfer vs recompute crossover",
             "`dask_kvstate.bench.crossover.sweep_cell`: the rule's choice vs both options measured.",
-            [
-                ("bandwidth", "bandwidth"),
-                ("tokens", "tokens"),
-                ("MiB", "mib"),
-                ("rule", "choice"),
-                ("pull s", "t_pull"),
-                ("recompute s", "t_recompute"),
-                ("right", "right"),
-            ],
+            "bandwidth=bandwidth | tokens=tokens | MiB=mib | rule=choice | pull s=t_pull | recompute s=t_recompute | "
+            "right=right",
             res["crossover"],
         )
-    peaks = [
-        ("branches", "branches"),
-        ("peak replay MiB", "peak_replay_bytes", MIB),
-        ("peak prefix MiB", "peak_prefix_bytes", MIB),
-        ("peak kvstate MiB", "peak_kvstate_bytes", MIB),
-    ]
+    peaks = (
+        "branches=branches | peak replay MiB=peak_replay_bytes | peak prefix MiB=peak_prefix_bytes | "
+        "peak kvstate MiB=peak_kvstate_bytes"
+    )
     if "memory" in res:
         out += _section(
             "## 4. KV memory vs branch factor",
             "Peak: most KV held at once (block store device tier + live decode caches, summed over workers). "
             "Computed: KV bytes prefilled.",
-            [
-                *peaks,
-                ("replay/kvstate", "peak_ratio_vs_replay"),
-                ("prefix/kvstate", "peak_ratio_vs_prefix"),
-                ("computed replay MiB", "computed_replay_bytes", MIB),
-                ("computed kvstate MiB", "computed_kvstate_bytes", MIB),
-                ("computed ratio", "computed_ratio_vs_replay"),
-            ],
+            f"{peaks} | replay/kvstate=peak_ratio_vs_replay | prefix/kvstate=peak_ratio_vs_prefix | "
+            "computed replay MiB=computed_replay_bytes | computed kvstate MiB=computed_kvstate_bytes | "
+            "computed ratio=computed_ratio_vs_replay",
             res["memory"],
         )
     if "memory_live" in res:
@@ -112,12 +86,7 @@ def markdown(res: dict) -> str:
             "### 4b. Peak KV with every branch in flight",
             f"A cluster whose workers run {live[0]['threads']} tasks at once, so all k agents of every mode are live "
             f"together; context {live[0]['context_tokens']} tokens.",
-            [
-                *peaks,
-                ("replay/kvstate", "ratio_vs_replay"),
-                ("prefix/kvstate", "ratio_vs_prefix"),
-                ("identical", "identical"),
-            ],
+            f"{peaks} | replay/kvstate=ratio_vs_replay | prefix/kvstate=ratio_vs_prefix | identical=identical",
             live,
         )
         if "peak_kvstate_one_copy_bytes" in live[0]:
@@ -125,30 +94,17 @@ def markdown(res: dict) -> str:
                 "",
                 "kvstate with `placement.max-copies: 1` (one copy of the state; every branch on its holder) against "
                 "default placement (a copy on each worker that runs branches), and what it costs in time:",
-                [
-                    ("branches", "branches"),
-                    ("one copy MiB", "peak_kvstate_one_copy_bytes", MIB),
-                    ("replay/one copy", "one_copy_ratio_vs_replay"),
-                    ("prefix/one copy", "one_copy_ratio_vs_prefix"),
-                    ("kvstate wall s", "wall_kvstate_s"),
-                    ("one copy wall s", "wall_kvstate_one_copy_s"),
-                ],
+                "branches=branches | one copy MiB=peak_kvstate_one_copy_bytes | "
+                "replay/one copy=one_copy_ratio_vs_replay | prefix/one copy=one_copy_ratio_vs_prefix | "
+                "kvstate wall s=wall_kvstate_s | one copy wall s=wall_kvstate_one_copy_s",
                 live,
             )
     if "throughput" in res:
         out += _section(
             "## 5. Throughput and framework overhead",
             "Omega = worker busy time (wall x workers) - (prefill + decode time inside the model).",
-            [
-                ("variant", "variant"),
-                ("k", "k"),
-                ("wall s", "wall_s"),
-                ("tokens", "generated_tokens"),
-                ("tokens/s", "tokens_per_s"),
-                ("model s", "model_s"),
-                ("Omega s", "omega_s"),
-                ("Omega %", "omega_pct"),
-            ],
+            "variant=variant | k=k | wall s=wall_s | tokens=generated_tokens | tokens/s=tokens_per_s | "
+            "model s=model_s | Omega s=omega_s | Omega %=omega_pct",
             res["throughput"],
         )
     if "overhead" in res:
