@@ -6,13 +6,13 @@ component (the ``kvstate-component`` annotation of a task, else its key prefix):
     kvstate:
       scheduling:
         components:
-          developer: {stateful: true}              # session affinity (plugins/stealing.py)
+          developer: {stateful: true}              # session affinity (plugins/scheduler/stealing.py)
           tester: {max-concurrency: 4}             # at most 4 tester tasks run at once, cluster-wide
           router: {batchable: true, max-batch: 8}  # ready router tasks on a worker run as one call
 
 ``max-concurrency`` is enforced by the scheduler extension ``kvstate-hints``
-(``plugins/hints.py``); ``batchable`` by its worker half ``kvstate-batching``
-(``plugins/batching.py``) for component functions wrapped with :func:`batchable`.
+(``plugins/scheduler/hints.py``); ``batchable`` by its worker half ``kvstate-batching``
+(``plugins/worker/batching.py``) for component functions wrapped with :func:`batchable`.
 
 The batch contract: the function given to :func:`batchable` takes a list of argument
 tuples and returns a list of results, one per tuple, in order. Each task still calls

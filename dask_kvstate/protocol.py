@@ -124,5 +124,3 @@ PRIORITY_TOPIC = "kvstate-priority"
 STEALING_TOPIC = "kvstate-stealing"
 #: Capacity moves between agent roles (capacity extension).
 CAPACITY_TOPIC = "kvstate-capacity"
-#: Held and released tasks of limited components (hints extension).
-HINTS_TOPIC = "kvstate-hints"

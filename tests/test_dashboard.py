@@ -71,7 +71,7 @@ def _page_header(dask_scheduler):
 
 
 def _shown(totals: dict) -> dict:
-    """How the page writes each total (the same formatting as plugins/dashboard.py)."""
+    """How the page writes each total (the same formatting as plugins/scheduler/dashboard.py)."""
     out = {k: format_bytes(int(totals[k])) if k.endswith("bytes") else f"{int(totals[k]):,}" for k, _ in SHOWN_TOTALS}
     rate = totals["hit_rate"]
     out["hit_rate"] = "-" if rate is None else f"{rate:.1%}"

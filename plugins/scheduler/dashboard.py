@@ -152,7 +152,7 @@ def sessions_html(plugin) -> str:
     """The sessions panel: live sessions with their progress.
 
     Reads ``progress()``, ``{session: {"done": int, "total": int, ...}}``, of the
-    session tracker (``plugins/sessions.py``).
+    session tracker (``plugins/scheduler/sessions.py``).
     """
     try:
         rows = plugin.progress() or {}

@@ -33,7 +33,7 @@ each pass so the timeout never fails a task that is only held.
 
 **batchable**: ready tasks of the component are sent to workers, never held in the
 root-ish queue, so they can meet in a worker's ready heap, where the ``kvstate-batching``
-worker plugin (``plugins/batching.py``, registered on every worker, present and future,
+worker plugin (``plugins/worker/batching.py``, registered on every worker, present and future,
 by this extension) runs them as one call.
 """
 

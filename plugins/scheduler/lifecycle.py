@@ -1,4 +1,4 @@
-"""The ``kv-lifecycle`` scheduler extension: offload, prefetch and invalidate KV by workflow progress.
+"""The ``kvstate-lifecycle`` scheduler extension: offload, prefetch and invalidate KV by workflow progress.
 
 Nalar 4.5 / Algorithm 3, AAFLOW+ 4.4. Every control interval (the sessions extension's
 global loop), for each open session:
@@ -16,7 +16,7 @@ global loop), for each open session:
   with KV out gets it fetched at once; when a worker's device tier has less than the
   configured reserve free, offload the longest-idle suspended sessions first until it has;
 * **act** by stream messages to the worker holding the KV (``kvstate-offload``,
-  ``kvstate-prefetch``, see ``lifecycle_worker``), and log each decision with its
+  ``kvstate-prefetch``, handled by :mod:`dask_kvstate.plugins.worker.lifecycle`), and log each decision with its
   prediction, then its outcome (the move's seconds, and the real idle time once the
   session runs again) to ``scheduler.log_event("kvstate-lifecycle", ...)`` as
   ``{"kind": "offload"|"prefetch"|"invalidate", "phase": "decision"|"done"|"outcome", ...}``.

@@ -11,7 +11,7 @@ workers push instead, over the batched stream they already keep open:
 The extension keeps the latest stats per worker, a bounded history of cluster totals
 (sampled every ``kvstate.dashboard.refresh-interval``, so a page opened late still
 shows the run so far) and a bounded map of state summaries. From successive stats it
-logs the block store's spills, unspills and drops under ``kvstate-lifecycle``, one
+logs the block store's spills, unspills and drops under ``kvstate-store``, one
 event per worker and interval with counts, instead of one per block.
 
 It serves the ``/kvstate`` page (:mod:`dask_kvstate.plugins.scheduler.dashboard`) when the
@@ -99,7 +99,7 @@ class KVObserver(SchedulerPlugin):
             self._log_store_changes(worker, prev, stats)
 
     def _log_store_changes(self, worker: str, prev: dict, now: dict) -> None:
-        """One ``kvstate-lifecycle`` event for what the store moved since the last report."""
+        """One ``kvstate-store`` event for what the store moved since the last report."""
         moved = {}
         for tier in TIERS:
             for what in ("spills", "unspills"):
