@@ -212,7 +212,7 @@ def test_a_state_handed_to_another_tenant_keeps_its_namespace(tenants, replay):
     mine = run(client_a, "handed-a", worker, build)
     theirs = run(client_b, "handed-b", worker, build)
     assert_apart(mine, theirs)
-    assert mine.new_blocks and not theirs.new_blocks  # B's extend made A's blocks, which A's had made
+    assert mine.new_blocks and not theirs.new_blocks  # B's extend hashes as A's ref: blocks A's extend made
     for r in (mine, theirs):
         longer, answer, forked = r.results
         assert (longer.namespace, forked.namespace) == ("handed-a", "handed-a")
