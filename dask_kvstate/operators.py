@@ -5,6 +5,13 @@ literals or other ``Delayed`` objects (a document retrieved by an upstream task,
 state from ``materialize``). Keys are deterministic, ``kvs-<op>-<token>``, so the same
 call twice is one task, except sampling without a seed, which is never deduplicated.
 Everything runs where Dask places it; refs are small, the blocks stay on workers.
+
+Every task carries the namespace (tenant) of the client that builds it, fixed here from
+``kvstate.namespace`` when the graph is built, never on the worker or the scheduler:
+it is an argument of the task, so it is in the key (equal calls of two tenants are two
+tasks, and the scheduler never hands one tenant another's result), and the compiler
+reads it from there. New blocks (``materialize``, the prefix cache of ``generate``) are
+hashed with it; an operator on a state keeps the state's own namespace for its blocks.
 """
 
 from __future__ import annotations
@@ -24,8 +31,11 @@ if TYPE_CHECKING:
     from typing import Unpack
 
 
-def _task(func, *args, nout: int | None = None, unique: bool = False, **kwargs) -> Delayed:
+def _task(
+    func, *args, nout: int | None = None, unique: bool = False, namespace: str | None = None, **kwargs
+) -> Delayed:
     op = func.__name__
+    kwargs["namespace"] = namespace or config.get("namespace")
     token = tokenize(op, args, kwargs, uuid.uuid4().hex if unique else None)
     return dask.delayed(func, pure=True, nout=nout)(*args, dask_key_name=f"kvs-{op}-{token}", **kwargs)
 
@@ -41,9 +51,10 @@ def materialize(*segments, namespace: str | None = None, model: str | None = Non
     """Prefill the prompt ``"".join(segments)`` once and return its state.
 
     Returns ``Delayed[KVStateRef]``. Leading blocks already stored on the worker
-    (same tokens, same model, same namespace) are reused, not recomputed. ``model``
-    picks one of the models given to ``kvs.install`` (default: the first); calls on a
-    state use the state's model unless told otherwise.
+    (same tokens, same model, same namespace) are reused, not recomputed. ``namespace``
+    defaults to ``kvstate.namespace`` on this client. ``model`` picks one of the models
+    given to ``kvs.install`` (default: the first); calls on a state use the state's model
+    unless told otherwise.
 
     Examples
     --------
@@ -52,8 +63,6 @@ def materialize(*segments, namespace: str | None = None, model: str | None = Non
     >>> ctx.key.startswith("kvs-materialize-")
     True
     """
-    # The namespace is fixed here, from the client's config, not on whichever worker runs it.
-    namespace = namespace or config.get("namespace")
     return _task(tasks.materialize, *segments, namespace=namespace, model=model)
 
 
@@ -94,13 +103,16 @@ def resume(state, *segments, **options: Unpack[DecodeOptions]) -> Delayed:
     return _task(tasks.resume, state, *segments, **_decode(options, "resume"))
 
 
-def generate(*segments, prefix_cache: bool | None = None, **options: Unpack[DecodeOptions]) -> Delayed:
+def generate(
+    *segments, prefix_cache: bool | None = None, namespace: str | None = None, **options: Unpack[DecodeOptions]
+) -> Delayed:
     """Generate from the prompt ``"".join(segments)`` by text replay: ``Delayed[Generation]``.
 
     ``prefix_cache=True`` (default ``kvstate.generate.prefix-cache``) reuses prompt
     blocks already in the running worker's store and leaves its own there: automatic
     prefix caching inside one worker, as vLLM/SGLang do inside one engine (no transfer
-    between workers, no compiler). Output is the same either way.
+    between workers, no compiler), only ever blocks of the call's ``namespace``
+    (default ``kvstate.namespace`` here). Output is the same either way.
 
     Examples
     --------
@@ -111,7 +123,7 @@ def generate(*segments, prefix_cache: bool | None = None, **options: Unpack[Deco
     """
     # Only passed when set, so graphs (and keys) without it stay as they were.
     extra = {} if prefix_cache is None else {"prefix_cache": bool(prefix_cache)}
-    return _task(tasks.generate, *segments, **_decode(options, "generate"), **extra)
+    return _task(tasks.generate, *segments, namespace=namespace, **_decode(options, "generate"), **extra)
 
 
 def merge(*states, policy: str = "concat") -> Delayed:

@@ -7,6 +7,13 @@ These are what ``kvs.materialize`` and friends put in the graph, and what to pas
     out = client.submit(kvs.tasks.resume, ref, "Plan the next step.", max_new_tokens=32)
 
 Each finds its worker's ``kvstate`` plugin and hands the work to its runtime.
+
+Each takes the ``namespace`` (tenant) of the client that built the task, which
+``kvs.materialize`` and friends fix from the client's config and which is part of the
+task's key. ``materialize`` and ``generate`` hash new blocks with it (without one,
+as in a plain ``client.submit``, the worker's ``kvstate.namespace``); an operator on a
+state hashes with the state's own namespace, whoever calls it: a tenant handed another's
+ref may use it, and its blocks stay that ref's.
 """
 
 from __future__ import annotations
@@ -78,26 +85,35 @@ def _sampling(options: Mapping[str, Any], call: str) -> tuple[str | None, Sampli
     return opts["model"], Sampling.from_options(opts)
 
 
+def _namespace(namespace: str | None) -> str:
+    """The task's namespace; the worker's only for a task built without one."""
+    return namespace or config.get("namespace")
+
+
 def materialize(*segments: str, namespace: str | None = None, model: str | None = None) -> KVStateRef:
     """Prefill the joined segments once; returns the state's ref."""
-    return runtime(model).materialize(join_segments(segments), namespace or config.get("namespace"))
+    return runtime(model).materialize(join_segments(segments), _namespace(namespace))
 
 
-def extend(state: KVStateRef, *segments: str, model: str | None = None) -> KVStateRef:
-    """The state followed by more text."""
+def extend(state: KVStateRef, *segments: str, namespace: str | None = None, model: str | None = None) -> KVStateRef:
+    """The state followed by more text (in the state's namespace)."""
     return _runtime_for_state(state, model).extend(state, join_segments(segments))
 
 
-def generate(*segments: str, prefix_cache: bool | None = None, **options: Unpack[DecodeOptions]) -> Generation:
+def generate(
+    *segments: str, prefix_cache: bool | None = None, namespace: str | None = None, **options: Unpack[DecodeOptions]
+) -> Generation:
     """Text replay: generate from the whole joined prompt (with ``prefix_cache``, reusing
-    this worker's cached prompt blocks: the local prefix cache baseline)."""
+    this worker's cached prompt blocks of ``namespace``: the local prefix cache baseline)."""
     model, sampling = _sampling(options, "generate")
     if prefix_cache if prefix_cache is not None else config.get("generate.prefix-cache"):
-        return runtime(model).generate_cached(join_segments(segments), config.get("namespace"), sampling)
+        return runtime(model).generate_cached(join_segments(segments), _namespace(namespace), sampling)
     return runtime(model).generate(join_segments(segments), sampling)
 
 
-def resume_many(state: KVStateRef, suffixes: list, **options: Unpack[DecodeOptions]) -> list[Generation]:
+def resume_many(
+    state: KVStateRef, suffixes: list, *, namespace: str | None = None, **options: Unpack[DecodeOptions]
+) -> list[Generation]:
     """Sibling resumes from one state decoded as one batch: one ``Generation`` per suffix.
 
     ``suffixes`` is a list whose items are each a str or a list of str segments.
@@ -109,18 +125,20 @@ def resume_many(state: KVStateRef, suffixes: list, **options: Unpack[DecodeOptio
     return _runtime_for_state(_check_state(state), model).resume_many(state, texts, sampling)
 
 
-def resume(state: KVStateRef, *segments: str, **options: Unpack[DecodeOptions]) -> Generation:
+def resume(
+    state: KVStateRef, *segments: str, namespace: str | None = None, **options: Unpack[DecodeOptions]
+) -> Generation:
     """Generate from the state followed by the segments (same tokens as text replay)."""
     model, sampling = _sampling(options, "resume")
     return _runtime_for_state(state, model).resume(state, join_segments(segments), sampling)
 
 
-def fork(state: KVStateRef, k: int) -> list[KVStateRef]:
+def fork(state: KVStateRef, k: int, namespace: str | None = None) -> list[KVStateRef]:
     """``k`` copy-on-write children of the state."""
     return _runtime_for_state(state, None).fork(state, k)
 
 
-def merge(*states: KVStateRef, policy: str = "concat") -> KVStateRef:
+def merge(*states: KVStateRef, policy: str = "concat", namespace: str | None = None) -> KVStateRef:
     """Restricted composition of states (see ``kvs.merge``)."""
     rt = _runtime_for_state(states[0], None) if states and isinstance(states[0], KVStateRef) else runtime()
     return rt.merge(states, policy)
@@ -150,12 +168,12 @@ def measure_raw_fetch(key: str, holder: str) -> float:
     return seconds
 
 
-def transfer(state: KVStateRef) -> KVStateRef:
+def transfer(state: KVStateRef, namespace: str | None = None) -> KVStateRef:
     """Make the worker running this task the state's holder."""
     return _runtime_for_state(state, None).transfer(state)
 
 
-def evict(state: KVStateRef) -> int:
+def evict(state: KVStateRef, namespace: str | None = None) -> int:
     """Free the state's blocks here and on its holder; returns the bytes freed.
 
     Blocks still used by another live state (a fork, an extension) stay. A holder

@@ -1,7 +1,7 @@
 """Batched siblings: the compiler turns the resumes of one state into batch tasks.
 
-Calls that resume from the same state with the same generation settings are siblings
-of one fork. Instead of one ``resume`` task each, the pass emits one
+Calls that resume from the same state with the same generation settings (the
+namespace among them) are siblings of one fork. Instead of one ``resume`` task each, the pass emits one
 ``tasks.resume_many`` per group of at most ``kvstate.compiler.batch-siblings`` of them,
 and each call's key becomes a ``getitem`` of its batch, so keys (and what they hold)
 never change. The batch decodes its rows together (``dask_kvstate/backends/batch.py``).

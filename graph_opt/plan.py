@@ -3,7 +3,8 @@
 A call's prompt is its list of segments. Two calls share a prefix when their leading
 segments are the same: equal literal strings, or the same upstream key (a document
 retrieved by an earlier task counts). Calls are put in a trie, one per *base*: the
-model for ``generate`` calls, the input state's key for ``resume`` calls. A trie node
+model for ``generate`` calls, the input state's key for ``resume`` calls, and for
+both the call's namespace, so calls of two tenants never share a state. A trie node
 becomes a state when two or more calls pass through it and they do not all continue
 into one single child (a branch point, or the end of a call that others extend:
 the debate shape). Each state is ``materialize`` of the segments from the base, or
@@ -11,14 +12,16 @@ the debate shape). Each state is ``materialize`` of the segments from the base, 
 state on its path with its remaining segments.
 
 Token boundaries are not decided here (the scheduler has no tokenizer): the runtime
-re-tokenizes the joined text and crops to the longest common token prefix.
+re-tokenizes the joined text and crops to the longest common token prefix. Nor is the
+namespace read from config here (this runs on the scheduler, whose config is not the
+client's): it is the ``namespace`` argument the client fixed on each call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from dask._task_spec import DataNode, Task, TaskRef
 from dask.base import tokenize
@@ -53,11 +56,19 @@ class Segment:
         return repr(text if len(text) <= 24 else text[:21] + "...")
 
 
+class Base(NamedTuple):
+    """What a call's prompt starts from: a model's empty context, or an upstream state."""
+
+    state: object  # the input state's key (resume), or None (generate)
+    model: str | None
+    namespace: str | None  # the call's tenant; None: the worker's (a task built without one)
+
+
 @dataclass
 class LLMCall:
     key: object
     task: Task
-    base: tuple  # ("model", name) for generate, ("state", key) for resume
+    base: Base
     segments: tuple[Segment, ...]
     gen_kwargs: dict
 
@@ -71,6 +82,7 @@ class StateNode:
     parent: object  # key of the input state (extend), or None
     segments: tuple[Segment, ...]  # what it adds on top of its parent (or base)
     model: str | None
+    namespace: str | None  # that of the calls it serves
     prefix_chars: int  # literal characters from the base through this state
     has_key_segment: bool  # the prefix includes an upstream document of unknown size
     consumers: list = field(default_factory=list)  # call keys resuming from it
@@ -134,16 +146,17 @@ def find_calls(dsk: Mapping) -> list[LLMCall]:
             continue
         if _is(task.func, tasks.generate):
             segs = tuple(_segment(key, i, a) for i, a in enumerate(task.args))
-            base: tuple = ("model", task.kwargs.get("model"))
+            state = None
         elif _is(task.func, tasks.resume):
             if not task.args or not isinstance(task.args[0], TaskRef):
                 continue  # a literal state: nothing upstream to share
             segs = tuple(_segment(key, i + 1, a) for i, a in enumerate(task.args[1:]))
-            base = ("state", task.args[0].key, task.kwargs.get("model"))
+            state = task.args[0].key
         else:
             continue
-        if not segs and base[0] == "model":
+        if not segs and state is None:
             continue
+        base = Base(state, task.kwargs.get("model"), task.kwargs.get("namespace"))
         calls.append(LLMCall(key, task, base, segs, dict(task.kwargs)))
     return calls
 
@@ -160,7 +173,7 @@ class _TrieNode:
 def make_plan(dsk: Mapping, *, min_shared_chars: int = 0) -> Plan:
     """Plan the state tasks for ``dsk``. Raises :class:`StateflowError` naming a bad task."""
     calls = find_calls(dsk)
-    tries: dict[tuple, _TrieNode] = {}
+    tries: dict[Base, _TrieNode] = {}
     for call in calls:
         node = tries.setdefault(call.base, _TrieNode())
         for seg in call.segments:
@@ -171,7 +184,7 @@ def make_plan(dsk: Mapping, *, min_shared_chars: int = 0) -> Plan:
     states: dict[str, StateNode] = {}
     deepest: dict = {}  # call key -> (state key, depth)
 
-    def walk(node: _TrieNode, base: tuple, path: tuple[Segment, ...], parent: StateNode | None, since: int):
+    def walk(node: _TrieNode, base: Base, path: tuple[Segment, ...], parent: StateNode | None, since: int):
         here = parent
         if path and node.through >= 2:
             single_child = len(node.children) == 1 and not node.ends
@@ -202,14 +215,15 @@ def make_plan(dsk: Mapping, *, min_shared_chars: int = 0) -> Plan:
     return Plan(calls, states, resumes)
 
 
-def _new_state(base, path, parent: StateNode | None, since: int, chars: int, has_key: bool) -> StateNode:
-    model = base[-1] if base[0] == "model" else base[2]
+def _new_state(base: Base, path, parent: StateNode | None, since: int, chars: int, has_key: bool) -> StateNode:
     own = path[since:]
+    parent_key: object
     if parent is not None:
         op, parent_key = "extend", parent.key
-    elif base[0] == "state":
-        op, parent_key = "extend", base[1]
+    elif base.state is not None:
+        op, parent_key = "extend", base.state
     else:
         op, parent_key = "materialize", None
-    token = tokenize(op, parent_key, model, [(s.kind, s.value) for s in own])
-    return StateNode(f"kvs-{op}-{token}", op, parent_key, own, model, chars, has_key)
+    # The namespace is in the key: equal prefixes of two tenants are two tasks.
+    token = tokenize(op, parent_key, base.model, base.namespace, [(s.kind, s.value) for s in own])
+    return StateNode(f"kvs-{op}-{token}", op, parent_key, own, base.model, base.namespace, chars, has_key)

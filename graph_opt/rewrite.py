@@ -31,14 +31,17 @@ class KeyAnnotation:
 
 
 def state_task(st) -> Task:
+    """The task of an inserted state, with the namespace of the calls it serves (never the
+    worker's or the scheduler's config)."""
     args = [s.arg() for s in st.segments]
     if st.op == "materialize":
-        return Task(st.key, tasks.materialize, *args, model=st.model)
-    return Task(st.key, tasks.extend, TaskRef(st.parent), *args, model=st.model)
+        return Task(st.key, tasks.materialize, *args, namespace=st.namespace, model=st.model)
+    return Task(st.key, tasks.extend, TaskRef(st.parent), *args, namespace=st.namespace, model=st.model)
 
 
 def resume_task(call, state_key, remaining) -> Task:
-    # prefix_cache is text replay's own switch; a resume reuses its state instead.
+    # prefix_cache is text replay's own switch; a resume reuses its state instead. The
+    # call's namespace goes along with its other keywords.
     kwargs = {k: v for k, v in call.gen_kwargs.items() if k != "prefix_cache"}
     return Task(call.key, tasks.resume, TaskRef(state_key), *[s.arg() for s in remaining], **kwargs)
 

@@ -25,6 +25,8 @@ def generate(rt, text: str, namespace: str, sampling: Sampling) -> Generation:
 
     Token-identical to text replay: the reused blocks are the KV of exactly the
     prompt's leading tokens (their hashes chain over those token ids and this model).
+    ``namespace`` is the calling task's (fixed by its client), so a hit is only ever
+    on blocks of the same tenant.
     Raises ValueError for an empty prompt.
     """
     t0 = time.perf_counter()
