@@ -29,12 +29,13 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_kvstate import config
 from dask_kvstate.backends import check_model_name
+from dask_kvstate.plugins.worker import checksum
 from dask_kvstate.plugins.worker.allocator import retain_freed_memory
 from dask_kvstate.plugins.worker.handshake import hello
 from dask_kvstate.plugins.worker.memory import KVStateSpillData
 from dask_kvstate.plugins.worker.packing import PackingBuffers
 from dask_kvstate.plugins.worker.reporter import StatsReporter
-from dask_kvstate.plugins.worker.serve import serve_blocks, serve_inline, serve_run
+from dask_kvstate.plugins.worker.serve import send_reply, serve_blocks, serve_inline, serve_run
 from dask_kvstate.plugins.worker.settings import WorkerSettings
 from dask_kvstate.plugins.worker.transport import call
 from dask_kvstate.protocol import (
@@ -306,23 +307,35 @@ class KVStateWorkerPlugin(WorkerPlugin):
         return freed
 
     # -- handlers ------------------------------------------------------------------
-    async def _serve_blocks(self, comm=None, hashes=()) -> dict:
+    async def _serve_blocks(self, comm=None, hashes=(), serializers=None):
         if self.runtime is None:
             return serve_blocks(None, hashes)
         # Serve on the event loop, as Worker.get_data does, unless blocks must be read
-        # and checked from disk or many small blocks packed (a copy): those go to a thread
-        # past Dask's own offload threshold. The thread hop costs a few ms per pull.
+        # and checked from disk, many small blocks packed (a copy) or many bytes
+        # checksummed: those go to a thread past Dask's own offload threshold. The
+        # thread hop costs a few ms per pull.
+        settings = self.worker_settings
         store, packing = self.runtime.store, self.packing if self.packing.keep_bytes else None
         counters = self.runtime.counters
         # One run of memory (an arena) goes out as it is: no copy.
-        reply = serve_run(store, hashes) if self.worker_settings.zero_copy else None
+        reply = serve_run(store, hashes) if settings.zero_copy else None
         if reply is not None:
             counters["served_zero_copy"] += 1
-            return reply
-        counters["served_packed"] += 1
-        if serve_inline(store, hashes, self.worker_settings.inline_copy_bytes, packing is not None):
-            return serve_blocks(store, hashes, packing, zero_copy=False)
-        return await asyncio.to_thread(serve_blocks, store, hashes, packing, zero_copy=False)
+            inline = not settings.checksum or checksum.nbytes(reply["frames"]) <= settings.inline_copy_bytes
+        else:
+            counters["served_packed"] += 1
+            read_all = packing is not None or settings.checksum
+            inline = serve_inline(store, hashes, settings.inline_copy_bytes, read_all)
+
+        def finish(reply: dict | None) -> dict:
+            if reply is None:
+                reply = serve_blocks(store, hashes, packing, zero_copy=False)
+            return checksum.sign(reply) if settings.checksum else reply
+
+        reply = finish(reply) if inline else await asyncio.to_thread(finish, reply)
+        # A reply packed into a lent buffer is written here, so the buffer is given back
+        # only once the comm has written it.
+        return await send_reply(comm, reply, packing, serializers)
 
     async def _evict_handler(self, comm=None, state=None) -> int:
         if self.runtime is None or not isinstance(state, KVStateRef):
