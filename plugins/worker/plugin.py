@@ -231,30 +231,37 @@ class KVStateWorkerPlugin(WorkerPlugin):
         rt = self.runtime
         if rt is None:
             return
-        if finish == "memory" and self._may_hold_refs(key):
-            refs = refs_in(self.worker.data.get(key))
-            with self._lock:
-                for ref in refs:
-                    rt.store.hold(("ref", key, ref.state_id), ref.blocks)
-                if refs:
-                    self.held[key] = [r.state_id for r in refs]
-            if refs and start == "executing" and self.placement:  # computed here: the extension wants it
-                self._send_ref(key, refs[0])
-            observer = getattr(self, "_observer", None)
-            if refs and start == "executing" and observer is not None:
-                observer.send_states(key, refs)
-        elif start == "memory" and key in self.held:
-            with self._lock:
-                for sid in self.held.pop(key, ()):
-                    rt.store.release(("ref", key, sid))
-        # After the hold above, so a finished task's new blocks are never unprotected.
-        # A cancelled task's thread runs on until cancelled -> released; a seceded one
-        # (long-running) still runs: keep their pins until then. Only tasks that pinned
-        # blocks (kvstate operators) have anything to unpin.
-        if start in _RUNNING and finish not in _RUNNING and rt.store.pinned_by(("task", key)):
-            rt.store.unpin(("task", key))
+        try:
+            if finish == "memory" and self._may_hold_refs(key):
+                refs = refs_in(self.worker.data.get(key))
+                with self._lock:
+                    for ref in refs:
+                        rt.store.hold(("ref", key, ref.state_id), ref.blocks)
+                    if refs:
+                        self.held[key] = [r.state_id for r in refs]
+                if refs and start == "executing" and self.placement:  # computed here: the extension wants it
+                    self._send_ref(key, refs[0])
+                observer = getattr(self, "_observer", None)
+                if refs and start == "executing" and observer is not None:
+                    observer.send_states(key, refs)
+            elif start == "memory" and key in self.held:
+                with self._lock:
+                    for sid in self.held.pop(key, ()):
+                        rt.store.release(("ref", key, sid))
+        finally:
+            # After the hold above, so a finished task's new blocks are never unprotected;
+            # and whatever the reports above raised, so a finished task never keeps its pins.
+            # A cancelled task's thread runs on until cancelled -> released; a seceded one
+            # (long-running) still runs: keep their pins until then. Only tasks that pinned
+            # blocks (kvstate operators) have anything to unpin.
+            if start in _RUNNING and finish not in _RUNNING and rt.store.pinned_by(("task", key)):
+                rt.store.unpin(("task", key))
 
     def _send_ref(self, key, ref: KVStateRef) -> None:
+        """Tell the placement extension where ``key``'s state lives. Never raises: a closed
+        stream (the scheduler gone) loses the report, as it loses every other message."""
+        from distributed.comm.core import CommClosedError
+
         summary = {
             "blocks": list(ref.blocks),
             "num_tokens": ref.num_tokens,
@@ -263,8 +270,13 @@ class KVStateWorkerPlugin(WorkerPlugin):
             "holder": ref.placement.worker,
             "model": ref.model_name,
         }
-        if self.worker.batched_stream is not None:
-            self.worker.batched_stream.send({"op": REF, "key": key, "refs": [summary]})
+        stream = self.worker.batched_stream
+        if stream is None:
+            return
+        try:
+            stream.send({"op": REF, "key": key, "refs": [summary]})
+        except CommClosedError:
+            logger.debug("kvstate: scheduler stream closed; ref report for %s not sent", key)
 
     def _may_hold_refs(self, key) -> bool:
         # Only look at values whose type can hold refs: reading any other key's value
