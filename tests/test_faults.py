@@ -199,16 +199,16 @@ def test_a_corrupted_frame_is_caught_by_its_checksum_and_recomputed(fault_client
         return stats.get(key, 0) - old.get(key, 0)
 
     print(
-        f"corrupted frame: checksum failures +{delta(s, before, 'checksum_failures')}, blocks kept from it "
+        f"corrupted frame: checksum failures +{delta(s, before, 'pull_checksum_failures')}, blocks kept from it "
         f"{delta(s, before, 'transfers')}, recomputed {delta(s, before, 'recomputes')}; the next pull kept "
         f"{delta(after, s, 'transfers')} blocks"
     )
     assert out.token_ids == replay(client, text, QUESTION).token_ids
-    assert delta(s, before, "checksum_failures") == 1 and delta(s, before, "transfer_failures") == 1
+    assert delta(s, before, "pull_checksum_failures") == 1 and delta(s, before, "transfer_failures") == 1
     assert delta(s, before, "transfers") == 0  # not one block of the damaged reply kept
     assert delta(s, before, "recomputes") == len(ref.blocks)
     assert clean_out.token_ids == replay(client, clean_text, QUESTION).token_ids
-    assert delta(after, s, "checksum_failures") == 0 and delta(after, s, "transfers") == clean_blocks
+    assert delta(after, s, "pull_checksum_failures") == 0 and delta(after, s, "transfers") == clean_blocks
 
 
 def _reshape_a_held_block(dask_worker, h: bytes) -> list:

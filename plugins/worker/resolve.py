@@ -141,7 +141,7 @@ class Resolver:
     def pull(self, holder: str, hashes: list[bytes], shapes: Mapping[bytes, tuple[int, ...]]) -> dict[bytes, Any]:
         """Blocks ``hashes`` from worker ``holder``, stored here; ``{}`` when the pull fails (logged).
 
-        A reply whose frames fail their checksum fails as a whole (``checksum_failures``).
+        A reply whose frames fail their checksum fails as a whole (``pull_checksum_failures``).
         Of a reply read, only blocks asked for, of the shape ``shapes`` gives and the
         model's dtype, are stored; any other block is dropped (``rejected_blocks``), so
         the caller recomputes it like a missing one and no later task finds it here.
@@ -163,7 +163,8 @@ class Resolver:
             got = res.blocks()  # in this thread: checking the checksums reads every byte
         except Exception as e:
             kv.counters["transfer_failures"] += 1
-            kv.counters["checksum_failures"] += isinstance(e, ChecksumError)
+            if isinstance(e, ChecksumError):
+                kv.counters["pull_checksum_failures"] += 1
             logger.warning(
                 "kvstate: pulling %d blocks from %s failed (%s: %s); recomputing",
                 len(hashes),
