@@ -132,7 +132,10 @@ def stats(client: Client) -> Stats:
       ``recompute_tokens``, ``incompatible``, ``materializations``, ``resumes``, ``forks``,
       ``evicted_bytes``, ``served_zero_copy`` / ``served_packed`` (pulls this worker served
       as one run of a block arena's memory / packed into a reply buffer),
-      ``pulls_zero_copy`` / ``pulls_packed`` (the same, seen by the puller), ...), and
+      ``pulls_zero_copy`` / ``pulls_packed`` (the same, seen by the puller),
+      ``transfer_failures`` (pulls that failed, recomputed), ``pull_checksum_failures`` (of
+      those, replies whose frames failed ``kvstate.transport.checksum``), ``rejected_blocks``
+      (pulled blocks not asked for or of the wrong shape, dropped), ...), and
       ``arena_overhang_bytes`` (memory arenas keep alive beyond the blocks the tiers
       count). Counters never seen are absent; read them with ``.get``.
     * ``placement``: decisions, choices, outcomes, slower choices, errors.

@@ -26,11 +26,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--mib", type=int, default=64, help="bytes of KV moved per throughput measurement")
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--packed", action="store_true", help="also time pulls with the zero-copy path off, interleaved")
+    ap.add_argument(
+        "--checksum", action="store_true", help="also time pulls with frame checksums off and on, interleaved"
+    )
     ap.add_argument("--tp-repeats", type=int, default=9, help="pulls and fetches per throughput measurement")
     args = ap.parse_args(argv)
     cells = [] if args.skip_sweep else crossover.sweep(args.model, args.protocol, args.repeats)
     protocols = list(filter(None, args.throughput.split(",")))
-    rates = crossover.throughputs(args.model, protocols, args.mib, args.tp_repeats, packed=args.packed)
+    rates = crossover.throughputs(
+        args.model, protocols, args.mib, args.tp_repeats, packed=args.packed, checksum=args.checksum
+    )
     return {"cells": cells, "throughput": rates}
 
 

@@ -61,6 +61,15 @@ def test_seeded_sampling_is_reproducible(backend):
     assert a.token_ids != c.token_ids
 
 
+def test_unseeded_sampling_leaves_torchs_global_generator_alone(backend):
+    ids = backend.tokenize(CONTEXT)
+    torch.manual_seed(1234)
+    before = torch.random.get_rng_state()
+    a = backend.generate(ids, None, Sampling(max_new_tokens=6, temperature=0.9))  # no seed: a fresh one
+    assert torch.equal(torch.random.get_rng_state(), before) and torch.initial_seed() == 1234
+    assert len(a.token_ids) == 6
+
+
 def test_local_model_folder_loads_like_a_named_model(tmp_path, backend):
     backend.model.save_pretrained(tmp_path)
     backend.tokenizer.save_pretrained(tmp_path)

@@ -189,6 +189,16 @@ def test_page_with_no_data_shows_an_empty_state():
         assert "No states yet" in shown["lineage"]
 
 
+def test_lineage_escapes_what_workers_report():
+    """State ids, ops, holders and models come from workers: the page shows them as text, never as markup."""
+    from dask_kvstate.plugins.scheduler.dashboard import lineage_html
+
+    step = {"op": "<b>op", "state": "<script>x", "tokens": 3, "nbytes": 10, "holder": "<i>w", "model": "<u>m"}
+    shown = lineage_html([[{**step, "live": True}, step]])
+    assert "<script" not in shown and "<b>op" not in shown and "<i>w" not in shown and "<u>m" not in shown
+    assert "&lt;script" in shown and "&lt;b&gt;op" in shown
+
+
 def test_page_data_follows_a_workflow(client, workers):
     thoughts, answers = tree_of_thought(3, 4)
     held = client.compute(thoughts)  # keep the branch states live

@@ -145,6 +145,106 @@ def test_block_pull_broken_mid_stream_uses_no_partial_block(fault_client, how):
     assert set(ref.blocks) <= set(client.run(_blocks_here, workers=[b])[b])
 
 
+# -- a frame corrupted on the way, a block of the wrong shape ---------------------------
+def _holder_checksums(dask_worker, on: bool) -> None:
+    import dataclasses
+
+    plugin = dask_worker.plugins["kvstate"]
+    plugin.worker_settings = dataclasses.replace(plugin.worker_settings, checksum=on)
+
+
+async def _flip_a_byte_of_the_next_reply(dask_worker):
+    """Make this worker's next block reply carry one flipped byte (in a copy: its own blocks stay right)."""
+    import numpy as np
+    from distributed.protocol import to_serialize
+
+    serve = dask_worker.handlers[GET_BLOCKS]
+
+    async def corrupting(comm=None, hashes=(), **kwargs):
+        reply = await serve(comm=comm, hashes=hashes, **kwargs)
+        frame = np.array(reply["frames"][0].data, dtype=np.uint8).reshape(-1)  # a copy
+        frame[frame.nbytes // 2] ^= 0x10
+        dask_worker.handlers[GET_BLOCKS] = serve  # once
+        return {**reply, "frames": [to_serialize(frame)]}
+
+    dask_worker.handlers[GET_BLOCKS] = corrupting
+
+
+def test_a_corrupted_frame_is_caught_by_its_checksum_and_recomputed(fault_client):
+    client = fault_client
+    a, b = sorted(client.scheduler_info()["workers"])
+    client.run(_holder_checksums, on=True, workers=[a])
+    try:
+        text = "A flipped byte. " + CONTEXT
+        with on(a):
+            state = client.persist(kvs.materialize(text))
+        ref = state.compute()
+        client.run(_flip_a_byte_of_the_next_reply, workers=[a])
+        before = kvs.stats(client).workers[b]
+        with on(b):
+            out = client.compute(kvs.resume(state, QUESTION, max_new_tokens=12)).result()
+        s = kvs.stats(client).workers[b]
+        # The next pull, unharmed, passes its checks.
+        clean_text = "An intact frame. " + CONTEXT
+        with on(a):
+            clean = client.persist(kvs.materialize(clean_text))
+        clean_blocks = len(clean.compute().blocks)
+        with on(b):
+            clean_out = client.compute(kvs.resume(clean, QUESTION, max_new_tokens=12)).result()
+        after = kvs.stats(client).workers[b]
+    finally:
+        client.run(_holder_checksums, on=False, workers=[a])
+
+    def delta(stats, old, key):
+        return stats.get(key, 0) - old.get(key, 0)
+
+    print(
+        f"corrupted frame: checksum failures +{delta(s, before, 'pull_checksum_failures')}, blocks kept from it "
+        f"{delta(s, before, 'transfers')}, recomputed {delta(s, before, 'recomputes')}; the next pull kept "
+        f"{delta(after, s, 'transfers')} blocks"
+    )
+    assert out.token_ids == replay(client, text, QUESTION).token_ids
+    assert delta(s, before, "pull_checksum_failures") == 1 and delta(s, before, "transfer_failures") == 1
+    assert delta(s, before, "transfers") == 0  # not one block of the damaged reply kept
+    assert delta(s, before, "recomputes") == len(ref.blocks)
+    assert clean_out.token_ids == replay(client, clean_text, QUESTION).token_ids
+    assert delta(after, s, "pull_checksum_failures") == 0 and delta(after, s, "transfers") == clean_blocks
+
+
+def _reshape_a_held_block(dask_worker, h: bytes) -> list:
+    """Put a block one token short under hash ``h`` in this worker's store; its shape, as a list."""
+    store = dask_worker.plugins["kvstate"].runtime.store
+    wrong = store.peek(h)[:, :, :, 1:].clone()
+    store.device.d[h] = wrong
+    return list(wrong.shape)
+
+
+def _shape_here(dask_worker, h: bytes):
+    t = dask_worker.plugins["kvstate"].runtime.store.peek(h)
+    return None if t is None else list(t.shape)
+
+
+def test_a_pulled_block_of_the_wrong_shape_is_recomputed_not_stored(fault_client):
+    client = fault_client
+    a, b = sorted(client.scheduler_info()["workers"])
+    text = "A wrong shape. " + CONTEXT
+    with on(a):
+        state = client.persist(kvs.materialize(text))
+    ref = state.compute()
+    bad = ref.blocks[2]
+    wrong = client.run(_reshape_a_held_block, h=bad, workers=[a])[a]
+    before = kvs.stats(client).workers[b]
+    with on(b):
+        outs = [client.compute(kvs.resume(state, q, max_new_tokens=12)).result() for q in (QUESTION, " And why?")]
+    s = kvs.stats(client).workers[b]
+    assert [o.token_ids for o in outs] == [replay(client, text, q).token_ids for q in (QUESTION, " And why?")]
+    assert s.get("rejected_blocks", 0) - before.get("rejected_blocks", 0) == 1
+    assert s["transfers"] - before.get("transfers", 0) == len(ref.blocks) - 1  # all but the bad one
+    assert s["recomputes"] - before.get("recomputes", 0) == len(ref.blocks) - 2  # from the bad one on
+    here = client.run(_shape_here, h=bad, workers=[b])[b]
+    assert here is not None and here != wrong  # stored is the recomputed block, of the right shape
+
+
 # -- the holder dies mid-workflow ------------------------------------------------------
 def gate(name: str) -> str:
     """An empty prompt segment that arrives when the test sets the Event ``name``."""

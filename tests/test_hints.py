@@ -299,3 +299,64 @@ async def test_unhinted_batchable_runs_alone_and_dependencies_resolve(c, s, a):
     text = c.submit(str, "def h()", key="source")
     assert await c.submit(classify, text, key="classify-x") == "def h():code"  # a future as an argument
     assert BATCHES == [1]
+
+
+class _ReadsFailAfter:
+    """A worker's data as the batching plugin sees it: every read after the first ``ok`` raises."""
+
+    def __init__(self, data, ok: int):
+        self.data, self.ok = data, ok
+
+    def __getitem__(self, key):
+        self.ok -= 1
+        if self.ok < 0:
+            raise OSError(f"injected: {key} cannot be read back")
+        return self.data[key]
+
+
+class _WithData:
+    """A worker whose ``data`` is replaced; everything else is the worker's own."""
+
+    def __init__(self, worker, data):
+        self._worker, self.data = worker, data
+
+    def __getattr__(self, name):
+        return getattr(self._worker, name)
+
+
+@gen_cluster(client=True, nthreads=[("", 1)], config=FAST, timeout=60)
+async def test_a_peer_whose_input_cannot_be_read_leaves_no_follower_waiting(c, s, a):
+    """The leader claims a first peer, then reading a later peer's input raises: the claimed
+    follower still gets its result from the batch, the unreadable one runs alone."""
+    BATCHES.clear()
+    await install(c, {"classify": {"batchable": True}})
+    await async_poll_for(lambda: BATCHING in a.plugins, timeout=10)
+    texts = ["hello", "def k()", "bye"]
+    inputs = [c.submit(str, t, key=f"input-{i}") for i, t in enumerate(texts)]
+    await c.gather(inputs)
+    plugin = a.plugins[BATCHING]
+    plugin.worker = _WithData(a, _ReadsFailAfter(a.data, ok=1))  # the second peer's input fails
+    blocker = c.submit(hold_thread, "unblock3", key="blocker")
+    await async_poll_for(
+        lambda: "blocker" in a.state.tasks and a.state.tasks["blocker"].state == "executing", timeout=10
+    )
+    futures = [c.submit(classify, x, key=f"classify-{i}") for i, x in enumerate(inputs)]
+    await async_poll_for(lambda: len(a.state.ready) == 3, timeout=10)
+    await Event("unblock3").set()
+    await blocker
+    assert await c.gather(futures) == ["hello:chat", "def k():code", "bye:chat"]
+    assert BATCHES == [2, 1]  # the leader with the peer it claimed, then the unreadable one alone
+    assert plugin.stats()["claims"] == 0
+
+
+def test_a_follower_whose_leader_is_gone_runs_alone(monkeypatch):
+    from types import SimpleNamespace
+
+    from dask_kvstate.plugins.worker import batching
+
+    monkeypatch.setattr(batching, "_LEADER_CHECK_S", 0.01)
+    plugin = batching.BatchingWorkerPlugin({"classify": None}, 0.0)
+    plugin.setup(SimpleNamespace(state=SimpleNamespace(tasks={})))  # the leader's task is no more
+    plugin.claims["classify-9"] = batching._Slot("classify-leader")
+    assert plugin.run(classify, "classify-9", ("def z()",)) == "def z():code"
+    assert plugin.stats()["orphaned_followers"] == 1

@@ -128,3 +128,27 @@ def test_max_copies_keeps_consumers_on_the_holder():
         decisions = _two_long_resumes(client, "Copies")
         assert [d["worker"] for d in decisions] == [a, a] and all(d["capped"] for d in decisions)
         assert kvs.stats(client).workers[b].get("transfers", 0) == 0  # no second copy was made
+
+
+def test_a_late_ref_report_leaves_no_placement_entry():
+    """A report for a key already released or forgotten is dropped: no transition would ever remove it."""
+    from types import SimpleNamespace
+
+    from dask_kvstate.plugins.scheduler.placement import KVPlacement
+
+    ext = KVPlacement()
+    tasks = {key: SimpleNamespace(state=key, dependents=()) for key in ("released", "processing")}
+    ext.scheduler = SimpleNamespace(tasks=tasks, log_event=lambda *args: None)
+    summary = {
+        "blocks": [b"h" * 16],
+        "num_tokens": 16,
+        "block_tokens": 16,
+        "bytes_per_token": 8,
+        "holder": "tcp://a",
+        "model": "tiny-llama",
+    }
+    for key in ("forgotten", "released", "processing"):
+        ext._on_ref(worker="tcp://a", key=key, refs=[summary])
+    assert list(ext.refs) == ["processing"] and ext.counters["late_refs"] == 2
+    ext.transition("processing", "processing", "erred")  # its task ended without a value
+    assert ext.refs == {} and not ext.counters["errors"]

@@ -107,7 +107,8 @@ class ServePath:
     def time_serve_packed(self):
         from dask_kvstate.plugins.worker.serve import serve_blocks
 
-        serve_blocks(self.store, self.hashes, self.buffers, zero_copy=False)
+        reply = serve_blocks(self.store, self.hashes, self.buffers, zero_copy=False)
+        self.buffers.release(reply["frames"][0].data)  # as the comm does once it has written the reply
 
     def time_serve_zero_copy(self):
         from dask_kvstate.plugins.worker.serve import serve_run

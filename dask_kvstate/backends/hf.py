@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -213,11 +214,15 @@ class HFBackend:
 
 
 def generator(device, temperature: float, seed: int | None) -> torch.Generator | None:
-    """The sampler's random generator (seeded with ``seed``, or a fresh seed); None when greedy."""
+    """The sampler's random generator (seeded with ``seed``, or a fresh seed); None when greedy.
+
+    A fresh seed comes from the OS (``secrets``), not ``torch.seed()``, which would
+    reseed torch's global generator under every other user of it in the process.
+    """
     if temperature <= 0:
         return None
     gen = torch.Generator(device=device)
-    gen.manual_seed(int(seed) if seed is not None else torch.seed())
+    gen.manual_seed(int(seed) if seed is not None else secrets.randbits(63))
     return gen
 
 

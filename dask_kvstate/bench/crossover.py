@@ -22,7 +22,7 @@ import numpy as np
 from distributed import Client, LocalCluster, wait
 
 import dask_kvstate as kvs
-from dask_kvstate import progress, tasks
+from dask_kvstate import config, progress, tasks
 from dask_kvstate.bench import workload
 from dask_kvstate.protocol import WORKER_PLUGIN
 
@@ -84,21 +84,29 @@ def sweep_cell(client, a, b, tokens_hint: int, salt: str, repeats: int) -> dict:
     }
 
 
-def _holder_zero_copy(client, holder: str, on: bool) -> None:
-    def flip(dask_worker, on=on):
-        dask_worker.plugins[WORKER_PLUGIN].zero_copy = on
+def _holder_settings(client, holder: str, **changes) -> None:
+    """Change the holder's worker settings (``zero_copy``, ``checksum``) for the pulls that follow."""
 
-    client.run(flip, workers=[holder])
+    def change(dask_worker, changes=changes):
+        import dataclasses
+
+        plugin = dask_worker.plugins[WORKER_PLUGIN]
+        plugin.worker_settings = dataclasses.replace(plugin.worker_settings, **changes)
+
+    client.run(change, workers=[holder])
 
 
-def throughput(client, a, b, nbytes: int, repeats: int = 9, packed: bool = False) -> dict:
+def throughput(client, a, b, nbytes: int, repeats: int = 9, packed: bool = False, checksum: bool = False) -> dict:
     """KV pull vs Dask's own fetch of a numpy array of the same bytes, a -> b, interleaved.
 
     Both are timed inside a task on ``b``, from request to data in hand (the KV pull
-    also stores the blocks), so neither pays the scheduler's round trips. Random bytes,
-    like KV, in case comm compression is on. Medians of ``repeats``. With ``packed``,
-    each repeat also pulls with the holder's zero-copy path off (``packed_s``): the
-    block arena's gain, measured beside it.
+    also checks and stores the blocks), so neither pays the scheduler's round trips.
+    Random bytes, like KV, in case comm compression is on. Medians of ``repeats``. With
+    ``packed``, each repeat also pulls with the holder's zero-copy path off
+    (``packed_s``): the block arena's gain, measured beside it. With ``checksum``, each
+    repeat pulls once with the holder's frame checksums off and once on
+    (``unchecked_s``, ``checked_s``), in alternating order: what
+    ``kvstate.transport.checksum`` costs, measured side by side.
     """
     per_token = workload.kv_bytes_per_token(client)
     ref = client.submit(tasks.materialize, context(nbytes // per_token, "throughput"), workers=[a], pure=False).result()
@@ -106,18 +114,28 @@ def throughput(client, a, b, nbytes: int, repeats: int = 9, packed: bool = False
         lambda n: np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8), ref.nbytes, workers=[a], pure=False
     )
     wait(arr)
+
+    def pull() -> float:
+        return client.submit(tasks.measure_fill, ref, "pull", workers=[b], pure=False).result()
+
     kv, raw, kv_packed = [], [], []
+    checked: dict[bool, list[float]] = {False: [], True: []}
     for i in range(repeats):
         # alternate which goes first: the first transfer of a repeat may find colder caches
         if i % 2:
             raw.append(client.submit(tasks.measure_raw_fetch, arr.key, a, workers=[b], pure=False).result())
-        kv.append(client.submit(tasks.measure_fill, ref, "pull", workers=[b], pure=False).result())
+        kv.append(pull())
         if not i % 2:
             raw.append(client.submit(tasks.measure_raw_fetch, arr.key, a, workers=[b], pure=False).result())
         if packed:
-            _holder_zero_copy(client, a, False)
-            kv_packed.append(client.submit(tasks.measure_fill, ref, "pull", workers=[b], pure=False).result())
-            _holder_zero_copy(client, a, True)
+            _holder_settings(client, a, zero_copy=False)
+            kv_packed.append(pull())
+            _holder_settings(client, a, zero_copy=True)
+        if checksum:
+            for on in (bool(i % 2), not i % 2):
+                _holder_settings(client, a, checksum=on)
+                checked[on].append(pull())
+            _holder_settings(client, a, checksum=bool(config.get("transport.checksum")))
     kv_s, raw_s = statistics.median(kv), statistics.median(raw)
     out = {
         "mib": ref.nbytes / 2**20,
@@ -134,6 +152,13 @@ def throughput(client, a, b, nbytes: int, repeats: int = 9, packed: bool = False
             packed_s=statistics.median(kv_packed),
             packed_ratio=raw_s / statistics.median(kv_packed),
             packed_paired_ratio=statistics.median(r / k for r, k in zip(raw, kv_packed)),
+        )
+    if checksum:
+        out.update(
+            unchecked_s=statistics.median(checked[False]),
+            checked_s=statistics.median(checked[True]),
+            # throughput lost to the checksums: 1 - checked rate / unchecked rate, per repeat
+            checksum_cost=statistics.median(1 - u / c for u, c in zip(checked[False], checked[True])),
         )
     return out
 
@@ -163,14 +188,16 @@ def sweep(model: str, protocol: str, repeats: int) -> list[dict]:
     return cells
 
 
-def throughputs(model: str, protocols: list[str], mib: int, repeats: int = 9, packed: bool = False) -> dict:
+def throughputs(
+    model: str, protocols: list[str], mib: int, repeats: int = 9, packed: bool = False, checksum: bool = False
+) -> dict:
     """:func:`throughput` of ``mib`` MiB on a fresh two-worker cluster per comm; prints each result."""
     rates = {}
     for protocol in protocols:
         with two_workers(protocol) as client:
             kvs.install(client, model, torch_threads=1)
             a, b = sorted(client.scheduler_info()["workers"])
-            tp = rates[protocol] = throughput(client, a, b, mib * 2**20, repeats, packed=packed)
+            tp = rates[protocol] = throughput(client, a, b, mib * 2**20, repeats, packed=packed, checksum=checksum)
         print(
             f"{protocol} throughput, {tp['mib']:.0f} MiB in {tp['blocks']} blocks: "
             f"KV pull {tp['mib'] / tp['kv_s']:.0f} MiB/s, "
@@ -183,6 +210,13 @@ def throughputs(model: str, protocols: list[str], mib: int, repeats: int = 9, pa
                 f"{protocol} same run, zero-copy off (packed into a reply buffer): KV pull "
                 f"{tp['mib'] / tp['packed_s']:.0f} MiB/s, {100 * tp['packed_ratio']:.0f}% of raw "
                 f"(paired {100 * tp['packed_paired_ratio']:.0f}%)",
+                flush=True,
+            )
+        if checksum:
+            print(
+                f"{protocol} same run, frame checksums off / on: KV pull {tp['mib'] / tp['unchecked_s']:.0f} / "
+                f"{tp['mib'] / tp['checked_s']:.0f} MiB/s, checksums cost {100 * tp['checksum_cost']:.1f}% "
+                "of pull throughput (median of paired repeats)",
                 flush=True,
             )
     return rates

@@ -138,7 +138,8 @@ def lineage_html(chains: list[list[dict]]) -> str:
     for chain in chains:
         head = chain[0]
         steps = " &larr; ".join(
-            f"{html.escape(s['op'])} <code>{s['state'][:8]}</code> ({s['tokens']:,} tok)" for s in chain
+            f"{html.escape(str(s['op']))} <code>{html.escape(str(s['state'])[:8])}</code> ({s['tokens']:,} tok)"
+            for s in chain
         )
         status = "live" if head.get("live") else "released"
         items.append(

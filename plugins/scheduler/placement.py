@@ -127,11 +127,16 @@ class KVPlacement(SchedulerPlugin):
     def _on_ref(self, worker=None, key=None, refs=(), **_) -> None:
         if not refs:
             return
+        ts = self.scheduler.tasks.get(key)
+        if ts is None or ts.state not in ("processing", "memory"):
+            # Late: the key was released or forgotten before its report arrived, so no
+            # transition would ever drop an entry made now.
+            self.counters["late_refs"] += 1
+            return
         self.refs[key] = refs[0]
         # The holder has these blocks now; its periodic block report may come later.
         self.blocks_on.setdefault(refs[0]["holder"], set()).update(refs[0]["blocks"])
-        ts = self.scheduler.tasks.get(key)
-        if ts is not None and ts.state == "memory":  # the report lost the race with task-finished
+        if ts.state == "memory":  # the report lost the race with task-finished
             self._place_dependents(key)
 
     @_guarded("a block report")
@@ -175,7 +180,7 @@ class KVPlacement(SchedulerPlugin):
     def _transition(self, key, start, finish) -> None:
         if finish == "memory":
             self._place_dependents(key)
-        elif finish in ("forgotten", "released") and start == "memory":
+        elif finish != "processing":  # released, forgotten, erred: the value the entry describes is gone
             self.refs.pop(key, None)
 
     @_guarded("remove_worker")

@@ -46,15 +46,20 @@ from dask_kvstate.session import component_of
 logger = logging.getLogger("dask_kvstate")
 
 _HEAPED = ("ready", "constrained")
+#: Task states in which a leader's thread may still be running its batch.
+_LEADING = ("executing", "long-running", "cancelled", "resumed")
+#: Seconds between a waiting follower's checks that its leader still runs.
+_LEADER_CHECK_S = 1.0
 
 
 class _Slot:
-    """A follower's result, filled by its batch's leader."""
+    """A follower's result, filled by its batch's leader (the task ``leader``)."""
 
-    __slots__ = ("done", "outcome")
+    __slots__ = ("done", "leader", "outcome")
 
-    def __init__(self):
+    def __init__(self, leader):
         self.done = threading.Event()
+        self.leader = leader
         self.outcome: tuple[bool, object] | None = None  # (ok, value or exception); None: run alone
 
 
@@ -99,7 +104,7 @@ class BatchingWorkerPlugin(WorkerPlugin):
         with self.lock:
             slot = self.claims.pop(key, None)
         if slot is not None:  # a follower: a leader ran it (on a one-thread worker: already done)
-            slot.done.wait()
+            self._wait_for_leader(slot)
             if slot.outcome is not None:
                 self.counters["followers"] += 1
                 return _unwrap(slot.outcome)
@@ -113,6 +118,21 @@ class BatchingWorkerPlugin(WorkerPlugin):
 
         peers = sync(self.worker.loop, self._collect, key, call.name, comp, self.batch[comp])
         return self._lead(call, args, peers)
+
+    def _wait_for_leader(self, slot: _Slot) -> None:
+        """Until the leader fills ``slot``, or is found no longer running (then this task runs alone).
+
+        Every path of a leader sets ``done``; the check is the guard that a follower's
+        thread never waits forever on a leader that is gone.
+        """
+        while not slot.done.wait(_LEADER_CHECK_S):
+            ts = self.worker.state.tasks.get(slot.leader)
+            if (ts is None or ts.state not in _LEADING) and not slot.done.is_set():
+                logger.warning(
+                    "kvstate batching: leader %s ended without this task's result; it runs alone", slot.leader
+                )
+                self.counters["orphaned_followers"] += 1
+                return
 
     def _lead(self, call: BatchedCall, args: tuple, peers: list):
         calls, taken = [args], []
@@ -176,7 +196,12 @@ class BatchingWorkerPlugin(WorkerPlugin):
                 data = {d.key: self.worker.data[d.key] for d in ts.dependencies}
             except KeyError:
                 continue  # an input left meanwhile: Dask will fetch it again, this task runs on its own
-            slot = _Slot()
+            except Exception:  # an input that cannot be read back (a failed unspill): not this batch's
+                logger.warning(
+                    "kvstate batching: could not read the inputs of %s; it runs alone", ts.key, exc_info=True
+                )
+                continue
+            slot = _Slot(key)
             with self.lock:
                 self.claims[ts.key] = slot
             out.append((ts.key, ts.run_spec, data, slot))

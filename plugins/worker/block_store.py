@@ -148,8 +148,9 @@ class TieredBlockStore:
         return cb
 
     def size_of(self, h: bytes) -> int:
-        """Bytes of block ``h`` (0 if not stored)."""
-        return self.ledger.size_of(h)
+        """Bytes of block ``h`` (0 if not stored). Locked: the serve path asks from the event loop."""
+        with self._lock:
+            return self.ledger.size_of(h)
 
     def _note_peak(self) -> None:
         self.device_peak = max(self.device_peak, int(self.device.total_weight))

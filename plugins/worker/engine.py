@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Hashable, Sequence
@@ -118,21 +119,46 @@ class KVEngine:
         two cores with one single-threaded worker each, a 4,096-token materialize left
         one core idle for ~18 s). The scheduler's placement extension counts the idle
         threads; torch's intra-op pool grows by that many for the prefill and shrinks
-        back after. Yields the thread count used. Costs one scheduler round trip, so only
-        prefills of ``kvstate.worker.borrow-idle-threads`` tokens or more ask.
+        back after. Costs one scheduler round trip, so only prefills of
+        ``kvstate.worker.borrow-idle-threads`` tokens or more ask.
+
+        torch's thread count is process-wide: every task thread of this worker would run
+        with it. So threads are borrowed only while this worker runs no other task, and
+        by one prefill at a time (:data:`_BORROWING`), which also keeps two borrowers
+        from restoring each other's counts. Yields the thread count used, or 0 while
+        another prefill holds borrowed threads (its count is not this one's to meter).
         """
-        own = torch.get_num_threads()
-        extra = 0
-        least = self.settings.borrow_min_tokens
-        if self.worker is not None and least and tokens >= least:
-            extra = scheduler_link.idle_threads(self.worker, timeout=self.settings.connect_timeout)
-        threads = min(own + max(extra, 0), os.cpu_count() or own)
-        if threads <= own:
-            yield own
+        if _BORROWING.locked():
+            yield 0  # another prefill has the process's thread count raised right now
             return
-        self.counters["borrowed_threads"] += threads - own
-        torch.set_num_threads(threads)
+        least = self.settings.borrow_min_tokens
+        if self.worker is None or not least or tokens < least or not self._alone():
+            yield torch.get_num_threads()
+            return
+        if not _BORROWING.acquire(blocking=False):
+            yield 0
+            return
         try:
-            yield threads
+            own = torch.get_num_threads()  # read under the lock: nobody's borrowed count
+            extra = scheduler_link.idle_threads(self.worker, timeout=self.settings.connect_timeout)
+            threads = min(own + max(extra, 0), os.cpu_count() or own)
+            if threads <= own:
+                yield own
+                return
+            self.counters["borrowed_threads"] += threads - own
+            torch.set_num_threads(threads)
+            try:
+                yield threads
+            finally:
+                torch.set_num_threads(own)
         finally:
-            torch.set_num_threads(own)
+            _BORROWING.release()
+
+    def _alone(self) -> bool:
+        """Whether the running task is the only one on this worker (a seceded task counts: it may compute)."""
+        state = getattr(self.worker, "state", None)
+        return state is not None and len(state.executing) + len(state.long_running) <= 1
+
+
+#: Held by the one prefill that may raise torch's process-wide thread count.
+_BORROWING = threading.Lock()

@@ -29,12 +29,13 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_kvstate import config
 from dask_kvstate.backends import check_model_name
+from dask_kvstate.plugins.worker import checksum
 from dask_kvstate.plugins.worker.allocator import retain_freed_memory
 from dask_kvstate.plugins.worker.handshake import hello
 from dask_kvstate.plugins.worker.memory import KVStateSpillData
 from dask_kvstate.plugins.worker.packing import PackingBuffers
 from dask_kvstate.plugins.worker.reporter import StatsReporter
-from dask_kvstate.plugins.worker.serve import serve_blocks, serve_inline, serve_run
+from dask_kvstate.plugins.worker.serve import send_reply, serve_blocks, serve_inline, serve_run
 from dask_kvstate.plugins.worker.settings import WorkerSettings
 from dask_kvstate.plugins.worker.transport import call
 from dask_kvstate.protocol import (
@@ -230,30 +231,37 @@ class KVStateWorkerPlugin(WorkerPlugin):
         rt = self.runtime
         if rt is None:
             return
-        if finish == "memory" and self._may_hold_refs(key):
-            refs = refs_in(self.worker.data.get(key))
-            with self._lock:
-                for ref in refs:
-                    rt.store.hold(("ref", key, ref.state_id), ref.blocks)
-                if refs:
-                    self.held[key] = [r.state_id for r in refs]
-            if refs and start == "executing" and self.placement:  # computed here: the extension wants it
-                self._send_ref(key, refs[0])
-            observer = getattr(self, "_observer", None)
-            if refs and start == "executing" and observer is not None:
-                observer.send_states(key, refs)
-        elif start == "memory" and key in self.held:
-            with self._lock:
-                for sid in self.held.pop(key, ()):
-                    rt.store.release(("ref", key, sid))
-        # After the hold above, so a finished task's new blocks are never unprotected.
-        # A cancelled task's thread runs on until cancelled -> released; a seceded one
-        # (long-running) still runs: keep their pins until then. Only tasks that pinned
-        # blocks (kvstate operators) have anything to unpin.
-        if start in _RUNNING and finish not in _RUNNING and rt.store.pinned_by(("task", key)):
-            rt.store.unpin(("task", key))
+        try:
+            if finish == "memory" and self._may_hold_refs(key):
+                refs = refs_in(self.worker.data.get(key))
+                with self._lock:
+                    for ref in refs:
+                        rt.store.hold(("ref", key, ref.state_id), ref.blocks)
+                    if refs:
+                        self.held[key] = [r.state_id for r in refs]
+                if refs and start == "executing" and self.placement:  # computed here: the extension wants it
+                    self._send_ref(key, refs[0])
+                observer = getattr(self, "_observer", None)
+                if refs and start == "executing" and observer is not None:
+                    observer.send_states(key, refs)
+            elif start == "memory" and key in self.held:
+                with self._lock:
+                    for sid in self.held.pop(key, ()):
+                        rt.store.release(("ref", key, sid))
+        finally:
+            # After the hold above, so a finished task's new blocks are never unprotected;
+            # and whatever the reports above raised, so a finished task never keeps its pins.
+            # A cancelled task's thread runs on until cancelled -> released; a seceded one
+            # (long-running) still runs: keep their pins until then. Only tasks that pinned
+            # blocks (kvstate operators) have anything to unpin.
+            if start in _RUNNING and finish not in _RUNNING and rt.store.pinned_by(("task", key)):
+                rt.store.unpin(("task", key))
 
     def _send_ref(self, key, ref: KVStateRef) -> None:
+        """Tell the placement extension where ``key``'s state lives. Never raises: a closed
+        stream (the scheduler gone) loses the report, as it loses every other message."""
+        from distributed.comm.core import CommClosedError
+
         summary = {
             "blocks": list(ref.blocks),
             "num_tokens": ref.num_tokens,
@@ -262,8 +270,13 @@ class KVStateWorkerPlugin(WorkerPlugin):
             "holder": ref.placement.worker,
             "model": ref.model_name,
         }
-        if self.worker.batched_stream is not None:
-            self.worker.batched_stream.send({"op": REF, "key": key, "refs": [summary]})
+        stream = self.worker.batched_stream
+        if stream is None:
+            return
+        try:
+            stream.send({"op": REF, "key": key, "refs": [summary]})
+        except CommClosedError:
+            logger.debug("kvstate: scheduler stream closed; ref report for %s not sent", key)
 
     def _may_hold_refs(self, key) -> bool:
         # Only look at values whose type can hold refs: reading any other key's value
@@ -306,23 +319,35 @@ class KVStateWorkerPlugin(WorkerPlugin):
         return freed
 
     # -- handlers ------------------------------------------------------------------
-    async def _serve_blocks(self, comm=None, hashes=()) -> dict:
+    async def _serve_blocks(self, comm=None, hashes=(), serializers=None):
         if self.runtime is None:
             return serve_blocks(None, hashes)
         # Serve on the event loop, as Worker.get_data does, unless blocks must be read
-        # and checked from disk or many small blocks packed (a copy): those go to a thread
-        # past Dask's own offload threshold. The thread hop costs a few ms per pull.
+        # and checked from disk, many small blocks packed (a copy) or many bytes
+        # checksummed: those go to a thread past Dask's own offload threshold. The
+        # thread hop costs a few ms per pull.
+        settings = self.worker_settings
         store, packing = self.runtime.store, self.packing if self.packing.keep_bytes else None
         counters = self.runtime.counters
         # One run of memory (an arena) goes out as it is: no copy.
-        reply = serve_run(store, hashes) if self.worker_settings.zero_copy else None
+        reply = serve_run(store, hashes) if settings.zero_copy else None
         if reply is not None:
             counters["served_zero_copy"] += 1
-            return reply
-        counters["served_packed"] += 1
-        if serve_inline(store, hashes, self.worker_settings.inline_copy_bytes, packing is not None):
-            return serve_blocks(store, hashes, packing, zero_copy=False)
-        return await asyncio.to_thread(serve_blocks, store, hashes, packing, zero_copy=False)
+            inline = not settings.checksum or checksum.nbytes(reply["frames"]) <= settings.inline_copy_bytes
+        else:
+            counters["served_packed"] += 1
+            read_all = packing is not None or settings.checksum
+            inline = serve_inline(store, hashes, settings.inline_copy_bytes, read_all)
+
+        def finish(reply: dict | None) -> dict:
+            if reply is None:
+                reply = serve_blocks(store, hashes, packing, zero_copy=False)
+            return checksum.sign(reply) if settings.checksum else reply
+
+        reply = finish(reply) if inline else await asyncio.to_thread(finish, reply)
+        # A reply packed into a lent buffer is written here, so the buffer is given back
+        # only once the comm has written it.
+        return await send_reply(comm, reply, packing, serializers)
 
     async def _evict_handler(self, comm=None, state=None) -> int:
         if self.runtime is None or not isinstance(state, KVStateRef):

@@ -41,7 +41,7 @@ def measure_fill(resolver: Resolver, ref: KVStateRef, action: str) -> float:
     kv.store.discard(ref.blocks)
     t0 = time.perf_counter()
     if action == "pull":
-        got = resolver.pull(ref.placement.worker, list(ref.blocks))
+        got = resolver.pull(ref.placement.worker, list(ref.blocks), resolver.block_shapes(ref))
         if len(got) != len(ref.blocks):
             raise RuntimeError(f"pull from {ref.placement.worker} returned {len(got)} of {len(ref.blocks)} blocks")
     else:

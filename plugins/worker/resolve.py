@@ -14,12 +14,15 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from dask_kvstate.blocks import join_blocks, same_storage
+from dask_kvstate.blocks import nbytes as tensor_bytes
 from dask_kvstate.plugins.worker import decide
+from dask_kvstate.plugins.worker.checksum import ChecksumError
 from dask_kvstate.plugins.worker.engine import KVEngine
 from dask_kvstate.plugins.worker.events import worker_event
 from dask_kvstate.plugins.worker.transport import pull_blocks
@@ -108,7 +111,7 @@ class Resolver:
             decision = decide.choose(kv, ref, first, holder)
             if decision["action"] == "pull":
                 t0 = time.perf_counter()
-                pulled = self.pull(holder, missing)
+                pulled = self.pull(holder, missing, self.block_shapes(ref))
                 decision["seconds"] = time.perf_counter() - t0
                 tensors = [pulled.get(h, t) if t is None else t for h, t in zip(ref.blocks, tensors)]
         first_missing = next((i for i, t in enumerate(tensors) if t is None), None)
@@ -127,8 +130,22 @@ class Resolver:
         assert joined is not None, "a compatible state with tokens has blocks"
         return joined
 
-    def pull(self, holder: str, hashes: list[bytes]) -> dict[bytes, Any]:
-        """Blocks ``hashes`` from worker ``holder``, stored here; ``{}`` when the pull fails (logged)."""
+    def block_shapes(self, ref: KVStateRef) -> dict[bytes, tuple[int, ...]]:
+        """``hash -> shape`` each of ``ref``'s blocks has for this worker's model (the last one may be shorter)."""
+        b, bt = self.kv.backend, ref.block_tokens
+        return {
+            h: (b.num_layers, 2, b.kv_heads, min(bt, ref.num_tokens - i * bt), b.head_dim)
+            for i, h in enumerate(ref.blocks)
+        }
+
+    def pull(self, holder: str, hashes: list[bytes], shapes: Mapping[bytes, tuple[int, ...]]) -> dict[bytes, Any]:
+        """Blocks ``hashes`` from worker ``holder``, stored here; ``{}`` when the pull fails (logged).
+
+        A reply whose frames fail their checksum fails as a whole (``pull_checksum_failures``).
+        Of a reply read, only blocks asked for, of the shape ``shapes`` gives and the
+        model's dtype, are stored; any other block is dropped (``rejected_blocks``), so
+        the caller recomputes it like a missing one and no later task finds it here.
+        """
         from distributed.utils import sync
 
         kv = self.kv
@@ -143,8 +160,11 @@ class Resolver:
                 timeout=kv.settings.pull_timeout,
                 emulated_bandwidth=kv.settings.emulated_bandwidth,
             )
+            got = res.blocks()  # in this thread: checking the checksums reads every byte
         except Exception as e:
             kv.counters["transfer_failures"] += 1
+            if isinstance(e, ChecksumError):
+                kv.counters["pull_checksum_failures"] += 1
             logger.warning(
                 "kvstate: pulling %d blocks from %s failed (%s: %s); recomputing",
                 len(hashes),
@@ -153,14 +173,23 @@ class Resolver:
                 e,
             )
             return {}
-        for h, t in res.blocks.items():  # the store moves them to its device; resolve to the model's
+        blocks, rejected = accepted(got, {h: shapes[h] for h in hashes}, kv.backend.dtype)
+        if rejected:
+            kv.counters["rejected_blocks"] += len(rejected)
+            logger.warning(
+                "kvstate: %s sent %d blocks not asked for or of the wrong shape or dtype; recomputing them",
+                holder,
+                len(rejected),
+            )
+        for h, t in blocks.items():  # the store moves them to its device; resolve to the model's
             kv.store.put(h, t)
-        kv.counters["transfers"] += len(res.blocks)
+        nbytes = sum(tensor_bytes(t) for t in blocks.values())
+        kv.counters["transfers"] += len(blocks)
         kv.counters["pulls_zero_copy" if res.zero_copy else "pulls_packed"] += 1
-        kv.counters["transfer_bytes"] += res.nbytes
+        kv.counters["transfer_bytes"] += nbytes
         kv.counters["transfer_seconds"] += res.seconds  # type: ignore[assignment]  # a float counter
-        kv.links.add(holder, res.nbytes, res.seconds)
-        return res.blocks
+        kv.links.add(holder, nbytes, res.seconds)
+        return blocks
 
     def recompute(self, ids, hashes, tensors, first: int) -> list[torch.Tensor]:
         """``tensors`` with blocks ``first...`` rebuilt by a prefill over the ones before, and stored."""
@@ -170,3 +199,24 @@ class Resolver:
         kv.counters["recomputes"] += len(hashes) - first
         kv.counters["recompute_tokens"] += len(ids) - first * kv.block_tokens
         return tensors[:first] + rebuilt
+
+
+def accepted(blocks: dict, shapes: Mapping[bytes, tuple[int, ...]], dtype) -> tuple[dict, list[bytes]]:
+    """The pulled blocks that may be stored, and the hashes of the others.
+
+    A block is kept when its hash was asked for (a key of ``shapes``) and it has that
+    shape and ``dtype``; a holder's reply is never trusted further than that.
+
+    >>> import torch
+    >>> ok, bad = accepted({b"a": torch.zeros(1, 2, 1, 4, 2), b"b": torch.zeros(1, 2, 1, 3, 2), b"c": torch.zeros(1)},
+    ...                    {b"a": (1, 2, 1, 4, 2), b"b": (1, 2, 1, 4, 2)}, torch.float32)
+    >>> list(ok), bad
+    ([b'a'], [b'b', b'c'])
+    """
+    keep, rejected = {}, []
+    for h, t in blocks.items():
+        if shapes.get(h) == tuple(t.shape) and t.dtype == dtype:
+            keep[h] = t
+        else:
+            rejected.append(h)
+    return keep, rejected

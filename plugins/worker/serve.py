@@ -55,7 +55,7 @@ def serve_blocks(
     if reply is not None:
         return reply
     found, missing = [], []
-    for h in hashes:
+    for h in dict.fromkeys(hashes):  # a hash asked for twice is sent once
         t = store.peek(h) if store is not None else None
         if t is None:
             missing.append(h)
@@ -119,10 +119,11 @@ def serve_run(store, hashes: Sequence[bytes]) -> dict | None:
 
     if store is None:
         return None
-    tensors, index = [], []
+    tensors, index, seen = [], [], set()
     for i, h in enumerate(hashes):
-        if store.where(h) is None:
+        if h in seen or store.where(h) is None:  # a hash asked for twice is sent once
             continue
+        seen.add(h)
         t = store.peek_memory(h)
         if t is None:  # on disk (or changing tier right now): pack from a fresh read
             return None
@@ -190,7 +191,7 @@ def serve_inline(store, hashes: Sequence[bytes], max_copy_bytes: int, packing: b
     if store is None:
         return True
     copy = 0
-    for h in hashes:
+    for h in dict.fromkeys(hashes):
         tier = store.where(h)
         if tier == "disk":
             return False
@@ -198,3 +199,48 @@ def serve_inline(store, hashes: Sequence[bytes], max_copy_bytes: int, packing: b
         if packing or size < BIG_BLOCK:
             copy += size
     return copy <= max_copy_bytes
+
+
+async def send_reply(comm, reply: dict, buffers: PackingBuffers | None, serializers=None):
+    """Write a reply packed into a lent buffer on ``comm`` here, and give the buffer back once written.
+
+    What a handler returns: ``reply`` itself when it uses no lent buffer (the server
+    writes it), else ``Status.dont_reply``, the reply being written already. Dask's TCP
+    comm returns from ``write`` with the frames still queued in tornado's stream, so
+    "written" is when that stream has handed every queued byte to the socket (the
+    kernel holds a copy then); only then is the buffer released for another reply. On a
+    comm that cannot tell (in-process, where the puller gets this very array; any other
+    transport) or when the write fails, the buffer is abandoned: never reused.
+    """
+    from distributed.core import Status
+
+    if buffers is None or "tail" not in reply:  # only a packed reply is in a lent buffer
+        return reply
+    frame = reply["frames"][0].data
+    if not buffers.lends(frame):
+        return reply
+    try:
+        await comm.write(reply, serializers=serializers)
+        done = await written(comm)
+    except BaseException:
+        buffers.abandon(frame)
+        raise
+    (buffers.release if done else buffers.abandon)(frame)
+    return Status.dont_reply
+
+
+async def written(comm) -> bool:
+    """Wait until everything written to ``comm`` has left this process; False where the comm cannot tell."""
+    from distributed.comm.tcp import TCP
+    from tornado.iostream import StreamClosedError
+
+    stream = comm.stream if isinstance(comm, TCP) else None  # TLS is a TCP comm too
+    if stream is None:
+        return False
+    try:
+        # Resolves once the stream has written every byte queued before it (tornado's
+        # write futures are ordered by the stream's total write index).
+        await stream.write(b"")
+    except StreamClosedError:
+        return False
+    return True

@@ -45,6 +45,8 @@ class WorkerSettings:
     packing_bytes: int
     #: whether blocks that are one run of memory are served as that memory
     zero_copy: bool
+    #: whether served frames carry a CRC-32 each, which the puller checks
+    checksum: bool
     #: whether Dask's memory monitor may spill KV blocks before task data
     memory_monitor: bool
     #: freed bytes glibc keeps for reuse, or None to leave the allocator alone
@@ -72,6 +74,7 @@ class WorkerSettings:
                 probe_tokens=tuple(config.get("placement.probe-tokens")),
                 packing_bytes=config.get_bytes("transport.packing-bytes"),
                 zero_copy=bool(config.get("transport.zero-copy")),
+                checksum=bool(config.get("transport.checksum")),
                 memory_monitor=bool(config.get("worker.memory-monitor")),
                 malloc_retain=None if retain is None else config.get_bytes("worker.malloc-retain"),
                 recency_half_life=config.get_seconds("worker.recency-half-life"),

@@ -3,8 +3,9 @@
 A worker missing a state's blocks asks their holder's ``kvstate_get_blocks`` handler
 (the holder's side is :mod:`dask_kvstate.plugins.worker.serve`). The blocks arrive as
 raw frames, never pickles, and each received tensor is a view of its frame: no copy
-on the way in. A malformed reply is a ValueError, which the caller treats like a
-failed pull (it recomputes).
+on the way in. A malformed reply is a ValueError, and a frame that fails its checksum
+(:mod:`~dask_kvstate.plugins.worker.checksum`) a ChecksumError; the caller treats
+either like a failed pull (it recomputes).
 
 The puller gives a holder ``transport.connect-timeout`` to answer: a dead holder must
 cost seconds, not the 30 s default of ``distributed.comm.timeouts.connect``, because
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 from distributed.core import send_recv
 
-from dask_kvstate.blocks import nbytes as tensor_bytes
+from dask_kvstate.plugins.worker import checksum
 from dask_kvstate.protocol import GET_BLOCKS
 
 
@@ -150,10 +151,28 @@ def unpack_blocks(resp: dict, hashes: Sequence[bytes] | None = None) -> dict:
 
 @dataclass
 class PullResult:
-    blocks: dict[bytes, object]  # hash -> tensor
-    nbytes: int
-    seconds: float
-    zero_copy: bool = False  # the holder sent one run of its memory (no packing copy)
+    """A holder's reply to one pull, as received; :meth:`blocks` checks and reads it.
+
+    Checking (the checksums: a pass over every byte) is left to the caller's thread, so
+    the event loop only carries the bytes.
+    """
+
+    reply: dict
+    hashes: Sequence[bytes]  # the hashes asked for, in the order asked
+    nbytes: int  # bytes of the reply's frames
+    seconds: float  # from request to reply in hand
+
+    @property
+    def zero_copy(self) -> bool:
+        """Whether the holder sent one run of its memory (no packing copy)."""
+        return "arena" in self.reply
+
+    def blocks(self) -> dict:
+        """``hash -> tensor``, each a view of a received frame. Raises
+        :class:`~dask_kvstate.plugins.worker.checksum.ChecksumError` for a frame damaged on
+        the way, ValueError for a malformed reply: either way, nothing of it may be used."""
+        checksum.verify(self.reply)
+        return unpack_blocks(self.reply, self.hashes)
 
 
 async def call(pool, address: str, op: str, *, connect_timeout: float, timeout: float, **msg):
@@ -181,16 +200,18 @@ async def pull_blocks(
     timeout: float,
     emulated_bandwidth: float | None = None,
 ) -> PullResult:
-    """Fetch ``hashes`` from the worker at ``address``; raises OSError/TimeoutError on failure.
+    """Ask the worker at ``address`` for ``hashes``; raises OSError/TimeoutError on failure.
 
     Blocks the holder no longer has are simply absent from the result. With
     ``emulated_bandwidth`` (bytes/s) the pull takes at least ``bytes / bandwidth``: an
     emulated slow link, so the transfer/recompute crossover shows on one machine.
     """
     t0 = time.perf_counter()
-    resp = await call(pool, address, GET_BLOCKS, connect_timeout=connect_timeout, timeout=timeout, hashes=list(hashes))
-    blocks = unpack_blocks(resp, hashes)
-    nbytes = sum(tensor_bytes(t) for t in blocks.values())
+    hashes = list(hashes)
+    resp = await call(pool, address, GET_BLOCKS, connect_timeout=connect_timeout, timeout=timeout, hashes=hashes)
+    if not isinstance(resp, dict) or not isinstance(resp.get("frames"), (list, tuple)):
+        raise ValueError(f"peer sent a malformed block reply {resp!r:.200}")
+    nbytes = checksum.nbytes(resp["frames"])
     if emulated_bandwidth:
         await asyncio.sleep(max(0.0, nbytes / emulated_bandwidth - (time.perf_counter() - t0)))
-    return PullResult(blocks, nbytes, time.perf_counter() - t0, zero_copy="arena" in resp)
+    return PullResult(resp, hashes, nbytes, time.perf_counter() - t0)
