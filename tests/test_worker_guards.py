@@ -3,27 +3,23 @@ process-wide settings that one task must not change under another."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from dask_kvstate.state import KVStateRef, Lineage, Placement
+from dask_kvstate.state import KVStateRef, Placement, example_ref
 
 
 def _ref(blocks):
-    return KVStateRef(
+    return replace(
+        example_ref("x"),
         state_id="s-1",
-        model_name="tiny-llama",
-        model="m",
-        config="c",
-        namespace="default",
         block_tokens=16,
         num_tokens=16 * len(blocks),
         blocks=tuple(blocks),
-        text="x",
         nbytes=100,
-        lineage=Lineage("materialize", ()),
         placement=Placement("tcp://holder", "device"),
     )
 
