@@ -194,3 +194,36 @@ def test_pressure_victims_longest_idle_first():
     assert pressure_victims(idle, 101) == ["oldest", "older"]
     assert pressure_victims(idle, 10_000) == ["oldest", "older", "recent"]  # all it can: the rest stays
     assert pressure_victims(idle, -5) == []  # the reserve is free already
+
+
+# -- every replica goes at the session's end ------------------------------------------------
+def session_bytes(hashes, dask_worker=None):
+    """The store's bytes for ``hashes`` on one worker, whichever tier holds them."""
+    store = dask_worker.plugins["kvstate"].runtime.store
+    return sum(store.size_of(h) for h in hashes if h in store)
+
+
+def test_session_end_drops_the_pulled_replica_too(lc_client):
+    c = lc_client
+    a, b = sorted(c.scheduler_info()["workers"])
+    text = "Replicas: " + CONTEXT + " Each fork answers one question."
+    with kvs.session("replicas") as s:
+        with on(a):
+            state = kvs.materialize(text)
+            forks = kvs.fork(state, 3)
+            outs = [kvs.resume(f, f" Question {i}?", max_new_tokens=4) for i, f in enumerate(forks[:2])]
+        with on(b):  # B holds none of it: it pulls the blocks from A
+            outs.append(kvs.resume(forks[2], " Question 2?", max_new_tokens=4))
+        futures = c.compute([state, *outs])
+        ref, *answers = c.gather(futures)
+    assert len(answers) == 3
+    held = c.run(session_bytes, ref.blocks)
+    assert held[a] > 0 and held[b] == held[a]  # B has its own replica
+    pulled = kvs.stats(c).workers[b]
+    assert pulled.get("transfers", 0) >= len(ref.blocks)
+
+    del futures
+    poll_for(lambda: len({e["worker"] for e in events(c, "invalidate", "done", s.id)}) == 2, timeout=20)
+    answers_by_worker = {e["worker"]: e for e in events(c, "invalidate", "done", s.id)}
+    assert answers_by_worker[b]["freed"] > 0 and answers_by_worker[b]["blocks"] >= len(ref.blocks)
+    assert sum(c.run(session_bytes, ref.blocks).values()) == 0  # no byte of the session left anywhere
