@@ -353,3 +353,37 @@ def test_the_lifecycle_report_stays_off_the_event_loop(lc_client):
     # 400 sessions x 400 shared blocks: 64 million set operations per report when every
     # session's own blocks are found by comparing it with every other one.
     assert longest < 0.1, (longest, seconds)
+
+
+def invalidation_view(dask_scheduler=None):
+    ext = dask_scheduler.plugins["kvstate-lifecycle"]
+    return {**ext.counters, "pending": len(ext._invalidations), "announced": sorted(ext.announced)}
+
+
+def test_a_failing_invalidation_stops_when_the_worker_leaves():
+    from dask_kvstate.plugins.scheduler.lifecycle import KVLifecycle
+    from dask_kvstate.plugins.scheduler.sessions import SessionTracker
+    from dask_kvstate.plugins.worker.lifecycle import KVLifecycleWorkerPlugin
+
+    config = {**LIFECYCLE, "distributed.comm.retry.delay.min": "20ms", "distributed.comm.retry.delay.max": "50ms"}
+    with (
+        dask.config.set(config),
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster) as c,
+    ):
+        for plugin in (SessionTracker(), KVLifecycle(), KVLifecycleWorkerPlugin()):
+            c.register_plugin(plugin)
+        a, b = sorted(cluster.workers.values(), key=lambda w: w.address)
+
+        async def broken(session=None):
+            raise OSError("the handler is broken")
+
+        b.handlers[INVALIDATE] = broken
+        with kvs.session("leaving") as s:
+            assert c.submit(run_tests, 0.0, "ok").result() == "ok"
+        poll_for(lambda: events(c, "invalidate", "done", s.id), timeout=10)  # a answered
+        poll_for(lambda: c.run_on_scheduler(invalidation_view).get("invalidation_retries", 0) >= 2, timeout=10)
+        c.retire_workers([b.address], close_workers=True)  # b goes, and its blocks with it
+        poll_for(lambda: c.run_on_scheduler(invalidation_view)["pending"] == 0, timeout=10)
+        view = c.run_on_scheduler(invalidation_view)
+    assert view["invalidations_lost"] == 1 and view["announced"] == [a.address]
