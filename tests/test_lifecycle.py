@@ -20,7 +20,7 @@ from dask_kvstate.plugins.scheduler.lifecycle_policy import (
     predict_idle,
     pressure_victims,
 )
-from dask_kvstate.protocol import LIFECYCLE_WORKER_PLUGIN
+from dask_kvstate.protocol import INVALIDATE, LIFECYCLE_WORKER_PLUGIN
 
 from .conftest import CONTEXT, TEST_CONFIG, on
 
@@ -194,3 +194,196 @@ def test_pressure_victims_longest_idle_first():
     assert pressure_victims(idle, 101) == ["oldest", "older"]
     assert pressure_victims(idle, 10_000) == ["oldest", "older", "recent"]  # all it can: the rest stays
     assert pressure_victims(idle, -5) == []  # the reserve is free already
+
+
+# -- every replica goes at the session's end ------------------------------------------------
+def session_bytes(hashes, dask_worker=None):
+    """The store's bytes for ``hashes`` on one worker, whichever tier holds them."""
+    store = dask_worker.plugins["kvstate"].runtime.store
+    return sum(store.size_of(h) for h in hashes if h in store)
+
+
+def test_session_end_drops_the_pulled_replica_too(lc_client):
+    c = lc_client
+    a, b = sorted(c.scheduler_info()["workers"])
+    text = "Replicas: " + CONTEXT + " Each fork answers one question."
+    with kvs.session("replicas") as s:
+        with on(a):
+            state = kvs.materialize(text)
+            forks = kvs.fork(state, 3)
+            outs = [kvs.resume(f, f" Question {i}?", max_new_tokens=4) for i, f in enumerate(forks[:2])]
+        with on(b):  # B holds none of it: it pulls the blocks from A
+            outs.append(kvs.resume(forks[2], " Question 2?", max_new_tokens=4))
+        futures = c.compute([state, *outs])
+        ref, *answers = c.gather(futures)
+    assert len(answers) == 3
+    held = c.run(session_bytes, ref.blocks)
+    assert held[a] > 0 and held[b] == held[a]  # B has its own replica
+    pulled = kvs.stats(c).workers[b]
+    assert pulled.get("transfers", 0) >= len(ref.blocks)
+
+    del futures
+    poll_for(lambda: len({e["worker"] for e in events(c, "invalidate", "done", s.id)}) == 2, timeout=20)
+    answers_by_worker = {e["worker"]: e for e in events(c, "invalidate", "done", s.id)}
+    assert answers_by_worker[b]["freed"] > 0 and answers_by_worker[b]["blocks"] >= len(ref.blocks)
+    assert sum(c.run(session_bytes, ref.blocks).values()) == 0  # no byte of the session left anywhere
+
+
+def held_blocks(hashes, dask_worker=None):
+    """How many of ``hashes`` something (a ref, a session) holds on one worker."""
+    return sum(h in dask_worker.plugins["kvstate"].runtime.store.holds for h in hashes)
+
+
+def session_holds(dask_worker=None):
+    """Sessions the worker's store holds blocks for."""
+    return sorted({o[1] for o in dask_worker.plugins["kvstate"].runtime.store.holds.by_owner if o[0] == "session"})
+
+
+def tracker_view(sid, dask_scheduler=None):
+    tracker = dask_scheduler.plugins["kvstate-sessions"]
+    return {"live": sid in tracker.sessions, "late_tasks": tracker.counters["late_tasks"]}
+
+
+async def track_after_end(sid, hashes, dask_worker=None):
+    """What a task of ``sid`` that outlived the session's end (cancelled, still running) leaves held."""
+    lifecycle = dask_worker.plugins[LIFECYCLE_WORKER_PLUGIN]
+    await lifecycle._invalidate(session=sid)
+    lifecycle._task_used(None, hashes)  # no task state: belongs to no session
+    lifecycle._track(sid, hashes)
+    return sid in session_holds(dask_worker)
+
+
+def test_an_ended_session_stays_ended_when_a_late_graph_names_it(lc_client):
+    c = lc_client
+    a, _ = sorted(c.scheduler_info()["workers"])
+    with on(a), kvs.session("once") as s:
+        f = c.compute(kvs.materialize("Once: " + CONTEXT))
+        f.result()
+        late = kvs.materialize("Late: " + CONTEXT)  # built in the session, computed after its end
+    del f
+    poll_for(lambda: {e["worker"] for e in events(c, "invalidate", "done", s.id)} == set(c.run(session_holds)), 20)
+    before = c.run_on_scheduler(tracker_view, s.id)
+
+    g = c.compute(late)
+    ref = g.result()
+    view = c.run_on_scheduler(tracker_view, s.id)
+    assert not view["live"] and view["late_tasks"] > before["late_tasks"]  # not recreated
+    assert all(s.id not in held for held in c.run(session_holds).values())  # no worker holds KV for it
+    assert c.run(held_blocks, ref.blocks)[a] == len(ref.blocks)  # held by its future, as any state
+    del g
+    # Then by nothing: a prefix cache the store may drop, not a session's KV.
+    poll_for(lambda: sum(c.run(held_blocks, ref.blocks).values()) == 0, timeout=20)
+    # A task of the session that finishes after the end on a worker holds nothing either.
+    assert c.run(track_after_end, s.id, list(ref.blocks), workers=[a]) == {a: False}
+
+
+def fail_the_first_invalidation(dask_worker=None):
+    original = dask_worker.handlers[INVALIDATE]
+    calls: list = []
+
+    async def flaky(session=None):
+        calls.append(session)
+        if len(calls) == 1:
+            raise OSError("the worker is busy")
+        return await original(session=session)
+
+    dask_worker.handlers[INVALIDATE] = flaky
+    dask_worker.kvstate_test_invalidations = calls
+
+
+def restore_invalidation(dask_worker=None):
+    dask_worker.handlers[INVALIDATE] = dask_worker.plugins[LIFECYCLE_WORKER_PLUGIN]._invalidate
+    return dask_worker.kvstate_test_invalidations
+
+
+def test_a_failed_invalidation_is_retried_until_the_worker_answers(lc_client):
+    c = lc_client
+    a, b = sorted(c.scheduler_info()["workers"])
+    c.run(fail_the_first_invalidation, workers=[b])
+    retries = kvs.stats(c).lifecycle.get("invalidation_retries", 0)
+    with kvs.session("flaky") as s:
+        with on(a):
+            state = kvs.materialize("Flaky: " + CONTEXT)
+        with on(b):
+            futures = c.compute([state, kvs.resume(state, " Pulled here.", max_new_tokens=2)])
+        ref, _ = c.gather(futures)
+    assert c.run(session_bytes, ref.blocks)[b] > 0
+    del futures
+    poll_for(lambda: {e["worker"] for e in events(c, "invalidate", "done", s.id)} == {a, b}, timeout=30)
+    assert c.run(restore_invalidation, workers=[b])[b] == [s.id, s.id]  # failed once, then answered
+    assert kvs.stats(c).lifecycle["invalidation_retries"] > retries
+    assert sum(c.run(session_bytes, ref.blocks).values()) == 0
+
+
+async def report_with_many_sessions(sessions, blocks, dask_worker=None):
+    """The longest event-loop stall (s) while the lifecycle half reports ``sessions`` sharing ``blocks`` blocks."""
+    import asyncio
+
+    lifecycle = dask_worker.plugins[LIFECYCLE_WORKER_PLUGIN]
+    shared = [i.to_bytes(32, "big") for i in range(blocks)]
+    sids = [f"many-{i}" for i in range(sessions)]
+    for sid in sids:
+        lifecycle._track(sid, shared)
+    longest, done = 0.0, False
+
+    async def ticks():
+        nonlocal longest
+        loop = asyncio.get_running_loop()
+        while not done:
+            t0 = loop.time()
+            await asyncio.sleep(0.002)
+            longest = max(longest, loop.time() - t0 - 0.002)
+
+    ticker = asyncio.ensure_future(ticks())
+    await asyncio.sleep(0.01)
+    t0 = time.perf_counter()
+    await lifecycle._report()
+    seconds = time.perf_counter() - t0
+    done = True
+    await ticker
+    for sid in sids:
+        await lifecycle._invalidate(session=sid)
+    return longest, seconds
+
+
+def test_the_lifecycle_report_stays_off_the_event_loop(lc_client):
+    c = lc_client
+    a, _ = sorted(c.scheduler_info()["workers"])
+    longest, seconds = c.run(report_with_many_sessions, 400, 400, workers=[a])[a]
+    # 400 sessions x 400 shared blocks: 64 million set operations per report when every
+    # session's own blocks are found by comparing it with every other one.
+    assert longest < 0.1, (longest, seconds)
+
+
+def invalidation_view(dask_scheduler=None):
+    ext = dask_scheduler.plugins["kvstate-lifecycle"]
+    return {**ext.counters, "pending": len(ext._invalidations), "announced": sorted(ext.announced)}
+
+
+def test_a_failing_invalidation_stops_when_the_worker_leaves():
+    from dask_kvstate.plugins.scheduler.lifecycle import KVLifecycle
+    from dask_kvstate.plugins.scheduler.sessions import SessionTracker
+    from dask_kvstate.plugins.worker.lifecycle import KVLifecycleWorkerPlugin
+
+    config = {**LIFECYCLE, "distributed.comm.retry.delay.min": "20ms", "distributed.comm.retry.delay.max": "50ms"}
+    with (
+        dask.config.set(config),
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster) as c,
+    ):
+        for plugin in (SessionTracker(), KVLifecycle(), KVLifecycleWorkerPlugin()):
+            c.register_plugin(plugin)
+        a, b = sorted(cluster.workers.values(), key=lambda w: w.address)
+
+        async def broken(session=None):
+            raise OSError("the handler is broken")
+
+        b.handlers[INVALIDATE] = broken
+        with kvs.session("leaving") as s:
+            assert c.submit(run_tests, 0.0, "ok").result() == "ok"
+        poll_for(lambda: events(c, "invalidate", "done", s.id), timeout=10)  # a answered
+        poll_for(lambda: c.run_on_scheduler(invalidation_view).get("invalidation_retries", 0) >= 2, timeout=10)
+        c.retire_workers([b.address], close_workers=True)  # b goes, and its blocks with it
+        poll_for(lambda: c.run_on_scheduler(invalidation_view)["pending"] == 0, timeout=10)
+        view = c.run_on_scheduler(invalidation_view)
+    assert view["invalidations_lost"] == 1 and view["announced"] == [a.address]

@@ -23,7 +23,11 @@ global loop), for each open session:
 
 When a session ends (the sessions extension's ``on_end`` hook) every worker drops the
 blocks held only for that session (``kvstate_lifecycle_invalidate``), and the bytes
-freed / left / still shared with live sessions are logged.
+freed / left / still shared with live sessions are logged. A call that fails (a busy or
+reconnecting worker, a handler error) is retried, the wait doubling from Dask's
+``distributed.comm.retry.delay.min`` to ``.max``, until the worker answers or leaves the
+cluster (its blocks then went with it): a session hold never outlives its session on a
+worker that stays.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from collections import Counter, defaultdict
 from time import time
 from typing import TYPE_CHECKING
 
+import dask.config
+from dask.utils import parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 if TYPE_CHECKING:
@@ -82,6 +88,11 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
         if not isinstance(reserve, (int, float)) or not 0 <= reserve < 1:
             raise ValueError(f"kvstate.lifecycle.device-reserve must be a fraction in [0, 1), got {reserve!r}")
         self.reserve = float(reserve)
+        # How long to wait before retrying a failed invalidation: the cluster's own comm retry delays.
+        self.retry_s = tuple(
+            parse_timedelta(dask.config.get(f"distributed.comm.retry.delay.{end}"), default="s")
+            for end in ("min", "max")
+        )
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -105,6 +116,10 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
     def remove_worker(self, scheduler, worker: str, **kwargs) -> None:
         super().remove_worker(scheduler, worker, **kwargs)
         self.reports.pop(worker, None)
+
+    async def close(self) -> None:
+        for task in list(self._invalidations):
+            task.cancel()
 
     # -- reports -------------------------------------------------------------------------
     def _on_report(self, worker=None, **report) -> None:
@@ -298,13 +313,29 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
             task.add_done_callback(self._invalidations.discard)
 
     async def _invalidate(self, worker: str, sid: str) -> None:
-        try:
-            res = await getattr(self.scheduler.rpc(worker), INVALIDATE)(session=sid)
-        except Exception as e:
-            logger.info("kvstate lifecycle: invalidating %s on %s failed: %s", sid, worker, e)
-            return
-        if not isinstance(res, dict):  # a closing worker answers nothing useful
-            return
+        """Ask ``worker`` to drop ``sid``'s KV until it answers or leaves (the worker's call is idempotent)."""
+        delay, most = self.retry_s
+        while True:
+            try:
+                res = await getattr(self.scheduler.rpc(worker), INVALIDATE)(session=sid)
+            except Exception as e:
+                res, why = None, f"{type(e).__name__}: {e}"
+            else:
+                why = f"answered {res!r}"
+            if isinstance(res, dict):
+                break
+            if worker not in self.announced:  # gone, and its blocks with it
+                self.counters["invalidations_lost"] += 1
+                return
+            self.counters["invalidation_retries"] += 1
+            logger.info(
+                "kvstate lifecycle: invalidating %s on %s failed (%s); retrying in %.2fs", sid, worker, why, delay
+            )
+            await asyncio.sleep(delay)
+            if worker not in self.announced:
+                self.counters["invalidations_lost"] += 1
+                return
+            delay = min(delay * 2, most)
         self.counters["invalidations"] += 1
         self.counters["invalidated_bytes"] += res["freed"]
         self.ended_bytes.setdefault(sid, {})[worker] = res

@@ -13,6 +13,12 @@ with the :class:`Session` (``scheduler.plugins["kvstate-sessions"].on_end.append
 the KV lifecycle extension invalidates the session's KV there), and an
 ``{"kind": "end", ...}`` event goes to the ``kvstate-session`` topic, so clients can
 ``client.subscribe_topic`` to it. A failing hook is logged, never raised.
+
+**An end is final.** The ids of ended sessions are remembered (the last
+:data:`ENDED_IDS_KEPT`): a graph that arrives later under one of them (a ``Delayed``
+built in the session and computed after its end) does not bring it back; its tasks
+belong to no session, and lose the annotation before any worker sees them, so no
+worker holds KV for a session that has ended.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from dask_kvstate.session import component_of
 logger = logging.getLogger("dask_kvstate")
 
 ENDED_KEPT = 1000  # summaries of ended sessions kept for stats
+ENDED_IDS_KEPT = 100_000  # ids of ended sessions remembered, so a late graph cannot revive one
 
 
 @dataclass(eq=False)
@@ -98,6 +105,7 @@ class SessionTracker(AnnouncedWorkers, SchedulerPlugin):
         self.key_session: dict = {}  # key -> Session
         self.closing: set[Session] = set()  # closed, waiting for their tasks to go
         self.ended: deque = deque(maxlen=ENDED_KEPT)
+        self.ended_ids: dict[str, None] = {}  # oldest first
         self.on_end: list = []
         self.announced: set[str] = set()  # workers running the kvstate-scheduling plugin
         self.counters: Counter[str] = Counter()
@@ -137,14 +145,17 @@ class SessionTracker(AnnouncedWorkers, SchedulerPlugin):
             ts = scheduler.tasks.get(key)
             if ts is None or ts.run_spec is None:
                 continue  # not a task to run (scattered data, an already-forgotten key)
+            if sid in self.ended_ids:
+                # Before the first transition: the task reaches its worker without the session.
+                self.counters["late_tasks"] += 1
+                if ts.annotations:
+                    ts.annotations.pop(SESSION_ANNOTATION, None)
+                continue
             s = self.sessions.get(sid)
             if s is None:
                 self._seq += 1
                 s = self.sessions[sid] = Session(sid, self._seq, now)
                 scheduler.log_event(SESSION_TOPIC, {"kind": "start", "session": sid, "seq": s.seq})
-            elif s.ended_at is not None:
-                self.counters["late_tasks"] += 1  # tasks arriving after the end: revive it
-                s.ended_at = None
             s.created += 1
             s.visits[component_of(ts)] += 1
             s.live.add(key)
@@ -166,6 +177,8 @@ class SessionTracker(AnnouncedWorkers, SchedulerPlugin):
 
     def log_event(self, topic, msg) -> None:
         if topic == SESSION_TOPIC and isinstance(msg, dict) and msg.get("kind") == "close":
+            if msg.get("session") in self.ended_ids:
+                return  # a repeated notice of a session that has ended
             s = self.sessions.get(msg["session"]) if "session" in msg else None
             if s is None:  # a session that submitted nothing: it starts and ends here
                 self._seq += 1
@@ -190,6 +203,9 @@ class SessionTracker(AnnouncedWorkers, SchedulerPlugin):
     def _end(self, s: Session, now: float) -> None:
         s.ended_at = now
         del self.sessions[s.id]
+        self.ended_ids[s.id] = None
+        while len(self.ended_ids) > ENDED_IDS_KEPT:
+            self.ended_ids.pop(next(iter(self.ended_ids)))
         self.ended.append(s.summary())
         self.counters["ended"] += 1
         for fn in list(self.on_end):

@@ -1,23 +1,30 @@
 """The ``kvstate-lifecycle`` worker plugin: the worker half of the KV lifecycle extension.
 
-It keeps, per session (the ``kvstate-session`` annotation of the task that produced a
-state), the blocks of every state created in that session, and holds them in the block
-store under the owner ``("session", id)``: a hold lets a block spill down a tier but
-never be dropped, so a session's conversation survives between its invocations even
-after Dask forgot the futures that held its refs (the store's own refcounts only cover
-refs still in memory). The scheduler's ``kvstate-lifecycle`` extension then moves those
+It keeps, per session (the ``kvstate-session`` annotation of a task), every block a task
+of that session used on this worker: the blocks it computed, pulled, recomputed or read
+(what the task pinned while it ran, which the ``kvstate`` plugin hands to
+``task_listeners`` before unpinning; adopted joined copies are those same blocks), and the
+blocks of the refs it returned. They are held in the block store under the owner
+``("session", id)``: a hold lets a block spill down a tier but never be dropped, so a
+session's conversation survives between its invocations even after Dask forgot the
+futures that held its refs (the store's own refcounts only cover refs still in memory).
+A worker that only pulled a session's state holds its replica the same way, so the
+session's end finds it. The scheduler's ``kvstate-lifecycle`` extension then moves those
 blocks by messages:
 
 * ``kvstate-offload`` (stream): move the session's own blocks down to host or disk now;
 * ``kvstate-prefetch`` (stream): bring them back to the device tier in the store's
   prefetch thread, off the event loop and off the task threads;
-* ``kvstate_lifecycle_invalidate`` (RPC): the session ended: release its hold and drop
-  every block no other session or live ref still holds; answers the bytes freed, left
-  and shared.
+* ``kvstate_lifecycle_invalidate`` (RPC): the session ended: release its hold and drop,
+  in every tier, every block no other session or live ref still holds; answers the bytes
+  freed, left and shared. What a live ref or a running task still held then is dropped
+  once they let go, and a task of an ended session that finishes late holds nothing.
 
 Moves are timed per tier (bytes per second, offload and restore apart) and those rates,
 probed once at setup on a scratch store with the model's block size and then updated by
 every real move, are what the scheduler prices moves with. Nothing here is assumed.
+The periodic report costs the event loop a few counter reads when nothing changed, and
+container copies when something did: the per-tier byte counts are summed in a thread.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_kvstate import config
 from dask_kvstate.plugins.worker.handshake import hello
+from dask_kvstate.plugins.worker.session_blocks import SessionBlocks, tier_bytes
 from dask_kvstate.protocol import (
     INVALIDATE,
     LIFECYCLE_DONE,
@@ -51,6 +59,10 @@ from dask_kvstate.state import KVStateRef, refs_in
 logger = logging.getLogger("dask_kvstate")
 
 LOWER = ("host", "disk")
+#: Ids of sessions ended on this worker that are remembered: a late task of one holds nothing.
+ENDED_KEPT = 100_000
+#: Blocks of ended sessions awaiting the release of a ref or a running task's pin.
+LEFTOVERS_KEPT = 100_000
 
 
 class Rates:
@@ -131,17 +143,25 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
 
     async def setup(self, worker: Worker) -> None:
         self.worker = worker
-        self.blocks: dict[str, set[bytes]] = defaultdict(set)  # session -> blocks of its states
+        self.sessions = SessionBlocks()  # session -> blocks its tasks used here
+        self.ended: dict[str, None] = {}  # sessions ended here, oldest first
+        self.leftovers: dict[bytes, None] = {}  # ended sessions' blocks something else still held
         self.counters: dict[str, int] = defaultdict(int)
         self.rates = Rates()
+        self._probed = False
         self._sent: dict | None = None
+        self._counted: tuple | None = None  # what the last per-session byte count saw
+        self._session_bytes: dict[str, dict[str, int]] = {}
+        self._sweep_due = False
         self._reporter = None
         self._mover = ThreadPoolExecutor(1, thread_name_prefix="kvstate-offload")
         worker.stream_handlers[OFFLOAD] = self._offload
         worker.stream_handlers[PREFETCH] = self._prefetch
         worker.handlers[INVALIDATE] = self._invalidate
+        self._attach()
         if self.store is not None:
             self.rates = await asyncio.to_thread(self._probe)
+            self._probed = True
         # Report only to a scheduler that runs the lifecycle extension.
         if LIFECYCLE_EXTENSION in await hello(worker, self.name):
             self._reporter = PeriodicCallback(self._report, self.report_s * 1000)
@@ -153,7 +173,16 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         for name in (OFFLOAD, PREFETCH):
             worker.stream_handlers.pop(name, None)
         worker.handlers.pop(INVALIDATE, None)
+        listeners = getattr(worker.plugins.get(WORKER_PLUGIN), "task_listeners", None)
+        if listeners is not None and self._task_used in listeners:
+            listeners.remove(self._task_used)
         self._mover.shutdown(wait=False)
+
+    def _attach(self) -> None:
+        """Hear from the ``kvstate`` plugin which blocks each finished task used (again after it is replaced)."""
+        listeners = getattr(self.worker.plugins.get(WORKER_PLUGIN), "task_listeners", None)
+        if listeners is not None and self._task_used not in listeners:
+            listeners.append(self._task_used)
 
     def _probe(self) -> Rates:
         rt = self.worker.plugins[WORKER_PLUGIN].runtime  # type: ignore[attr-defined]
@@ -166,58 +195,81 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         return None if plugin is None or plugin.runtime is None else plugin.runtime.store
 
     # -- session holds ---------------------------------------------------------------
+    def _session_of(self, key) -> str | None:
+        ts = self.worker.state.tasks.get(key)
+        return (ts.annotations or {}).get(SESSION_ANNOTATION) if ts is not None else None
+
+    def _task_used(self, key, hashes) -> None:
+        """A task stopped running having pinned ``hashes`` (computed, pulled, recomputed or read here)."""
+        sid = self._session_of(key)
+        if sid is not None and hashes:
+            self._track(sid, hashes)
+        if self.leftovers:
+            self._sweep_soon()  # its pins go next: ended sessions' blocks it pinned may go then
+
     def transition(self, key, start, finish, **kwargs) -> None:
+        if self.leftovers and start == "memory":
+            self._sweep_soon()  # the key's refs let go: ended sessions' blocks may go now
         if finish != "memory" or start != "executing":
             return
         ts = self.worker.state.tasks.get(key)
-        sid = (ts.annotations or {}).get(SESSION_ANNOTATION) if ts is not None else None
-        store = self.store
-        if (
-            ts is None
-            or sid is None
-            or store is None
-            or ts.type not in (KVStateRef, list, tuple)
-            or key not in self.worker.data
-        ):
+        if ts is None or ts.type not in (KVStateRef, list, tuple) or key not in self.worker.data:
+            return
+        sid = (ts.annotations or {}).get(SESSION_ANNOTATION)
+        if sid is None:
             return
         refs = refs_in(self.worker.data.get(key))
         if refs:
-            held = self.blocks[sid]
-            for r in refs:
-                held.update(r.blocks)
-            store.hold(("session", sid), held)
+            self._track(sid, [h for r in refs for h in r.blocks])
 
-    def _own(self, sid: str) -> list[bytes]:
-        """The session's blocks no other session holds (those move with it)."""
-        others = set()
-        for other, hs in self.blocks.items():
-            if other != sid:
-                others |= hs
-        return [h for h in self.blocks.get(sid, ()) if h not in others]
+    def _track(self, sid: str, hashes) -> None:
+        store = self.store
+        if store is None:
+            return
+        if sid in self.ended:  # a task that outlived its session's end: nothing to keep for it
+            self.counters["late_blocks"] += len(hashes)
+            self._leave(hashes)
+            return
+        if self.sessions.add(sid, hashes):
+            store.hold(("session", sid), self.sessions.by_session[sid])
 
-    def session_bytes(self, store) -> dict[str, dict[str, int]]:
-        out = {}
-        for sid in list(self.blocks):
-            per = {"device": 0, "host": 0, "disk": 0}
-            for h in self._own(sid):
-                tier = store.where(h)
-                if tier is not None:
-                    per[tier] += store.size_of(h)
-            out[sid] = per
-        return out
+    def _leave(self, hashes) -> None:
+        """Drop ``hashes`` of ended sessions as soon as no ref, pin or live session keeps them."""
+        self.leftovers.update(dict.fromkeys(hashes))
+        while len(self.leftovers) > LEFTOVERS_KEPT:  # the oldest stay as unreferenced cache
+            self.leftovers.pop(next(iter(self.leftovers)))
+        self._sweep_soon()
+
+    def _sweep_soon(self) -> None:
+        if not self._sweep_due:
+            self._sweep_due = True  # once per loop turn: after this transition's unpins and releases
+            self.worker.loop.add_callback(self._sweep)
+
+    async def _sweep(self) -> None:
+        self._sweep_due = False
+        store = self.store
+        if store is None:
+            self.leftovers.clear()
+            return
+        # A block a live session holds goes with that session's end.
+        hashes = [h for h in self.leftovers if not self.sessions.held_by_any(h)]
+        freed = await asyncio.to_thread(store.discard, hashes) if hashes else 0
+        for h in list(self.leftovers):
+            if h not in store or self.sessions.held_by_any(h):
+                del self.leftovers[h]
+        self.counters["invalidated_bytes"] += freed
+        self.counters["late_freed_bytes"] += freed
 
     # -- handlers --------------------------------------------------------------------
     def _offload(self, session=None, tier="host", decision=None, **_) -> None:
         store = self.store
-        if store is None or session not in self.blocks:
+        if store is None or session not in self.sessions:
             return
-        hashes = [
-            h for h in self._own(session) if store.where(h) == "device" or (tier == "disk" and store.where(h) == "host")
-        ]
         # Writing to disk (bytes + checksum) must not stall the event loop: one thread, in order.
-        self._mover.submit(self._offload_now, store, session, hashes, tier, decision)
+        self._mover.submit(self._offload_now, store, session, self.sessions.own(session), tier, decision)
 
-    def _offload_now(self, store, session, hashes, tier, decision) -> None:
+    def _offload_now(self, store, session, own, tier, decision) -> None:
+        hashes = [h for h in own if store.where(h) == "device" or (tier == "disk" and store.where(h) == "host")]
         nbytes = sum(store.size_of(h) for h in hashes)
         t0 = time.perf_counter()
         moved = store.offload(hashes, tier)
@@ -236,9 +288,9 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
 
     def _prefetch(self, session=None, decision=None, **_) -> None:
         store = self.store
-        if store is None or session not in self.blocks:
+        if store is None or session not in self.sessions:
             return
-        hashes = [h for h in self._own(session) if store.where(h) in LOWER]
+        hashes = [h for h in self.sessions.own(session) if store.where(h) in LOWER]
         tiers = {store.where(h) for h in hashes}
         tier = "disk" if "disk" in tiers else "host"
         nbytes = sum(store.size_of(h) for h in hashes)
@@ -252,19 +304,39 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         fut.add_done_callback(finished)
 
     async def _invalidate(self, session=None) -> dict:
-        """Drop what ``session`` alone kept; never raises for an unknown session."""
+        """Drop what ``session`` alone kept, in every tier; never raises for an unknown session.
+
+        Idempotent: a retried call finds nothing left to drop and answers zeros.
+        """
         store = self.store
-        hashes = self.blocks.pop(session, set())
+        if session is not None and session not in self.ended:
+            self.ended[session] = None
+            while len(self.ended) > ENDED_KEPT:
+                self.ended.pop(next(iter(self.ended)))
+        hashes = self.sessions.pop(session)
         if store is None:
             return {"freed": 0, "left": 0, "shared": 0, "blocks": 0}
         store.release(("session", session))
-        freed = store.discard(hashes)
-        left = sum(store.size_of(h) for h in hashes if h in store)
-        # What stays is held by a live session or a live ref: shared, not left behind.
-        shared = sum(store.size_of(h) for h in hashes if h in store and h in store.holds)
+        alone = [h for h in hashes if not self.sessions.held_by_any(h)]
+        # Deleting spill files is disk I/O: off the event loop.
+        freed = await asyncio.to_thread(store.discard, alone) if alone else 0
+        left = shared = 0
+        stays = []
+        for h in hashes:
+            if h not in store:
+                continue
+            # Kept by another live session or a live ref: shared; only a running task's pin leaves one.
+            if h in store.holds:
+                shared += store.size_of(h)
+            else:
+                left += store.size_of(h)
+            if not self.sessions.held_by_any(h):
+                stays.append(h)  # a live ref's or a running task's: it goes once they let go
+        if stays:
+            self._leave(stays)
         self.counters["invalidations"] += 1
         self.counters["invalidated_bytes"] += freed
-        return {"freed": freed, "left": left - shared, "shared": shared, "blocks": len(hashes)}
+        return {"freed": freed, "left": left, "shared": shared, "blocks": len(hashes)}
 
     def _done(self, action: str, session: str, decision, **outcome) -> None:
         if self._reporter is not None and self.worker.batched_stream is not None:
@@ -272,22 +344,41 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
                 {"op": LIFECYCLE_DONE, "action": action, "session": session, "decision": decision, **outcome}
             )
 
-    def _report(self) -> None:
+    # -- the periodic report ---------------------------------------------------------
+    def _changes(self, store) -> tuple:
+        """What changes with any session's bytes per tier: blocks in or out, moves between tiers."""
+        c = store.counters
+        moves = c["device"]["spills"] + c["device"]["unspills"] + c["host"]["spills"] + c["host"]["unspills"]
+        return (self.sessions.version, store.version, moves)
+
+    async def _report(self) -> None:
+        self._attach()
         store = self.store
-        if store is None or self.worker.batched_stream is None or self.worker.batched_stream.comm is None:
+        stream = self.worker.batched_stream
+        if store is None or stream is None or stream.comm is None or stream.comm.closed():
             return
-        if not self.rates.per_s:  # the kvstate plugin came after this one: probe now, once
-            self.rates = self._probe()
-        s = store.stats()["tiers"]
+        if not self._probed:  # the kvstate plugin came after this one: probe now, once, off the loop
+            self._probed = True
+            self.rates = await asyncio.to_thread(self._probe)
+        changes = self._changes(store)
+        if changes != self._counted:
+            by_session, count = self.sessions.snapshot()
+            self._session_bytes = await asyncio.to_thread(tier_bytes, store, by_session, count)
+            self._counted = changes
         msg = {
-            "sessions": self.session_bytes(store),
+            "sessions": self._session_bytes,
             "rates": self.rates.as_dict(),
-            "device": {"bytes": s["device"]["bytes"], "capacity": s["device"]["capacity"]},
-            "host": {"bytes": s["host"]["bytes"], "capacity": s["host"]["capacity"]},
+            "device": {"bytes": int(store.device.total_weight), "capacity": int(store.device.n)},
+            "host": {"bytes": int(store.host.total_weight), "capacity": int(store.host.n)},
         }
-        if msg != self._sent:
+        if msg != self._sent and stream.comm is not None and not stream.comm.closed():
             self._sent = msg
-            self.worker.batched_stream.send({"op": LIFECYCLE_REPORT, **msg})
+            stream.send({"op": LIFECYCLE_REPORT, **msg})
 
     def stats(self) -> dict:
-        return {**dict(self.counters), "sessions": len(self.blocks), "rates": self.rates.as_dict()}
+        return {
+            **dict(self.counters),
+            "sessions": len(self.sessions),
+            "leftover_blocks": len(self.leftovers),
+            "rates": self.rates.as_dict(),
+        }

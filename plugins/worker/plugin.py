@@ -6,7 +6,10 @@ settings, ``setup`` does the work. It also
 * refcounts blocks by the refs this worker holds: when a key whose value is a
   :class:`KVStateRef` (or a list of them) enters memory its blocks are pinned, when the
   key leaves memory (Dask forgot it) the pins go, through the ``transition`` hook;
-* pins a running task's blocks until it finishes, so they never vanish mid-use;
+* pins a running task's blocks until it finishes, so they never vanish mid-use, and
+  tells each of ``task_listeners`` (``fn(key, hashes)``) which blocks the task pinned,
+  i.e. computed, pulled, recomputed or read, just before the pins go (the lifecycle
+  worker half keeps them as the task's session's);
 * serves blocks to peers (:data:`~dask_kvstate.protocol.GET_BLOCKS`) and evictions
   (:data:`~dask_kvstate.protocol.EVICT`).
 """
@@ -107,13 +110,15 @@ class KVStateWorkerPlugin(WorkerPlugin):
         self.runtimes: dict[str, StateRuntime] = {}  # model name -> its runtime, all sharing one block store
         self.held: dict = {}  # key -> state ids pinned for it
         self._lock = threading.Lock()  # transitions run on the event loop, evict in a task thread
+        self.task_listeners: list = []  # fn(key, hashes) per finished task that pinned blocks
 
     def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "task_listeners")}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self.task_listeners = []
 
     def settings(self) -> dict:
         return {"models": list(self.models), "torch_threads": self.torch_threads, **self.budgets, "config": self.config}
@@ -255,6 +260,12 @@ class KVStateWorkerPlugin(WorkerPlugin):
             # (long-running) still runs: keep their pins until then. Only tasks that pinned
             # blocks (kvstate operators) have anything to unpin.
             if start in _RUNNING and finish not in _RUNNING and rt.store.pinned_by(("task", key)):
+                used = rt.store.pins.by_owner.get(("task", key), ())
+                for listener in self.task_listeners:
+                    try:
+                        listener(key, used)
+                    except Exception:  # a listener's bug must not keep the blocks pinned
+                        logger.exception("kvstate: task listener %r failed for %s", listener, key)
                 rt.store.unpin(("task", key))
 
     def _send_ref(self, key, ref: KVStateRef) -> None:
