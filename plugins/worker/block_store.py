@@ -335,12 +335,17 @@ class TieredBlockStore:
         return moved
 
     def offload(self, hashes: Iterable[bytes], tier: str = "host") -> int:
-        """Move ``hashes`` down to ``tier`` ("host" or "disk") now, unless pinned; returns how many moved."""
+        """Move ``hashes`` down to ``tier`` ("host" or "disk") now, unless pinned; returns how many moved.
+
+        The lock is taken per block, not across the whole move: an offload writes a
+        session's state to disk (seconds for gigabytes), and the event loop needs the
+        lock meanwhile (stats, holds, peer pulls). Between two blocks those go first.
+        """
         if tier not in ("host", "disk"):
             raise ValueError(f"offload tier must be 'host' or 'disk', got {tier!r}")
         moved = 0
-        with self._lock:
-            for h in hashes:
+        for h in hashes:
+            with self._lock:
                 if h in self.pins:
                     continue
                 before = self.where(h)
