@@ -116,3 +116,43 @@ class TierOps:
         return self._ratio("unspill", tier)
 
     track_put_ratio.unit = track_get_ratio.unit = track_spill_ratio.unit = track_unspill_ratio.unit = "ours/zict"
+
+
+class StatsDuringOffload:
+    """How long ``store.stats()`` (what the event loop calls every report interval) waits
+    while another thread offloads a 4,096-token SmolLM2-shaped state (64 blocks, 180 MiB)
+    to disk: the store's lock is taken per block, so the wait is about one block's move."""
+
+    timeout = 120
+
+    def setup(self):
+        from dask_kvstate.blocks import block_hashes, kv_identity
+        from dask_kvstate.plugins.worker.arena import split_blocks
+        from dask_kvstate.plugins.worker.block_store import TieredBlockStore
+
+        self.dir = tempfile.mkdtemp()
+        kv = torch.randn(30, 2, 3, 4096, 64, generator=torch.Generator().manual_seed(0))
+        self.hashes = block_hashes(range(4096), identity=kv_identity("m", "c"), namespace="asv", block_tokens=64)
+        self.store = TieredBlockStore(self.dir, device_bytes=2**31, host_bytes=2**31, disk_bytes=2**33)
+        for b in split_blocks(kv, self.hashes, 64):
+            self.store.put(b.hash, b.tensor)
+
+    def teardown(self):
+        self.store.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def track_longest_stats_wait_ms(self):
+        import threading
+
+        done, waits = threading.Event(), []
+        mover = threading.Thread(target=lambda: (self.store.offload(list(self.hashes), "disk"), done.set()))
+        mover.start()
+        while not done.is_set():
+            t0 = time.perf_counter()
+            self.store.stats()
+            waits.append(time.perf_counter() - t0)
+            time.sleep(0.005)
+        mover.join()
+        return 1e3 * max(waits)
+
+    track_longest_stats_wait_ms.unit = "ms"
