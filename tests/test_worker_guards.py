@@ -108,3 +108,16 @@ def _borrow_checks(monkeypatch, own: int):
         assert seen_other == [threads] and not other.counters["borrowed_threads"]
         assert not other.prefill_meter.obs  # ...and does not meter a thread count that is not its own
     assert torch.get_num_threads() == own  # given back, exactly
+
+
+def test_the_stats_reporter_loses_its_messages_quietly_when_the_scheduler_is_gone():
+    from dask_kvstate.plugins.worker.reporter import StatsReporter
+
+    class _Plugin:
+        runtime = None  # worker_stats reads {"installed": False}
+
+    worker = SimpleNamespace(batched_stream=SimpleNamespace(comm=object(), send=_scheduler_gone))
+    reporter = StatsReporter(worker, _Plugin(), interval_s=1.0)
+    reporter.send_states("k", [_ref([b"a" * 16])])  # no CommClosedError out of a transition hook
+    reporter.report()
+    assert reporter.last is None  # not recorded as sent: the next connection gets a full report

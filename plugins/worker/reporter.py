@@ -8,6 +8,7 @@ lineage panel). The scheduler half is :mod:`dask_kvstate.plugins.scheduler.obser
 
 from __future__ import annotations
 
+from distributed.comm.core import CommClosedError
 from tornado.ioloop import PeriodicCallback
 
 from dask_kvstate.protocol import STATES, STATS
@@ -58,19 +59,27 @@ class StatsReporter:
         bs = self.worker.batched_stream
         return bs if bs is not None and bs.comm is not None else None
 
-    def report(self) -> None:
+    def _send(self, msg: dict) -> bool:
+        """Send ``msg`` to the observe extension; False (never raises) when the stream is gone:
+        a diagnostic lost with the scheduler, as every other message on that stream is."""
         stream = self._stream()
         if stream is None:
+            return False
+        try:
+            stream.send(msg)
+        except CommClosedError:
+            return False
+        return True
+
+    def report(self) -> None:
+        if self._stream() is None:  # idle and unconnected: not even the stats are gathered
             return
         stats = worker_stats(self.plugin)
-        if stats != self.last:
-            stream.send({"op": STATS, "stats": stats})
+        if stats != self.last and self._send({"op": STATS, "stats": stats}):
             self.last = stats
 
     def send_states(self, key, refs) -> None:
-        stream = self._stream()
-        if stream is not None:
-            stream.send({"op": STATES, "key": key, "states": [state_summary(r) for r in refs]})
+        self._send({"op": STATES, "key": key, "states": [state_summary(r) for r in refs]})
 
     def stop(self) -> None:
         self.callback.stop()
