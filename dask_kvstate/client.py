@@ -162,10 +162,10 @@ async def _stats(client: Client) -> Stats:
 
 
 def _worker_stats(dask_worker) -> dict:
-    plugin = dask_worker.plugins.get(WORKER_PLUGIN)
-    if plugin is None or plugin.runtime is None:
-        return {"installed": False}
-    return {"installed": True, **plugin.runtime.stats(), "models": list(plugin.models)}
+    # Runs on the worker (client.run): the same entry its reporter pushes to the dashboard.
+    from dask_kvstate.plugins.worker.reporter import worker_stats
+
+    return worker_stats(dask_worker.plugins.get(WORKER_PLUGIN))
 
 
 def _section(dask_scheduler, name: str) -> dict:

@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 import urllib.request
 
 #: Flags for CI: no sandbox (root in CI), no GPU, nothing fetched from outside.
@@ -69,16 +68,20 @@ class Browser:
         self.ids = itertools.count(1)
 
     def _devtools_port(self, timeout: float) -> int:
+        from distributed.utils_test import poll_for
+
         path = os.path.join(self.profile, "DevToolsActivePort")
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        port: list[int] = []
+
+        def opened() -> bool:  # chromium writes the port to its profile once it listens
             if self.proc.poll() is not None:
                 raise RuntimeError(f"chromium exited with code {self.proc.returncode}")
-            with contextlib.suppress(OSError, ValueError):
-                with open(path) as f:
-                    return int(f.readline())
-            time.sleep(0.1)
-        raise TimeoutError(f"chromium did not open its DevTools port within {timeout} s")
+            with contextlib.suppress(OSError, ValueError), open(path) as f:
+                port.append(int(f.readline()))
+            return bool(port)
+
+        poll_for(opened, timeout, period=0.1)
+        return port[0]
 
     def call(self, method: str, **params) -> dict:
         msg_id = next(self.ids)

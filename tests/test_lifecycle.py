@@ -326,18 +326,19 @@ async def report_with_many_sessions(sessions, blocks, dask_worker=None):
     sids = [f"many-{i}" for i in range(sessions)]
     for sid in sids:
         lifecycle._track(sid, shared)
-    longest, done = 0.0, False
+    longest, done, ticking = 0.0, False, asyncio.Event()
 
-    async def ticks():
+    async def ticks():  # a 2 ms tick: how late each one comes is how long the loop stalled
         nonlocal longest
         loop = asyncio.get_running_loop()
         while not done:
             t0 = loop.time()
             await asyncio.sleep(0.002)
             longest = max(longest, loop.time() - t0 - 0.002)
+            ticking.set()
 
     ticker = asyncio.ensure_future(ticks())
-    await asyncio.sleep(0.01)
+    await ticking.wait()
     t0 = time.perf_counter()
     await lifecycle._report()
     seconds = time.perf_counter() - t0
