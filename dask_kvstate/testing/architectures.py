@@ -1,0 +1,209 @@
+"""Tiny random models of every supported architecture family, saved as model folders.
+
+The conformance kit (``tests/test_architectures.py``) runs every operator path of every
+family against transformers' own ``model.generate``; these factories give it the models.
+Each family keeps what makes it different from Llama at a size that runs in milliseconds:
+a 24-token sliding window (Mistral, Qwen2, Phi-3), sliding and full layers alternating
+(Gemma2, Gemma3; Qwen2 through ``max_window_layers``), attention and final logit softcaps
+(Gemma2), scaled logits (Granite's ``logits_scaling``, Cohere's ``logit_scale``), q/k norms
+(Qwen3, Gemma3) and routed experts (Mixtral, Qwen3-MoE). Weights are seeded and wide
+(``initializer_range=0.3``, as tiny-llama's) so greedy choices are decisive rather than
+ties broken by rounding, and the tokenizer is tiny-llama's byte-level BPE, so prompts
+written for tiny-llama cross the same token boundaries here.
+
+Importing this module loads nothing; :func:`build` writes a folder once and reuses it.
+
+Examples
+--------
+>>> "gemma2" in FAMILIES and FAMILIES["gemma2"].window == WINDOW
+True
+>>> sorted(UNSUPPORTED)
+['mamba', 't5']
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: The sliding window of every family that has one, in tokens: shorter than the kit's
+#: shared prefixes and not a multiple of the 16-token test blocks, so windows end mid-block.
+WINDOW = 24
+SEED = 0
+
+#: What every family shares: 3 layers, 4 query heads over 2 kv heads (grouped-query
+#: attention), 16-dim heads.
+_COMMON: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "initializer_range": 0.3,
+    "tie_word_embeddings": False,
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture family: its transformers config class and what sets it apart.
+
+    ``options`` override :data:`_COMMON`; ``window`` is the sliding window some of its
+    layers use (None: full attention everywhere).
+    """
+
+    name: str
+    config_class: str
+    options: dict[str, Any] = field(default_factory=dict)
+    window: int | None = None
+
+    def config(self, vocab_size: int, bos: int, eos: int):
+        """The family's transformers config for a tokenizer of ``vocab_size`` tokens."""
+        import transformers
+
+        cls = getattr(transformers, self.config_class)
+        special = {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos}
+        return cls(vocab_size=vocab_size, **{**_COMMON, **special, **self.options})
+
+    def tag(self) -> str:
+        """A digest of everything the saved folder depends on (a stale cached folder is never reused)."""
+        import transformers
+
+        blob = json.dumps([self.config_class, _COMMON, self.options, SEED, transformers.__version__], sort_keys=True)
+        return hashlib.blake2b(blob.encode(), digest_size=5).hexdigest()
+
+
+_SLIDE, _FULL = "sliding_attention", "full_attention"
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("llama", "LlamaConfig"),
+        Family("mistral", "MistralConfig", {"head_dim": 16, "sliding_window": WINDOW}, WINDOW),
+        Family(
+            "qwen2",
+            "Qwen2Config",
+            # Layers at or past max_window_layers slide: layer 0 full, layers 1-2 sliding.
+            {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+            WINDOW,
+        ),
+        Family("qwen3", "Qwen3Config", {"head_dim": 16}),
+        Family(
+            "gemma2",
+            "Gemma2Config",
+            {
+                "head_dim": 16,
+                "query_pre_attn_scalar": 16,
+                "sliding_window": WINDOW,
+                "layer_types": [_SLIDE, _FULL, _SLIDE],
+                "attn_logit_softcapping": 50.0,
+                "final_logit_softcapping": 30.0,
+            },
+            WINDOW,
+        ),
+        Family(
+            "gemma3",
+            "Gemma3TextConfig",
+            {
+                "head_dim": 16,
+                "query_pre_attn_scalar": 16,
+                "sliding_window": WINDOW,
+                "layer_types": [_SLIDE, _FULL, _SLIDE],
+            },
+            WINDOW,
+        ),
+        Family("phi3", "Phi3Config", {"sliding_window": WINDOW}, WINDOW),
+        Family(
+            "granite",
+            "GraniteConfig",
+            {
+                "logits_scaling": 2.0,
+                "embedding_multiplier": 4.0,
+                "residual_multiplier": 0.5,
+                "attention_multiplier": 0.25,
+            },
+        ),
+        Family("cohere", "CohereConfig", {"logit_scale": 0.25}),
+        Family("mixtral", "MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+        Family(
+            "qwen3_moe",
+            "Qwen3MoeConfig",
+            {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
+        ),
+    )
+}
+
+#: Models no KV operator can serve, which ``kvs.install`` must refuse: a state-space model
+#: (no attention KV at all) and an encoder-decoder (its cache is the encoder's too).
+UNSUPPORTED: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("mamba", "MambaConfig", {"hidden_size": 64, "state_size": 8, "num_hidden_layers": 2}),
+        Family("t5", "T5Config", {"d_model": 64, "d_ff": 128, "num_layers": 2, "num_heads": 4, "d_kv": 16}),
+    )
+}
+
+
+@functools.cache
+def tokenizer():
+    """tiny-llama's tokenizer: a byte-level BPE trained on a fixed corpus (trained once per process)."""
+    from dask_kvstate.backends import models
+
+    return models.load(models.TINY_LLAMA)[1]
+
+
+def build(name: str, root: str | os.PathLike) -> Path:
+    """The folder of family ``name``'s tiny model under ``root``, saved on first use.
+
+    ``name`` is a key of :data:`FAMILIES` or :data:`UNSUPPORTED`. The folder is written
+    to a temporary name and renamed into place, so a crash never leaves half a model;
+    a folder already there (same family, same settings) is returned as it is.
+    """
+    family = FAMILIES.get(name) or UNSUPPORTED.get(name)
+    if family is None:
+        raise ValueError(f"unknown family {name!r}; known: {sorted(FAMILIES)} and unsupported {sorted(UNSUPPORTED)}")
+    root = Path(root)
+    folder = root / f"{name}-{family.tag()}"
+    if (folder / "config.json").is_file():
+        return folder
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=root))
+    try:
+        _save(family, tmp)
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process saved it first
+            if not (folder / "config.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def _save(family: Family, folder: Path) -> None:
+    import torch
+    import transformers
+
+    tok = tokenizer()
+    config = family.config(len(tok), tok.bos_token_id, tok.eos_token_id)
+    auto = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
+    with torch.random.fork_rng():
+        torch.manual_seed(SEED)
+        model = auto.from_config(config)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
+def build_all(root: str | os.PathLike) -> dict[str, Path]:
+    """Every supported family's folder under ``root``: ``{family: folder}``."""
+    return {name: build(name, root) for name in FAMILIES}
