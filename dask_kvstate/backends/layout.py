@@ -146,14 +146,16 @@ def new_cache(model, layout: Layout, kv: torch.Tensor | None = None) -> DynamicC
     transformers' own cache would after those tokens) and record everything.
     """
     cache = DynamicCache(config=model.config)
-    cache.layers = [
+    layers: list[DynamicLayer] = [
         RecordingSlidingWindowLayer(w) if w is not None else layer
         for layer, w in zip(cache.layers, layout.windows, strict=True)
+        if isinstance(layer, DynamicLayer)  # what describe() accepted
     ]
+    cache.layers = list(layers)
     if kv is not None and kv.shape[3] > 0:
         if kv.shape[0] != layout.num_layers:
             raise ValueError(f"KV for {kv.shape[0]} layers given to a {layout.num_layers}-layer model")
-        for i, layer in enumerate(cache.layers):
+        for i, layer in enumerate(layers):
             layer.update(kv[i, 0][None], kv[i, 1][None])
     return cache
 
@@ -162,6 +164,8 @@ def kv_of(cache: DynamicCache) -> torch.Tensor:
     """Every token of a batch-1 cache as one ``[L, 2, H, T, D]`` tensor."""
     per_layer = []
     for layer in cache.layers:
+        if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
+            raise ValueError(f"cache layer {layer!r} holds no per-token KV")
         if isinstance(layer, RecordingSlidingWindowLayer):
             k, v = layer.all_tokens()
         elif type(layer) is DynamicSlidingWindowLayer:
