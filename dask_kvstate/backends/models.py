@@ -25,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SMOLLM2 = packaged.SMOLLM2
 GEMMA3 = packaged.GEMMA3
 TINY_LLAMA = "tiny-llama"
-KNOWN_MODELS = (SMOLLM2, GEMMA3, TINY_LLAMA)
+KNOWN_MODELS = (SMOLLM2, TINY_LLAMA, GEMMA3)
 #: the values of ``kvstate.dtype``, named as torch names them
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -47,7 +47,7 @@ def check_model_name(name: str) -> str:
     >>> check_model_name("gpt-17")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: unknown model 'gpt-17'; known: smollm2-135m, gemma3-270m, tiny-llama, a path to a local model ...
+    ValueError: unknown model 'gpt-17'; known: smollm2-135m, tiny-llama, gemma3-270m, a path to a local model ...
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"model must be a non-empty str, got {name!r}; known: {describe_known()}")
