@@ -254,7 +254,9 @@ def test_joining_parts_checks_the_whole_files_sha256(tmp_path):
     good = hashlib.sha256(b"GGUF head middle tail").hexdigest()
     out = packaged.assemble(parts, good, tmp_path / "m.gguf", "pkg")
     assert out.read_bytes() == b"GGUF head middle tail"
-    with pytest.raises(ValueError, match=r"pkg's SHA256SUMS says 0+: .*--force-reinstall pkg-part1 pkg-part2 pkg-part3$"):
+    with pytest.raises(
+        ValueError, match=r"pkg's SHA256SUMS says 0+: .*--force-reinstall pkg-part1 pkg-part2 pkg-part3$"
+    ):
         packaged.assemble(parts, "0" * 64, tmp_path / "bad.gguf", "pkg")
     assert not (tmp_path / "bad.gguf").exists()
 

@@ -82,8 +82,8 @@ def parse(argv=None) -> argparse.Namespace:
     if args.model is not None:
         try:
             check_model_name(args.model)
-        except ValueError as e:
-            ap.error(str(e))
+        except ValueError as bad:
+            ap.error(str(bad))
     wanted = []
     for e in args.experiments or list(EXPERIMENTS.values()):
         name = EXPERIMENTS.get(e, e)
