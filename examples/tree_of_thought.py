@@ -8,7 +8,8 @@ runs on another worker); "compiler" runs the text-replay code under
 per-branch time to first token, total wall time, KV bytes and whether outputs are
 token-identical. The workload and the table are :mod:`dask_kvstate.bench.tree_of_thought`.
 
-Run: ``make demo`` or ``python examples/tree_of_thought.py [--model tiny-llama]``.
+Run: ``make demo [MODEL=gemma3-270m]`` or ``python examples/tree_of_thought.py [--model tiny-llama]``;
+``--model`` also takes a local model folder or a local ``.gguf`` file.
 """
 
 from __future__ import annotations
@@ -19,17 +20,22 @@ import time
 from distributed import Client, LocalCluster
 
 import dask_kvstate as kvs
+from dask_kvstate.backends import check_model_name, describe_known
 from dask_kvstate.bench import tree_of_thought
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m", help="smollm2-135m (default), tiny-llama or a model folder")
+    ap.add_argument("--model", default="smollm2-135m", help=f"default smollm2-135m; one of: {describe_known()}")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--branches", type=int, default=4)
     ap.add_argument("--lines", type=int, default=52, help="log lines in the shared report (52: ~1,500 tokens)")
     ap.add_argument("--new-tokens", type=int, default=32)
     args = ap.parse_args(argv)
+    try:
+        check_model_name(args.model)  # before a cluster starts, not in each worker
+    except ValueError as e:
+        ap.error(str(e))
     with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
         with Client(cluster) as client:
             t0 = time.perf_counter()

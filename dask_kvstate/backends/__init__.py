@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from dask_kvstate.backends.models import KNOWN_MODELS, check_model_name
+from dask_kvstate.backends.models import DTYPES, KNOWN_MODELS, check_dtype, check_model_name, describe_known
 
-__all__ = ["KNOWN_MODELS", "check_model_name", "load_backend"]
+__all__ = ["DTYPES", "KNOWN_MODELS", "check_dtype", "check_model_name", "describe_known", "load_backend"]
 
 
 def load_backend(name: str, cache_dir: str | None = None, device: str | None = None):
-    """Load the backend for a model name or folder.
+    """Load the backend for a model name, folder or ``.gguf`` file, in the dtype ``kvstate.dtype`` names.
 
-    Raises ``ValueError`` listing the known names when ``name`` is unknown.
+    Raises ``ValueError`` listing the known names when ``name`` is unknown, and naming
+    the value when ``kvstate.dtype`` is not one of :data:`DTYPES`.
     """
     from dask_kvstate.backends.hf import HFBackend
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dask_kvstate.backends.cascade import SharedPrefixKV
+from dask_kvstate.backends.cascade import CascadeUnsupported, SharedPrefixKV, unsupported_layout
 from dask_kvstate.backends.hf import GenerationResult, generator, pick_token
 from dask_kvstate.generation import Sampling
 
@@ -70,7 +70,6 @@ def generate_batch(
     they share it. Raises ValueError for an empty row or a ``keep`` the prefix can't cover.
     """
     t0 = time.perf_counter() if started is None else started
-    device = backend.device
     for n, row in enumerate(rows):
         if not row.ids:
             raise ValueError(f"row {n} has an empty prompt: give at least one token of text")
@@ -79,17 +78,28 @@ def generate_batch(
                 f"row {n} keeps {row.keep} prefix tokens of a {len(row.ids)}-token prompt: "
                 "at least its last token must be computed"
             )
-    if not backend.cascade:
-        # A model whose attention can't be routed (not sdpa/eager): one stock resume per row.
-        return [
-            backend.generate(
-                r.ids,
-                prefix[:, :, :, : r.keep] if prefix is not None and r.keep else None,
-                _row_sampling(sampling, r),
-                started=t0,
-            )
-            for r in rows
-        ]
+    why = "attention not routable" if not backend.cascade else unsupported_layout(backend.layout.kinds)
+    if why is None:
+        try:
+            return _cascade(backend, rows, prefix, sampling, t0)
+        except CascadeUnsupported as e:
+            why = str(e)
+    # The model's own attention, one stock resume per row; counted, so that a model the
+    # fused path does not serve shows up in ``kvs.stats`` rather than silently slower.
+    backend.cascade_fallbacks[why] += 1
+    return [
+        backend.generate(
+            r.ids,
+            prefix[:, :, :, : r.keep] if prefix is not None and r.keep else None,
+            _row_sampling(sampling, r),
+            started=t0,
+        )
+        for r in rows
+    ]
+
+
+def _cascade(backend, rows: list[Row], prefix, sampling: Sampling, t0: float) -> list[GenerationResult]:
+    device = backend.device
     if prefix is not None:
         prefix = prefix.to(device, non_blocking=True)
     own = [len(r.ids) - r.keep for r in rows]
@@ -102,8 +112,8 @@ def generate_batch(
         head_dim=backend.head_dim,
         dtype=backend.dtype,
         device=device,
+        windows=backend.layout.windows,
     )
-    decoder, head = backend.model.get_decoder(), backend.model.get_output_embeddings()
     gens = [generator(device, sampling.temperature, _row_sampling(sampling, r).seed) for r in rows]
     outs: list[list[int]] = [[] for _ in rows]
 
@@ -114,11 +124,18 @@ def generate_batch(
     for b, r in enumerate(rows):
         x[b, : own[b]] = torch.tensor(r.ids[r.keep :], dtype=torch.long)
     kv.begin(x.shape[1])
-    hidden = decoder(
-        input_ids=x, position_ids=kv.position_ids(x.shape[1]), cache=None, use_cache=False, kvstate_cascade=kv
-    ).last_hidden_state
-    last = hidden[torch.arange(len(rows), device=device), torch.tensor(own, device=device) - 1]
-    logits = head(last).float()
+    # The whole model, so the first token gets its logit post-processing (final softcap,
+    # logit scales) as every later one does; logits only at each row's last real token.
+    last = torch.tensor(own, device=device)[:, None] - 1
+    res = backend.model(
+        input_ids=x,
+        position_ids=kv.position_ids(x.shape[1]),
+        cache=None,
+        use_cache=False,
+        logits_to_keep=last,
+        kvstate_cascade=kv,
+    )
+    logits = res.logits[:, -1].float()
     kv.advance(own)
     live = []
     if sampling.max_new_tokens > 0:

@@ -32,6 +32,18 @@ earlier matmul + softmax split; the suffixes' prefill (36 tokens a row) 1.07 s a
 2.2 s for sdpa over the prefix expanded per row. Elsewhere (CUDA, MPS) the parts are
 computed with matmuls and ``torch.logsumexp``; same contract, same merge.
 
+What the model's own attention does, the cascade does too: per-layer sliding windows
+(each layer's window from :mod:`~dask_kvstate.backends.layout`, also hiding prefix
+tokens that slid out, and reading only the part of the prefix some row can still
+see), attention logit softcapping (Gemma2; computed in the matmul form, which the
+fused kernel lacks), attention sinks (``s_aux``, gpt-oss: one more term in the
+softmax's denominator, applied to the merged output), and the module's ``scaling``.
+The model's attention mask is not used: the masks here encode causality, windows and
+each row's prefix length, which is all a text-only causal LM's mask holds. A feature
+outside that list (chunked attention, dropout, a window the module names that the
+layout does not) raises :class:`CascadeUnsupported`; the caller then runs the
+model's own attention per row for that call and counts it.
+
 Exactness: the result is the same softmax(QK^T)V over the same keys as sdpa over the
 concatenated cache, masked per row (row b sees the first ``p_b`` prefix tokens and its
 own tokens causally). The arithmetic is split differently, so the last bits of a float
@@ -41,21 +53,56 @@ in the tests.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 ATTN_NAME = "kvstate_cascade"
 
-_previous: dict[str, Callable[..., Any]] = {}
+
+class CascadeUnsupported(Exception):
+    """The model asked the cascade for an attention feature it does not compute."""
 
 
 def _dispatch(module, query, key, value, attention_mask, *, kvstate_cascade=None, **kwargs):
     if kvstate_cascade is not None:
-        return kvstate_cascade.attend(module.layer_idx, query, key, value, kwargs.get("scaling")), None
-    base = _previous[module.config._kvstate_base_attn]
-    return base(module, query, key, value, attention_mask, **kwargs)
+        if kwargs.get("dropout"):
+            raise CascadeUnsupported("attention dropout")
+        out = kvstate_cascade.attend(
+            module.layer_idx,
+            query,
+            key,
+            value,
+            kwargs.get("scaling"),
+            softcap=kwargs.get("softcap"),
+            sinks=kwargs.get("s_aux"),
+            window=kwargs.get("sliding_window"),
+        )
+        return out, None
+    return _base_attention(module)(module, query, key, value, attention_mask, **kwargs)
+
+
+def _base_attention(module) -> Callable[..., Any]:
+    """The implementation this model had: sdpa from transformers' registry, or eager from
+    the model's own modeling file (each model family has its own eager function, so it is
+    looked up by the module's class, never shared across models)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    base = module.config._kvstate_base_attn
+    if base == "eager":
+        return _eager_of(type(module).__module__)
+    return ALL_ATTENTION_FUNCTIONS[base]
+
+
+def _eager_of(module_name: str) -> Callable[..., Any]:
+    import sys
+
+    fn = getattr(sys.modules[module_name], "eager_attention_forward", None)
+    if fn is None:
+        raise CascadeUnsupported(f"no eager attention function in {module_name}")
+    return fn
 
 
 def enable(model) -> bool:
@@ -64,31 +111,30 @@ def enable(model) -> bool:
     Registers :data:`ATTN_NAME` with transformers' attention and mask interfaces (the
     mask function is the base implementation's, so non-cascade calls are unchanged).
     """
+    import sys
+
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     base = model.config._attn_implementation
     if base == ATTN_NAME:
         return True
     if base not in ("sdpa", "eager") or base not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
         return False
-    if base == "eager":
-        # eager lives in each model's module; take the model's own function.
-        import sys
-
-        fn = getattr(sys.modules[type(model).__module__], "eager_attention_forward", None)
-        if fn is None:
-            return False
-        _previous["eager"] = fn
-    else:
-        _previous["sdpa"] = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if base == "eager" and getattr(sys.modules[type(model).__module__], "eager_attention_forward", None) is None:
+        return False
     AttentionInterface.register(ATTN_NAME, _dispatch)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS[base])
     for config in {id(c): c for c in (model.config, model.config.get_text_config(decoder=True))}.values():
         config._kvstate_base_attn = base
     model.set_attn_implementation(ATTN_NAME)
     return model.config._attn_implementation == ATTN_NAME
+
+
+def unsupported_layout(kinds: Sequence[str]) -> str | None:
+    """Why the cascade can't serve a model with these layer kinds, or None."""
+    odd = sorted({k for k in kinds if k not in ("full_attention", "sliding_attention")})
+    return f"{', '.join(odd)} layers" if odd else None
 
 
 class SharedPrefixKV:
@@ -103,6 +149,8 @@ class SharedPrefixKV:
         differently at the boundary keeps fewer.
     capacity : int
         Own tokens a row can hold (its suffix plus the tokens it will generate).
+    windows : sequence of int or None, one per layer
+        Each layer's sliding window (None: full attention); default all full.
     """
 
     def __init__(
@@ -116,12 +164,16 @@ class SharedPrefixKV:
         head_dim: int,
         dtype,
         device,
+        windows: Sequence[int | None] | None = None,
     ):
         rows = len(prefix_lengths)
         self.prefix = prefix
         self.P = 0 if prefix is None else int(prefix.shape[3])
         if any(p > self.P or p < 0 for p in prefix_lengths):
             raise ValueError(f"prefix lengths {prefix_lengths} exceed the prefix's {self.P} tokens")
+        self.windows = tuple(windows) if windows is not None else (None,) * num_layers
+        if len(self.windows) != num_layers:
+            raise ValueError(f"{len(self.windows)} windows for {num_layers} layers")
         self.prefix_lengths = torch.tensor(prefix_lengths, dtype=torch.long, device=device)
         # Zeroed, not empty: masked slots still enter the matmuls (a masked score is
         # -inf, its weight 0), and uninitialized memory may hold NaN, which survives both.
@@ -129,7 +181,7 @@ class SharedPrefixKV:
         self.own_v = torch.zeros_like(self.own_k)
         self.offsets = torch.zeros(rows, dtype=torch.long, device=device)  # own tokens written per row
         self.rows, self.capacity = rows, capacity
-        self._masks: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None = None
+        self._masks: dict[tuple[int | None, int], _Masks] = {}
         self._q, self._width = 0, 0
 
     def position_ids(self, q: int) -> torch.Tensor:
@@ -139,36 +191,52 @@ class SharedPrefixKV:
     def begin(self, q: int) -> None:
         """Prepare a forward of ``q`` new tokens per row (call before each model call).
 
-        Fixes the own-token width of this forward; the masks (built on its first layer,
-        when the query's head grouping is known) are shared by all layers: prefix slot j
-        is visible to row b iff ``j < p_b``; own slot j to query i of row b iff
-        ``j <= offset_b + i``.
+        Fixes the own-token width of this forward; the masks (built on the first layer of
+        each window, when the query's head grouping is known) are shared by the layers
+        with that window.
         """
         width = int(self.offsets.max()) + q
         if width > self.capacity:
             raise ValueError(f"a row would hold {width} own tokens, more than the capacity {self.capacity}")
-        self._q, self._width, self._masks = q, width, None
+        self._q, self._width, self._masks = q, width, {}
 
-    def _build_masks(self, g: int, dtype) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    def _build_masks(self, g: int, dtype, window: int | None) -> _Masks:
         """Additive masks in the folded query layout: rows ``(b, group, i)``; None where all is visible.
 
-        Third: which rows see no prefix token at all (None if every row sees some).
+        Query i of row b sits at position ``pos = p_b + offset_b + i``. Prefix slot j is
+        visible to it iff ``j < p_b`` and ``pos - j < window``; own slot j iff
+        ``j <= offset_b + i`` and ``offset_b + i - j < window`` (transformers' sliding
+        mask: ``kv_idx > q_idx - window``). Only prefix slots from ``lo`` on, the first
+        one any query can see, are read at all.
         """
         q, W, dev, B = self._q, self._width, self.offsets.device, self.rows
         # The kernel wants a float mask of the query's dtype; finfo.min, not -inf, so that a
         # fully hidden row stays finite in the matmul form (its LSE is then set to -inf).
         neg = torch.finfo(dtype).min
-        prefix_mask = blind = None
-        if self.P and bool((self.prefix_lengths < self.P).any()):
-            blind = (self.prefix_lengths == 0)[:, None, None] if bool((self.prefix_lengths == 0).any()) else None
-            hide = torch.arange(self.P, device=dev)[None, :] >= self.prefix_lengths[:, None]  # [B, P]
-            hide = hide.repeat_interleave(g * q, dim=0)  # [B*g*q, P]
-            prefix_mask = torch.zeros(hide.shape, dtype=dtype, device=dev).masked_fill_(hide, neg)[None, None]
-        limit = self.offsets[:, None] + torch.arange(q, device=dev)[None, :]  # [B, q]
-        hide = torch.arange(W, device=dev)[None, None, :] > limit[:, :, None]  # [B, q, W]
+        steps = torch.arange(q, device=dev)[None, :]
+        own_pos = self.offsets[:, None] + steps  # [B, q]: own index of each query
+        hide = torch.arange(W, device=dev)[None, None, :] > own_pos[:, :, None]  # [B, q, W]
+        if window is not None:
+            hide |= torch.arange(W, device=dev)[None, None, :] <= own_pos[:, :, None] - window
         hide = hide[:, None].expand(B, g, q, W).reshape(B, 1, g * q, W)
         own_mask = torch.zeros(hide.shape, dtype=dtype, device=dev).masked_fill_(hide, neg)
-        return prefix_mask, own_mask, blind
+        lo, prefix_mask, blind = 0, None, None
+        if self.P:
+            pos = self.prefix_lengths[:, None] + own_pos  # [B, q]: absolute positions
+            if window is not None:
+                lo = min(max(int(pos.min()) - window + 1, 0), self.P)
+            slots = torch.arange(lo, self.P, device=dev)[None, None, :]  # [1, 1, P - lo]
+            hide = slots >= self.prefix_lengths[:, None, None]
+            if window is not None:
+                hide = hide | (slots <= pos[:, :, None] - window)
+            hide = hide.expand(B, q, self.P - lo)
+            if bool(hide.any()):
+                seen = ~hide.all(dim=-1)  # [B, q]: queries that see some prefix slot
+                if not bool(seen.all()):
+                    blind = (~seen)[:, None].expand(B, g, q).reshape(B, 1, g * q)
+                hide = hide[:, None].expand(B, g, q, self.P - lo).reshape(B * g * q, self.P - lo)
+                prefix_mask = torch.zeros(hide.shape, dtype=dtype, device=dev).masked_fill_(hide, neg)[None, None]
+        return _Masks(lo, prefix_mask, own_mask, blind)
 
     def advance(self, counts: torch.Tensor | list[int]) -> None:
         """After a forward: row b keeps ``counts[b]`` of the ``q`` tokens it wrote (padding dropped)."""
@@ -181,8 +249,28 @@ class SharedPrefixKV:
         self.offsets, self.prefix_lengths = self.offsets[idx], self.prefix_lengths[idx]
         self.rows = len(keep)
 
-    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling) -> torch.Tensor:
-        """One layer's attention for all rows; returns ``[B, q, heads, D]`` as transformers expects."""
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling,
+        *,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """One layer's attention for all rows; returns ``[B, q, heads, D]`` as transformers expects.
+
+        ``window`` is what the module says its sliding window is (checked against the
+        layout's), ``softcap`` its attention logit cap, ``sinks`` its per-head sink logits.
+        """
+        if window is not None and window != self.windows[layer]:
+            raise CascadeUnsupported(
+                f"layer {layer} attends with window {window}, the cache layout says {self.windows[layer]}"
+            )
+        window = self.windows[layer]
         B, Hq, q, D = query.shape
         H = key.shape[1]
         g = Hq // H
@@ -198,45 +286,67 @@ class SharedPrefixKV:
             o = int(self.offsets[0])
             ok[:, :, o : o + q] = key
             ov[:, :, o : o + q] = value
-        if self._masks is None:
-            self._masks = self._build_masks(g, query.dtype)
-        prefix_mask, own_mask, blind = self._masks
+        masks = self._masks.get((window, g))
+        if masks is None:
+            masks = self._masks[(window, g)] = self._build_masks(g, query.dtype, window)
         W = self._width
         scale = scaling if scaling is not None else D**-0.5
+        # The fused kernel has no logit softcap; the matmul form applies it where eager does.
+        fused = False if softcap else None
         # Query heads of one group share a kv head (transformers' repeat_kv order): [B, H, g*q, D].
         qh = query.reshape(B, H, g * q, D)
-        out, lse = _partial(qh, ok[:, :, :W], ov[:, :, :W], own_mask, scale)
-        if self.P and self.prefix is not None:
+        out, lse = _partial(qh, ok[:, :, :W], ov[:, :, :W], masks.own, scale, fused, softcap)
+        if self.P and self.prefix is not None and masks.lo < self.P:
             # Every row's queries as one batch against the one prefix copy: [1, H, B*g*q, D].
             qf = qh.transpose(0, 1).reshape(1, H, B * g * q, D)
-            po, pl = _partial(qf, self.prefix[layer, 0][None], self.prefix[layer, 1][None], prefix_mask, scale)
+            pk, pv = self.prefix[layer, 0, :, masks.lo :][None], self.prefix[layer, 1, :, masks.lo :][None]
+            po, pl = _partial(qf, pk, pv, masks.prefix, scale, fused, softcap)
             po = po.reshape(H, B, g * q, D).transpose(0, 1)
             pl = pl.reshape(H, B, g * q).transpose(0, 1)
-            if blind is not None:
-                # A row that sees no prefix token: the kernel returns output 0 with LSE 0; its true LSE is -inf.
-                pl = pl.masked_fill(blind, float("-inf"))
-            out = _merge(out, lse, po, pl)
+            if masks.blind is not None:
+                # A query that sees no prefix token: the kernel's output is arbitrary; its true LSE is -inf.
+                pl = pl.masked_fill(masks.blind, float("-inf"))
+            out, lse = _merge(out, lse, po, pl)
+        if sinks is not None:
+            # A sink adds e^s to the softmax's denominator and nothing to its numerator.
+            s = sinks.float().reshape(1, H, g, 1).expand(1, H, g, q).reshape(1, H, g * q)
+            out = out.float() * torch.sigmoid(lse - s)[..., None]
         return out.to(query.dtype).reshape(B, Hq, q, D).transpose(1, 2)
 
 
-def _partial(q, k, v, mask, scale, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass
+class _Masks:
+    """One forward's masks for the layers of one window (see ``_build_masks``)."""
+
+    lo: int  # first prefix slot read
+    prefix: torch.Tensor | None
+    own: torch.Tensor
+    blind: torch.Tensor | None
+
+
+def _partial(q, k, v, mask, scale, fused: bool | None = None, softcap: float | None = None):
     """Attention of ``q`` over ``k, v`` and its log-sum-exp: ``([..., n, D], [..., n] float32)``.
 
     torch's public sdpa does not return the LSE the merge needs; its CPU flash kernel
-    does, so on CPU that kernel is called directly. The matmul form elsewhere computes
-    the same two values (no fused kernel with an LSE is public for every device).
+    does, so on CPU that kernel is called directly. The matmul form elsewhere (and for a
+    logit softcap, ``tanh(s / cap) * cap`` before the mask, as eager attention does)
+    computes the same two values.
     """
-    if fused if fused is not None else q.device.type == "cpu":
+    if softcap is None and (fused if fused is not None else q.device.type == "cpu"):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
     scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores + mask.float()
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v), lse
 
 
-def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
-    """Combine two partial attentions over disjoint keys into the attention over their union (float32)."""
+def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial attentions over disjoint keys into the attention over their union
+    (float32), with its log-sum-exp."""
     top = torch.maximum(l1, l2)
     w1, w2 = torch.exp(l1 - top)[..., None], torch.exp(l2 - top)[..., None]
-    return (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+    total = w1 + w2
+    return (o1.float() * w1 + o2.float() * w2) / total, top + torch.log(total[..., 0])

@@ -1,9 +1,11 @@
 """Hugging Face transformers backend: prefill into KV tensors, resume from them, decode.
 
 All KV handed in or out is one tensor ``[layers, 2, kv_heads, tokens, head_dim]`` (the
-block layout). Inside a forward pass transformers wants a ``DynamicCache``; a forward
-with a cache appends to it in place, so a cache is always built fresh from the stored
-tensors (``torch.cat`` copies) and stored tensors are never mutated.
+block layout), every token for every layer, sliding-window layers included (see
+:mod:`~dask_kvstate.backends.layout`). Inside a forward pass transformers wants a
+``DynamicCache``; a forward with a cache appends to it in place, so a cache is always
+built fresh from the stored tensors (``torch.cat`` copies) and stored tensors are
+never mutated.
 
 Decoding is a plain greedy / seeded-sampling loop rather than ``model.generate`` so
 that text replay and every reuse path run the very same decode steps, and so that time
@@ -17,13 +19,14 @@ import json
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from dask_kvstate.backends import cascade, models
+from dask_kvstate.backends import cascade, layout, models
 from dask_kvstate.blocks import kv_identity
 from dask_kvstate.generation import Sampling
 
@@ -57,6 +60,8 @@ class HFBackend:
         self.model = model.to(self.device)
         self.tokenizer = tokenizer
         self.config = model.config.get_text_config(decoder=True)
+        # Refuses, naming the capability, a model whose KV is not per-token blocks.
+        self.layout = layout.describe(model)
         self.dtype = next(model.parameters()).dtype
         self.num_layers = int(self.config.num_hidden_layers)
         self.kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
@@ -70,8 +75,10 @@ class HFBackend:
         self.eos_ids = self._eos_ids()
         # Shared-prefix (cascade) attention for resumes; False for a model it can't route.
         self.cascade = cascade.enable(self.model)
+        self.cascade_fallbacks: Counter[str] = Counter()  # batched calls run per row instead, by reason
         # Tokenizers' Rust core is not re-entrant for one object across threads.
         self._tok_lock = threading.Lock()
+        self._check_kv_shape()
 
     @classmethod
     def load(cls, name: str, cache_dir: str | None = None, device: str | None = None) -> HFBackend:
@@ -81,19 +88,24 @@ class HFBackend:
 
     # -- identity ------------------------------------------------------------------
     def _config_fingerprint(self) -> str:
-        c = self.config
+        """The whole model config (every field that can change K/V or logits), the dtype,
+        the attention implementation and the tokenizer.
+
+        Left out are only fields that name where or how the model was loaded, not what
+        it computes: the same model loaded from two paths must share its blocks.
+        """
         tok_json = (
             self.tokenizer.backend_tokenizer.to_str()
             if hasattr(self.tokenizer, "backend_tokenizer")
             else repr(self.tokenizer.get_vocab())
         )
+        config = {
+            k: v for k, v in self.model.config.to_dict().items() if k not in _NOT_IDENTITY and not k.startswith("_")
+        }
         desc = {
-            "architecture": (getattr(self.model.config, "architectures", None) or [type(self.model).__name__])[0],
-            "layers": self.num_layers,
-            "kv_heads": self.kv_heads,
-            "head_dim": self.head_dim,
-            "rope": getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None),
-            "rope_theta": getattr(c, "rope_theta", None),
+            "config": config,
+            "architecture": type(self.model).__name__,
+            "attention": getattr(self.model.config, "_kvstate_base_attn", self.model.config._attn_implementation),
             "dtype": str(self.dtype),
             "tokenizer": hashlib.sha256(tok_json.encode()).hexdigest(),
         }
@@ -131,19 +143,24 @@ class HFBackend:
     # -- KV ------------------------------------------------------------------------
     def cache_from_kv(self, kv: torch.Tensor | None):
         """A fresh ``DynamicCache`` holding a copy of ``kv`` ([L, 2, H, T, D]) or empty."""
-        from transformers import DynamicCache
-
-        if kv is None or kv.shape[3] == 0:
-            return DynamicCache(config=self.model.config)
-        kv = kv.to(self.device, non_blocking=True)
-        return DynamicCache(
-            [(kv[i, 0][None], kv[i, 1][None]) for i in range(self.num_layers)], config=self.model.config
-        )
+        if kv is not None:
+            kv = kv.to(self.device, non_blocking=True)
+        return layout.new_cache(self.model, self.layout, kv)
 
     @staticmethod
     def kv_from_cache(cache) -> torch.Tensor:
-        """Stack a batch-1 cache into one ``[L, 2, H, T, D]`` tensor."""
-        return torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in cache.layers])
+        """Every token of a batch-1 cache as one ``[L, 2, H, T, D]`` tensor."""
+        return layout.kv_of(cache)
+
+    def _check_kv_shape(self) -> None:
+        """Prefill one token and check its KV has the shape blocks assume (at load, not at first use)."""
+        kv = self.kv_from_cache(self.prefill([0])[0])
+        want = (self.num_layers, 2, self.kv_heads, 1, self.head_dim)
+        if tuple(kv.shape) != want or kv.dtype != self.dtype:
+            raise layout.UnsupportedModel(
+                f"model type {self.layout.model_type!r} is not supported: its KV is {tuple(kv.shape)} {kv.dtype}, "
+                f"expected [layers, 2, kv_heads, tokens, head_dim] = {want} {self.dtype} (every layer alike)"
+            )
 
     @torch.inference_mode()
     def prefill(self, ids: list[int], past_kv: torch.Tensor | None = None):
@@ -163,6 +180,7 @@ class HFBackend:
     def decode(self, cache, logits: torch.Tensor, sampling: Sampling) -> tuple[list[int], float]:
         """Decode up to ``sampling.max_new_tokens`` from ``logits``; returns (ids, time of first token)."""
         gen = generator(self.device, sampling.temperature, sampling.seed)
+        layout.stop_recording(cache)  # any state was taken at prefill; only the window is needed now
         out: list[int] = []
         first_at = time.perf_counter()
         for step in range(sampling.max_new_tokens):
@@ -211,6 +229,15 @@ class HFBackend:
             prefill_tokens=len(ids) - reused,
             reused_tokens=reused,
         )
+
+
+# Config fields that say where or how a model was loaded, not what it computes (private
+# "_" fields too: they are loading state; the attention actually used and the model's
+# class, which ``architectures`` names only once saved, are added apart).
+_NOT_IDENTITY = frozenset(
+    {"transformers_version", "torch_dtype", "dtype", "use_cache", "return_dict", "name_or_path", "architectures"}
+    | {"output_attentions", "output_hidden_states"}
+)
 
 
 def generator(device, temperature: float, seed: int | None) -> torch.Generator | None:

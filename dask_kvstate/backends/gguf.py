@@ -1,0 +1,122 @@
+"""GGUF files to cached safetensors folders, converted once per machine.
+
+transformers reads GGUF (``gguf_file=``) by dequantizing every tensor, which takes tens
+of seconds; a safetensors folder of the same weights loads in a few. So a GGUF model is
+converted once into a folder under the model cache, and every later load reads the
+folder. Workers on one machine start at once: they serialize on a file lock, and the
+folder appears by one rename, so a crash mid-conversion never leaves half a model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+#: bytes read from each end of a GGUF file for its identity (see :func:`file_tag`)
+SAMPLE_BYTES = 1 << 20
+
+
+def file_tag(path: Path) -> str:
+    """A short content identity of a GGUF file: its size, its first and its last MiB.
+
+    The head holds the metadata and the tensor table (architecture, shapes, quant
+    types), the tail holds weights, so another model or another fine-tune of the same
+    shape gets another tag, while a copy or a reinstall of the same file keeps it (no
+    reconversion). Reads 2 MiB whatever the file's size.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> with tempfile.NamedTemporaryFile(suffix=".gguf") as f:
+    ...     _ = f.write(b"GGUF" + bytes(100)); f.flush()
+    ...     len(file_tag(Path(f.name)))
+    12
+    """
+    size = path.stat().st_size
+    h = hashlib.blake2b(str(size).encode(), digest_size=6)
+    with open(path, "rb") as f:
+        h.update(f.read(SAMPLE_BYTES))
+        f.seek(max(0, size - SAMPLE_BYTES))
+        h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def cached_folder(root: Path, name: str, produce: Callable[[Path], None]) -> Path:
+    """``root / name``, made by ``produce(empty_dir)`` the first time, under a file lock.
+
+    ``produce`` fills a fresh folder beside the target; the folder is renamed into
+    place only when ``produce`` returns, and removed when it raises. A folder counts
+    as present when it holds ``config.json``.
+    """
+    folder = root / name
+    if (folder / "config.json").is_file():
+        return folder
+    root.mkdir(parents=True, exist_ok=True)
+    with file_lock(root / f"{name}.lock"):
+        if (folder / "config.json").is_file():  # another process made it while we waited
+            return folder
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+        try:
+            produce(tmp)
+            os.replace(tmp, folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return folder
+
+
+def converted_folder(gguf: Path, root: Path, label: str | None = None) -> Path:
+    """The safetensors folder of GGUF file ``gguf`` under ``root``, converting it on first use.
+
+    The folder is named ``<label or file stem>-<file_tag>``.
+    """
+    name = f"{label or gguf.stem}-{file_tag(gguf)}"
+    return cached_folder(root, name, lambda tmp: convert(gguf, tmp, label or gguf.name))
+
+
+@contextlib.contextmanager
+def file_lock(path: Path):
+    """Hold an exclusive ``flock`` on ``path`` (created if missing) for the block."""
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def convert(gguf: Path, dest: Path, label: str) -> None:
+    """Write ``gguf``'s model (float32, dequantized) and tokenizer into folder ``dest``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dask_kvstate import progress
+
+    # Tens of seconds, once per machine: worth a bar (on a terminal only; see dask_kvstate.progress).
+    with (
+        progress.bar(total=3, desc=f"{label}: GGUF -> safetensors (once)", unit="step") as bar,
+        progress.quiet_transformers_unless_enabled(),
+    ):
+        bar.set_postfix_str("dequantizing weights")
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        bar.update()
+        bar.set_postfix_str("tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        bar.update()
+        # The weights are already dequantized to float32; drop the GGUF quantizer so
+        # transformers agrees to save them as plain safetensors.
+        model.hf_quantizer = None  # type: ignore[assignment]
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        bar.set_postfix_str("writing safetensors")
+        model.save_pretrained(dest)
+        tokenizer.save_pretrained(dest)
+        source = {"gguf": str(gguf), "size": gguf.stat().st_size, "tag": file_tag(gguf)}
+        (dest / "kvstate-source.json").write_text(json.dumps(source))
+        bar.update()

@@ -1,0 +1,200 @@
+"""KV layout per layer kind: every layer stores every token; sliding-window layers attend to their window.
+
+Why every token, for every layer: a state's blocks are addressed by a hash chain over
+token positions, and a state can be resumed, extended or forked from any of its
+prefixes (the prefix cache and the compiler do exactly that). A sliding-window layer
+keeping only its last ``W - 1`` tokens would make a block's content depend on where the
+state ends, so a prefix of a state could not be cut from it, and an ``extend`` from a
+mid-window point would need tokens already dropped. Storing all tokens keeps one
+tensor shape for all layers (``[layers, 2, kv_heads, tokens, head_dim]``, so blocks
+of layers of different kinds are never mis-joined), at a memory cost measured per
+layer kind in :func:`memory_per_token`: a sliding layer holds what a full one does,
+where an engine holding a single sequence needs only its window.
+
+Inside a forward pass the model sees exactly what transformers' own cache gives it
+(so text replay is ``model.generate``'s computation): sliding layers are transformers'
+``DynamicSlidingWindowLayer``, which hands attention the window, plus a record of every
+token they saw (:class:`RecordingSlidingWindowLayer`), which is what a state stores.
+Which kind a layer is comes from transformers itself (the layer classes a
+``DynamicCache`` builds for the config), so the mask the model builds and the cache we
+build always agree.
+
+Models whose layers keep something other than per-token keys and values (recurrent or
+state-space states, KV shared across layers, sparse-attention indexers) or that attend
+to an encoder are refused by :func:`describe` with the missing capability named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+CHUNKED = "chunked_attention"
+
+# What the refused cache layers keep instead of per-token KV, for the error message.
+_MISSING = {
+    "LinearAttentionLayer": "per-token KV (its layers keep a recurrent / state-space state)",
+    "LinearAttentionAndFullAttentionLayer": "per-token KV alone (hybrid layers also keep a recurrent state)",
+    "LinearAttentionAndSlidingWindowAttentionLayer": "per-token KV alone (hybrid layers also keep a recurrent state)",
+    "DummyLayer": "a KV per layer (some layers reuse another layer's KV, or have no attention)",
+    "DynamicIndexedLayer": "plain KV (its sparse attention also caches indexer keys)",
+}
+
+
+class UnsupportedModel(ValueError):
+    """A model whose KV cannot be stored as per-token blocks."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Each layer's kind (``full_attention``, ``sliding_attention``, ``chunked_attention``) and window.
+
+    ``windows[i]`` is the sliding window (or chunk size) of layer ``i``, None for full attention.
+    """
+
+    model_type: str
+    kinds: tuple[str, ...]
+    windows: tuple[int | None, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.kinds)
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer full attention (the cascade needs no per-layer masks)."""
+        return all(k == FULL for k in self.kinds)
+
+    def describe(self) -> str:
+        counts: dict[str, int] = {}
+        for kind, window in zip(self.kinds, self.windows, strict=True):
+            label = kind if window is None else f"{kind}(window {window})"
+            counts[label] = counts.get(label, 0) + 1
+        return ", ".join(f"{n} x {label}" for label, n in counts.items())
+
+
+def describe(model) -> Layout:
+    """The layout of ``model``'s KV, or :class:`UnsupportedModel` naming what it lacks."""
+    config = model.config
+    model_type = getattr(config, "model_type", type(model).__name__)
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModel(
+            f"model type {model_type!r} is not supported: it attends to an encoder (cross-attention), "
+            "and only decoder-only causal LMs with self-attention KV can be stored as states"
+        )
+    text = config.get_text_config(decoder=True)
+    try:
+        layer_types, _ = get_layer_types_and_kwargs(text)
+        layers = DynamicCache(config=config).layers
+    except (KeyError, AttributeError, TypeError) as e:
+        raise UnsupportedModel(
+            f"model type {model_type!r} is not supported: transformers builds no per-layer KV cache for it ({e!r})"
+        ) from e
+    for i, layer in enumerate(layers):
+        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+            what = _MISSING.get(type(layer).__name__, f"per-token KV (its cache layers are {type(layer).__name__})")
+            raise UnsupportedModel(
+                f"model type {model_type!r} is not supported: layer {i} ({layer_types[i]}) lacks {what}; "
+                "supported are full-attention and sliding-window attention layers"
+            )
+    windows = tuple(int(layer.sliding_window) if type(layer) is DynamicSlidingWindowLayer else None for layer in layers)
+    kinds = tuple(
+        (CHUNKED if t == CHUNKED else SLIDING) if w is not None else FULL
+        for t, w in zip(layer_types, windows, strict=True)
+    )
+    return Layout(model_type, kinds, windows)
+
+
+class RecordingSlidingWindowLayer(DynamicSlidingWindowLayer):
+    """transformers' sliding-window layer, plus every token it saw, so a state keeps them all.
+
+    Attention gets exactly what the base layer returns; the record is kept as a list of
+    the chunks handed in (no copy per decode step) and joined only when a state is taken.
+    :meth:`stop_recording` drops it when no state will be taken (decoding).
+    """
+
+    def __init__(self, sliding_window: int, **kwargs):
+        super().__init__(sliding_window=sliding_window)
+        self._keys: list[torch.Tensor] | None = []
+        self._values: list[torch.Tensor] = []
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self._keys is not None:
+            self._keys.append(key_states)
+            self._values.append(value_states)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def all_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._keys is None:
+            raise RuntimeError("this cache layer stopped recording: its tokens outside the window are gone")
+        if not self._keys:
+            raise RuntimeError("this cache layer holds no tokens yet")
+        return torch.cat(self._keys, dim=-2), torch.cat(self._values, dim=-2)
+
+    def stop_recording(self) -> None:
+        self._keys, self._values = None, []
+
+
+def new_cache(model, layout: Layout, kv: torch.Tensor | None = None) -> DynamicCache:
+    """A fresh cache for ``model`` holding ``kv`` (``[L, 2, H, T, D]``, every token) or empty.
+
+    Full layers get a copy of their tokens; sliding layers keep their window (as
+    transformers' own cache would after those tokens) and record everything.
+    """
+    cache = DynamicCache(config=model.config)
+    layers: list[DynamicLayer] = [
+        RecordingSlidingWindowLayer(w) if w is not None else layer
+        for layer, w in zip(cache.layers, layout.windows, strict=True)
+        if isinstance(layer, DynamicLayer)  # what describe() accepted
+    ]
+    cache.layers = list(layers)
+    if kv is not None and kv.shape[3] > 0:
+        if kv.shape[0] != layout.num_layers:
+            raise ValueError(f"KV for {kv.shape[0]} layers given to a {layout.num_layers}-layer model")
+        for i, layer in enumerate(layers):
+            layer.update(kv[i, 0][None], kv[i, 1][None])
+    return cache
+
+
+def kv_of(cache: DynamicCache) -> torch.Tensor:
+    """Every token of a batch-1 cache as one ``[L, 2, H, T, D]`` tensor."""
+    per_layer = []
+    for layer in cache.layers:
+        if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
+            raise ValueError(f"cache layer {layer!r} holds no per-token KV")
+        if isinstance(layer, RecordingSlidingWindowLayer):
+            k, v = layer.all_tokens()
+        elif type(layer) is DynamicSlidingWindowLayer:
+            raise ValueError("a sliding-window cache layer without a record: build caches with layout.new_cache")
+        else:
+            k, v = layer.keys, layer.values
+        per_layer.append(torch.stack((k[0], v[0])))
+    lengths = {t.shape[2] for t in per_layer}
+    if len(lengths) != 1:
+        raise ValueError(f"cache layers hold different token counts {sorted(lengths)}: not one state")
+    return torch.stack(per_layer)
+
+
+def stop_recording(cache: DynamicCache) -> None:
+    """Let sliding layers forget tokens outside their window (after the state was taken)."""
+    for layer in cache.layers:
+        if isinstance(layer, RecordingSlidingWindowLayer):
+            layer.stop_recording()
+
+
+def memory_per_token(layout: Layout, kv_heads: int, head_dim: int, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes a stored state spends per token on each layer kind (all layers together).
+
+    >>> memory_per_token(Layout("t", (FULL, SLIDING, SLIDING), (None, 512, 512)), 1, 256, torch.float32)
+    {'full_attention': 2048, 'sliding_attention(window 512)': 4096}
+    """
+    per_layer = 2 * kv_heads * head_dim * dtype.itemsize
+    out: dict[str, int] = {}
+    for kind, window in zip(layout.kinds, layout.windows, strict=True):
+        label = kind if window is None else f"{kind}(window {window})"
+        out[label] = out.get(label, 0) + per_layer
+    return out
