@@ -112,6 +112,15 @@ def want(folder: str, *segments: str, n: int = N) -> list[int]:
     return list(_expected(folder, "".join(segments), n))
 
 
+def cascade_fallbacks(client, model: str) -> int:
+    """Batched calls of ``model`` that ran a resume per row instead of cascade attention (all workers)."""
+
+    def count(dask_worker):
+        return sum(dask_worker.plugins[WORKER_PLUGIN].runtimes[model].backend.cascade_fallbacks.values())
+
+    return sum(client.run(count).values())
+
+
 def total(client, counter: str) -> int:
     return sum(s.get(counter, 0) for s in kvs.stats(client).workers.values())
 
@@ -183,11 +192,12 @@ def test_resume_many_batched_over_the_shared_prefix(kv, kv_workers, folders, fam
     with on(a):
         state = kvs.materialize(PREFIX, model=m, namespace="batch")
         batch = kvs.resume_many(state, list(SUFFIXES), max_new_tokens=N)
-    before = stats_of(kv, a).get("resume_batches", 0)
+    before, fallbacks = stats_of(kv, a).get("resume_batches", 0), cascade_fallbacks(kv, m)
     got = dask.compute(*batch)
     assert [g.token_ids for g in got] == [want(m, PREFIX, s) for s in SUFFIXES]
     assert all(g.reused_tokens > 0 for g in got)
     assert stats_of(kv, a).get("resume_batches", 0) == before + 1
+    assert cascade_fallbacks(kv, m) == fallbacks  # one fused batch, not a resume per row
 
 
 @every_family
@@ -246,10 +256,14 @@ def test_compiler_rewrites_shared_prefix_generates(kv, folders, family):
     m = folders[family]
     calls = [kvs.generate(PREFIX, s, max_new_tokens=N, model=m, namespace="compiler") for s in SUFFIXES]
     assert kvs.explain(*calls).plan.states, "the compiler found no shared prefix"
+    batched, fallbacks = total(kv, "batched_resumes"), cascade_fallbacks(kv, m)
     with kvs.stateflow():
         got = dask.compute(*calls)
     assert [g.token_ids for g in got] == [want(m, PREFIX, s) for s in SUFFIXES]
     assert all(g.reused_tokens > 0 for g in got)
+    # The siblings became one batched resume over the shared state, decoded by cascade attention.
+    assert total(kv, "batched_resumes") == batched + len(SUFFIXES)
+    assert cascade_fallbacks(kv, m) == fallbacks
 
 
 @every_family
@@ -271,6 +285,6 @@ def test_unsupported_models_are_refused_at_install(tmp_path, family):
     folder = str(architectures.build(family, tmp_path))
     with dask.config.set(TEST_CONFIG):
         with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as c:
-            with pytest.raises(ValueError, match=family):
+            with pytest.raises(ValueError, match=rf"model type {family!r}"):
                 kvs.install(c, folder, torch_threads=1)
             assert not any(c.run(lambda dask_worker: WORKER_PLUGIN in dask_worker.plugins).values())
