@@ -2,8 +2,9 @@
 
 For each family of :mod:`dask_kvstate.testing.architectures` (a tiny random model saved
 as a folder) and each way the library can produce a generation (text replay, resume on
-the holder and on another worker, fork, transfer, extend, batched resume, merge, the two
-recompute fallbacks, the disk tier, the compiler, the prefix cache), the greedy tokens
+the holder and on another worker, fork, transfer, extend, batched resume, merge, recompute
+for an evicted, an incompatible and an unreachable state, the disk tier, the compiler, the
+prefix cache), the greedy tokens
 must equal transformers' own ``model.generate(do_sample=False)`` of the same full prompt.
 The shared prefix (~190 tokens) crosses twelve 16-token blocks and every 24-token sliding
 window, and ends inside a word ("The plan" + "ner ..."), so each state's last token is
@@ -34,6 +35,9 @@ SUFFIXES = ("ner speaks. Verdict:", "ets align. Verdict:", "t grows. Verdict:")
 N = 10  # new tokens per generation
 # Tier budgets for the spill test: a couple of blocks of any family per tier, so a state goes to disk.
 TIGHT = {"device_bytes": 24 * 1024, "host_bytes": 24 * 1024, "disk_bytes": "1GiB"}
+# A holder that never answers is given up on sooner than the default, so the unreachable-holder
+# test costs ~2 s a family; live peers on one machine connect in milliseconds.
+CONFIG = {**TEST_CONFIG, "kvstate.transport.connect-timeout": "2s"}
 
 every_family = pytest.mark.parametrize("family", FAMILIES)
 
@@ -46,8 +50,13 @@ def folders(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def kv_cluster_client(folders):
-    """Two worker processes serving every family at once (one block store, models kept apart)."""
-    with kv_cluster(model=list(folders.values())) as client:
+    """Two worker processes serving every family at once, as one install of several models does.
+
+    One block store holds every model's blocks (kept apart by model fingerprint), and models
+    of different attention implementations (Gemma2 runs eager, the others sdpa) share each
+    worker process: what one model's setup registers with transformers must not change another's.
+    """
+    with kv_cluster(CONFIG, model=list(folders.values())) as client:
         yield client
 
 
@@ -91,9 +100,8 @@ def tight_cluster_client(folders, tmp_path_factory):
 def _reference_model(folder: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval(), AutoTokenizer.from_pretrained(
-        folder, local_files_only=True
-    )
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+    return model, AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 @functools.cache
@@ -234,6 +242,20 @@ def test_incompatible_state_is_never_reused(kv, folders, family):
     got = kv.compute(kvs.resume(alien, SUFFIXES[2], max_new_tokens=N)).result()
     assert got.token_ids == want(m, PREFIX, SUFFIXES[2]) and got.reused_tokens == 0
     assert total(kv, "incompatible") == before + 1
+
+
+@every_family
+def test_state_of_an_unreachable_holder_is_recomputed(kv, kv_workers, folders, family):
+    m, (a, b) = folders[family], kv_workers
+    with on(a):
+        ref = kvs.materialize(PREFIX, model=m, namespace="gone").compute()
+    gone = replace(ref, placement=replace(ref.placement, worker="tcp://127.0.0.1:9"))  # nothing listens there
+    before = stats_of(kv, b)
+    with on(b):
+        got = kvs.resume(gone, SUFFIXES[0], max_new_tokens=N).compute()
+    after = stats_of(kv, b)
+    assert got.token_ids == want(m, PREFIX, SUFFIXES[0])
+    assert after.get("recomputes", 0) > before.get("recomputes", 0)
 
 
 @every_family
