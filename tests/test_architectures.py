@@ -4,13 +4,14 @@ For each family of :mod:`dask_kvstate.testing.architectures` (a tiny random mode
 as a folder) and each way the library can produce a generation (text replay, resume on
 the holder and on another worker, fork, transfer, extend, batched resume, merge, recompute
 for an evicted, an incompatible and an unreachable state, the disk tier, the compiler, the
-prefix cache), the greedy tokens
-must equal transformers' own ``model.generate(do_sample=False)`` of the same full prompt.
-The shared prefix (~190 tokens) crosses twelve 16-token blocks and every 24-token sliding
-window, and ends inside a word ("The plan" + "ner ..."), so each state's last token is
-re-cut at run time. Each test also checks that the path it names really ran (blocks
-reused, pulled, batched, spilled, recomputed), so no path passes by quietly falling
-back to another. Each test uses a namespace of its own: no test reuses another's blocks.
+prefix cache), the greedy tokens must equal transformers' own
+``model.generate(do_sample=False)`` of the same full prompt, and seeded sampling from a
+batch must equal seeded text replay. The shared prefix (~190 tokens) crosses twelve
+16-token blocks and every 24-token sliding window, and ends inside a word ("The plan" +
+"ner ..."), so each state's last token is re-cut at run time. Each test also checks that
+the path it names really ran (blocks reused, pulled, batched, spilled, recomputed), so no
+path passes by quietly falling back to another. Each test uses a namespace of its own: no
+test reuses another's blocks.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def kv_cluster_client(folders):
     """Two worker processes serving every family at once, as one install of several models does.
 
     One block store holds every model's blocks (kept apart by model fingerprint), and models
-    of different attention implementations (Gemma2 runs eager, the others sdpa) share each
+    of different attention implementations (Gemma2 and GPT-OSS run eager, the others sdpa) share each
     worker process: what one model's setup registers with transformers must not change another's.
     """
     with kv_cluster(CONFIG, model=list(folders.values())) as client:
@@ -206,6 +207,20 @@ def test_resume_many_batched_over_the_shared_prefix(kv, kv_workers, folders, fam
     assert all(g.reused_tokens > 0 for g in got)
     assert stats_of(kv, a).get("resume_batches", 0) == before + 1
     assert cascade_fallbacks(kv, m) == fallbacks  # one fused batch, not a resume per row
+
+
+@every_family
+def test_seeded_sampling_batched_equals_text_replay(kv, kv_workers, folders, family):
+    """Sampling sees the logits' scale (softcaps, logit scales), which greedy choices never do."""
+    m, (a, _) = folders[family], kv_workers
+    sampling = {"max_new_tokens": N, "temperature": 0.8, "seed": 11}
+    with on(a):
+        state = kvs.materialize(PREFIX, model=m, namespace="sampled")
+        batch = kvs.resume_many(state, list(SUFFIXES), **sampling)
+    replay = [kvs.generate(PREFIX, s, model=m, **sampling) for s in SUFFIXES]
+    got, want_ = dask.compute(batch, replay)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want_]
+    assert all(g.reused_tokens > 0 for g in got)
 
 
 @every_family

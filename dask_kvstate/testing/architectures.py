@@ -4,12 +4,13 @@ The conformance kit (``tests/test_architectures.py``) runs every operator path o
 family against transformers' own ``model.generate``; these factories give it the models.
 Each family keeps what makes it different from Llama at a size that runs in milliseconds:
 a 24-token sliding window (Mistral, Qwen2, Phi-3), sliding and full layers alternating
-(Gemma2, Gemma3; Qwen2 through ``max_window_layers``), attention and final logit softcaps
-(Gemma2), scaled logits (Granite's ``logits_scaling``, Cohere's ``logit_scale``), q/k norms
-(Qwen3, Gemma3) and routed experts (Mixtral, Qwen3-MoE). Weights are seeded and wide
-(``initializer_range=0.3``, as tiny-llama's) so greedy choices are decisive rather than
-ties broken by rounding, and the tokenizer is tiny-llama's byte-level BPE, so prompts
-written for tiny-llama cross the same token boundaries here.
+(Gemma2, Gemma3, GPT-OSS; Qwen2 through ``max_window_layers``), attention and final logit
+softcaps (Gemma2), attention sinks (GPT-OSS), scaled logits (Granite's ``logits_scaling``,
+Cohere's ``logit_scale``), q/k norms (Qwen3, Gemma3) and routed experts (Mixtral, GPT-OSS,
+Qwen3-MoE). Weights are seeded and wide (``initializer_range=0.3``, as tiny-llama's) so
+greedy choices are decisive rather than ties broken by rounding, and the tokenizer is
+tiny-llama's byte-level BPE, so prompts written for tiny-llama cross the same token
+boundaries here.
 
 Importing this module loads nothing; :func:`build` writes a folder once and reuses it.
 
@@ -133,6 +134,18 @@ FAMILIES: dict[str, Family] = {
         ),
         Family("cohere", "CohereConfig", {"logit_scale": 0.25}),
         Family("mixtral", "MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+        Family(
+            "gpt_oss",
+            "GptOssConfig",
+            {
+                "head_dim": 16,
+                "sliding_window": WINDOW,
+                "layer_types": [_SLIDE, _FULL, _SLIDE],
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+            },
+            WINDOW,
+        ),
         Family(
             "qwen3_moe",
             "Qwen3MoeConfig",
