@@ -132,9 +132,15 @@ class HFBackend:
 
     # -- text ----------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text`` without special tokens (prompts carry their own)."""
+        """Token ids of a whole prompt ``text``, as ``tokenizer(text)`` gives them to ``model.generate``.
+
+        With the tokenizer's own special tokens: a model trained with a leading BOS
+        (Gemma) drifts without it, and a chat template that carries its own (SmolLM2)
+        adds none. Every state is the prefill of the tokens of its whole text, so the BOS
+        sits at position 0 of the prefix and of every prompt that continues it.
+        """
         with self._tok_lock:
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return list(self.tokenizer(text)["input_ids"])
 
     def detokenize(self, ids: list[int]) -> str:
         with self._tok_lock:

@@ -103,9 +103,7 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     reports = []
     for dtype in args.dtypes:
-        r = measure(
-            args.model, dtype, agents=args.agents, context_lines=args.context_lines, new_tokens=args.new_tokens
-        )
+        r = measure(args.model, dtype, agents=args.agents, context_lines=args.context_lines, new_tokens=args.new_tokens)
         reports.append(r)
         cells = ", ".join(f"{p} {r[p]['agree']}/{r['prompts']}" for p in PATHS)
         print(f"{args.model} {dtype} ({r['context_tokens']}-token context): {cells} agree ({r['seconds']} s)")

@@ -67,7 +67,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
     Parameters
     ----------
     model : str or list of str, optional
-        ``smollm2-135m``, ``tiny-llama`` or a local model folder (default
+        a known model name (``kvstate.backends.KNOWN_MODELS``), a local model folder or ``.gguf`` file (default
         ``kvstate.model``); a list loads several, the first being the default for
         calls that name none. Unknown names raise ValueError listing the known ones.
     torch_threads : int, optional
