@@ -110,10 +110,14 @@ def _expected(folder: str, text: str, n: int) -> tuple[int, ...]:
     import torch
 
     model, tok = _reference_model(folder)
-    ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
+    ids = tok(text, return_tensors="pt").input_ids  # what a user hands model.generate
     with torch.inference_mode():
         out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=tok.eos_token_id)
     return tuple(out[0, ids.shape[1] :].tolist())
+
+
+def prompt_tokens(folder: str, text: str) -> int:
+    return len(_reference_model(folder)[1](text).input_ids)
 
 
 def want(folder: str, *segments: str, n: int = N) -> list[int]:
@@ -139,6 +143,7 @@ def test_text_replay(kv, folders, family):
     m = folders[family]
     outs = dask.compute(*[kvs.generate(PREFIX, s, max_new_tokens=N, model=m) for s in SUFFIXES])
     assert [o.token_ids for o in outs] == [want(m, PREFIX, s) for s in SUFFIXES]
+    assert [o.prompt_tokens for o in outs] == [prompt_tokens(m, PREFIX + s) for s in SUFFIXES]  # BOS and all
     assert all(o.reused_tokens == 0 for o in outs)
 
 

@@ -10,7 +10,7 @@ Cohere's ``logit_scale``), q/k norms (Qwen3, Gemma3) and routed experts (Mixtral
 Qwen3-MoE). Weights are seeded and wide (``initializer_range=0.3``, as tiny-llama's) so
 greedy choices are decisive rather than ties broken by rounding, and the tokenizer is
 tiny-llama's byte-level BPE, so prompts written for tiny-llama cross the same token
-boundaries here.
+boundaries here (the Gemma families' copy also starts every prompt with BOS, as Gemma's does).
 
 Importing this module loads nothing; :func:`build` writes a folder once and reuses it.
 
@@ -24,6 +24,7 @@ True
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -58,13 +59,15 @@ class Family:
     """One architecture family: its transformers config class and what sets it apart.
 
     ``options`` override :data:`_COMMON`; ``window`` is the sliding window some of its
-    layers use (None: full attention everywhere).
+    layers use (None: full attention everywhere); ``bos``: its tokenizer starts every
+    prompt with the BOS token, as Gemma's does.
     """
 
     name: str
     config_class: str
     options: dict[str, Any] = field(default_factory=dict)
     window: int | None = None
+    bos: bool = False
 
     def config(self, vocab_size: int, bos: int, eos: int):
         """The family's transformers config for a tokenizer of ``vocab_size`` tokens."""
@@ -78,7 +81,8 @@ class Family:
         """A digest of everything the saved folder depends on (a stale cached folder is never reused)."""
         import transformers
 
-        blob = json.dumps([self.config_class, _COMMON, self.options, SEED, transformers.__version__], sort_keys=True)
+        spec = [self.config_class, _COMMON, self.options, self.bos, SEED, transformers.__version__]
+        blob = json.dumps(spec, sort_keys=True)
         return hashlib.blake2b(blob.encode(), digest_size=5).hexdigest()
 
 
@@ -109,6 +113,7 @@ FAMILIES: dict[str, Family] = {
                 "final_logit_softcapping": 30.0,
             },
             WINDOW,
+            bos=True,
         ),
         Family(
             "gemma3",
@@ -120,6 +125,7 @@ FAMILIES: dict[str, Family] = {
                 "layer_types": [_SLIDE, _FULL, _SLIDE],
             },
             WINDOW,
+            bos=True,
         ),
         Family("phi3", "Phi3Config", {"sliding_window": WINDOW}, WINDOW),
         Family(
@@ -203,11 +209,25 @@ def build(name: str, root: str | os.PathLike) -> Path:
     return folder
 
 
+def _tokenizer_for(family: Family):
+    tok = tokenizer()
+    if not family.bos:
+        return tok
+    from tokenizers import processors
+
+    tok = copy.deepcopy(tok)
+    bos = (tok.bos_token, tok.bos_token_id)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]} $B", special_tokens=[bos]
+    )
+    return tok
+
+
 def _save(family: Family, folder: Path) -> None:
     import torch
     import transformers
 
-    tok = tokenizer()
+    tok = _tokenizer_for(family)
     config = family.config(len(tok), tok.bos_token_id, tok.eos_token_id)
     auto = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
     with torch.random.fork_rng():
