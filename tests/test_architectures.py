@@ -323,7 +323,7 @@ def test_prefix_cache(kv, kv_workers, folders, family):
 
 @pytest.mark.parametrize("family", sorted(architectures.UNSUPPORTED))
 def test_unsupported_models_are_refused_at_install(tmp_path, family):
-    """Refused on the client, naming the model type, before any worker loads it or holds a plugin."""
+    """A ValueError naming the model type, and no worker left holding a plugin that failed to set up."""
     folder = str(architectures.build(family, tmp_path))
     with dask.config.set(TEST_CONFIG):
         with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as c:
