@@ -20,7 +20,7 @@ from dask_kvstate.bench.agreement import first_difference
 from dask_kvstate.bench.workload import context_text, suffix
 from dask_kvstate.generation import Sampling
 
-NEW = 16
+NEW = 12
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16", "float16"])
@@ -31,8 +31,8 @@ def backend(request):
 
 @pytest.fixture(scope="module")
 def prompts(backend):
-    context = backend.tokenize(context_text(12))
-    return context, [context + backend.tokenize(suffix(i)) for i in range(6)]
+    context = backend.tokenize(context_text(4))
+    return context, [context + backend.tokenize(suffix(i)) for i in range(4)]
 
 
 def reference(backend, prompt):
