@@ -140,7 +140,8 @@ def total(client, counter: str) -> int:
 
 @every_family
 def test_text_replay(kv, folders, family):
-    m = folders[family]
+    m, window = folders[family], architectures.FAMILIES[family].window
+    assert window is None or prompt_tokens(m, PREFIX) > 4 * window  # the prefix crosses the window several times
     outs = dask.compute(*[kvs.generate(PREFIX, s, max_new_tokens=N, model=m) for s in SUFFIXES])
     assert [o.token_ids for o in outs] == [want(m, PREFIX, s) for s in SUFFIXES]
     assert [o.prompt_tokens for o in outs] == [prompt_tokens(m, PREFIX + s) for s in SUFFIXES]  # BOS and all
