@@ -104,7 +104,13 @@ async def _install(client: Client, plugins: ext.Extensions, store: KVStateWorker
     if store is not None:
         current = await client.run(_plugin_settings)
         if not current or any(s != store.settings() for s in current.values()):
-            await client.register_plugin(store, name=WORKER_PLUGIN)
+            try:
+                await client.register_plugin(store, name=WORKER_PLUGIN)
+            except BaseException:
+                # A setup that failed (a model a worker cannot load) leaves no half-installed
+                # plugin behind: workers joining later would fail the same way.
+                await client.unregister_worker_plugin(WORKER_PLUGIN)
+                raise
             current = await client.run(_plugin_settings)
     for half in plugins.worker:  # after the kvstate plugin: the lifecycle half times moves on its store
         await client.register_plugin(half)

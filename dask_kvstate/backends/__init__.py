@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
-from dask_kvstate.backends.models import DTYPES, KNOWN_MODELS, check_dtype, check_model_name, describe_known
+from dask_kvstate.backends.models import (
+    DTYPES,
+    KNOWN_MODELS,
+    check_dtype,
+    check_model_name,
+    check_supported,
+    describe_known,
+)
 
-__all__ = ["DTYPES", "KNOWN_MODELS", "check_dtype", "check_model_name", "describe_known", "load_backend"]
+__all__ = [
+    "DTYPES",
+    "KNOWN_MODELS",
+    "check_dtype",
+    "check_model_name",
+    "check_supported",
+    "describe_known",
+    "load_backend",
+]
 
 
 def load_backend(name: str, cache_dir: str | None = None, device: str | None = None):

@@ -10,7 +10,7 @@ computed once against the single prefix copy, attention over each row's own toke
 against that row's buffer, and the two are merged exactly by their log-sum-exp.
 
 How, within transformers: the model keeps its attention implementation, but under a
-name of ours (:data:`ATTN_NAME`) whose function dispatches: a forward called with the
+name of ours (``kvstate_cascade_<base>``, :func:`attn_name`) whose function dispatches: a forward called with the
 keyword ``kvstate_cascade=<SharedPrefixKV>`` (transformers passes unknown keywords down
 to the attention function) runs :meth:`SharedPrefixKV.attend`; any other call goes to
 the implementation the model had (sdpa or eager), with the same arguments, so text
@@ -59,7 +59,17 @@ from typing import Any
 
 import torch
 
-ATTN_NAME = "kvstate_cascade"
+ATTN_PREFIX = "kvstate_cascade_"
+
+
+def attn_name(base: str) -> str:
+    """The name a model of base implementation ``base`` runs under.
+
+    One per base, not one for all: transformers picks a model's *mask* function by its
+    attention name, and eager and sdpa want different masks (eager an additive float
+    mask, sdpa a boolean one), so models of both kinds on one worker need two names.
+    """
+    return ATTN_PREFIX + base
 
 
 class CascadeUnsupported(Exception):
@@ -108,7 +118,7 @@ def _eager_of(module_name: str) -> Callable[..., Any]:
 def enable(model) -> bool:
     """Route ``model``'s attention through :func:`_dispatch`; False if the model can't be routed.
 
-    Registers :data:`ATTN_NAME` with transformers' attention and mask interfaces (the
+    Registers :func:`attn_name` of its base with transformers' attention and mask interfaces (the
     mask function is the base implementation's, so non-cascade calls are unchanged).
     """
     import sys
@@ -117,18 +127,19 @@ def enable(model) -> bool:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     base = model.config._attn_implementation
-    if base == ATTN_NAME:
+    if base.startswith(ATTN_PREFIX):
         return True
     if base not in ("sdpa", "eager") or base not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
         return False
     if base == "eager" and getattr(sys.modules[type(model).__module__], "eager_attention_forward", None) is None:
         return False
-    AttentionInterface.register(ATTN_NAME, _dispatch)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    name = attn_name(base)
+    AttentionInterface.register(name, _dispatch)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
     for config in {id(c): c for c in (model.config, model.config.get_text_config(decoder=True))}.values():
         config._kvstate_base_attn = base
-    model.set_attn_implementation(ATTN_NAME)
-    return model.config._attn_implementation == ATTN_NAME
+    model.set_attn_implementation(name)
+    return model.config._attn_implementation == name
 
 
 def unsupported_layout(kinds: Sequence[str]) -> str | None:

@@ -61,7 +61,7 @@ class HFBackend:
         self.tokenizer = tokenizer
         self.config = model.config.get_text_config(decoder=True)
         # Refuses, naming the capability, a model whose KV is not per-token blocks.
-        self.layout = layout.describe(model)
+        self.layout = layout.describe(model.config)
         self.dtype = next(model.parameters()).dtype
         self.num_layers = int(self.config.num_hidden_layers)
         self.kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)

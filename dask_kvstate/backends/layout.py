@@ -77,10 +77,13 @@ class Layout:
         return ", ".join(f"{n} x {label}" for label, n in counts.items())
 
 
-def describe(model) -> Layout:
-    """The layout of ``model``'s KV, or :class:`UnsupportedModel` naming what it lacks."""
-    config = model.config
-    model_type = getattr(config, "model_type", type(model).__name__)
+def describe(config) -> Layout:
+    """The layout of the KV of a model with ``config``, or :class:`UnsupportedModel` naming what it lacks.
+
+    Reads the config only (no weights), so a client can check a model folder before any
+    worker loads it.
+    """
+    model_type = getattr(config, "model_type", None) or type(config).__name__
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModel(
             f"model type {model_type!r} is not supported: it attends to an encoder (cross-attention), "

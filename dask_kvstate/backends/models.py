@@ -59,6 +59,26 @@ def check_model_name(name: str) -> str:
     raise ValueError(f"unknown model {name!r}; known: {describe_known()}")
 
 
+def check_supported(name: str) -> str:
+    """Return ``name`` if its model keeps per-token KV, else raise ValueError naming what it lacks.
+
+    Reads a folder's ``config.json`` only (no weights); known names are supported, and a
+    ``.gguf`` file is checked when a worker converts it.
+    """
+    path = Path(check_model_name(name)).expanduser()
+    if name not in KNOWN_MODELS and path.is_dir():
+        _check_folder(path)
+    return name
+
+
+def _check_folder(folder: Path) -> None:
+    from transformers import AutoConfig
+
+    from dask_kvstate.backends import layout
+
+    layout.describe(AutoConfig.from_pretrained(folder, local_files_only=True))
+
+
 def check_dtype(dtype: str) -> str:
     """Return ``dtype`` if ``kvstate.dtype`` may take it, else raise ValueError naming it.
 
@@ -122,6 +142,7 @@ def _from_folder(folder: Path, dtype):
         progress.bar(total=2, desc=f"loading {folder.name}", unit="step") as bar,
         progress.quiet_transformers_unless_enabled(),
     ):
+        _check_folder(folder)  # names what an unsupported model lacks, before transformers' own error
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
         bar.update()
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)

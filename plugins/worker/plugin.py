@@ -31,7 +31,7 @@ from distributed.utils import sync
 from tornado.ioloop import PeriodicCallback
 
 from dask_kvstate import config
-from dask_kvstate.backends import check_model_name
+from dask_kvstate.backends import check_supported
 from dask_kvstate.plugins.worker import checksum
 from dask_kvstate.plugins.worker.allocator import retain_freed_memory
 from dask_kvstate.plugins.worker.handshake import hello
@@ -95,7 +95,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
         # A bad key fails here, on the client (or in the preload), not later in a task.
         config.check(dask.config.get("kvstate"))
         names = [model] if isinstance(model, str) or model is None else list(model)
-        self.models = tuple(dict.fromkeys(check_model_name(m or config.get("model")) for m in names or [None]))
+        self.models = tuple(dict.fromkeys(check_supported(m or config.get("model")) for m in names or [None]))
         torch_threads = torch_threads if torch_threads is not None else config.get("worker.torch-threads")
         if torch_threads is not None and (not isinstance(torch_threads, int) or torch_threads < 1):
             raise ValueError(f"torch_threads must be a positive int or None, got {torch_threads!r}")
