@@ -269,8 +269,16 @@ class Hosts:
         s = self.hosts["s"]
         self._spawn(
             s,
-            ["scheduler", "--host", s.addr, "--port", str(s.port), "--no-dashboard", "--preload", "dask_kvstate.plugins"]
-            + list(self.scheduler_args),
+            [
+                "scheduler",
+                "--host",
+                s.addr,
+                "--port",
+                str(s.port),
+                "--no-dashboard",
+                *self._preload,
+                *self.scheduler_args,
+            ],
         )
         self._wait_listening(s)
         for host in self.hosts.values():
@@ -291,10 +299,11 @@ class Hosts:
             "--no-dashboard",
             "--name",
             host.name,
-            "--preload",
-            "dask_kvstate.plugins",
+            *self._preload,
             *self.worker_args,
         ]
+
+    _preload = ("--preload", "dask_kvstate.plugins")
 
     def _wait_listening(self, host: Host) -> None:
         deadline = time.monotonic() + self.start_timeout
