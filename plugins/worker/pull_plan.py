@@ -16,7 +16,8 @@ steps, each re-priced with what the one before measured:
    the reply, which finishes in the background, is timed for the next decision.
 
 So a pull the rule got wrong costs at most the probe plus the patience on top of the
-recompute it should have chosen. A pull forced by ``placement.rule: pull`` is one
+recompute it should have chosen; a pull given up after little more than its probe
+recomputes from the blocks held before it. A pull forced by ``placement.rule: pull`` is one
 request with no cut-off: benchmarks time it as the pull option.
 """
 
@@ -43,6 +44,7 @@ def pull_missing(resolver, ref, tensors: list, holder: str, decision: dict) -> l
         decision["steps"] = 1
         return [pulled.get(h, t) if t is None else t for h, t in zip(ref.blocks, tensors)]
     per_block = ref.block_tokens * kv.backend.kv_bytes_per_token
+    before = tensors
     estimate = decision
     steps = 0
     while True:
@@ -69,4 +71,14 @@ def pull_missing(resolver, ref, tensors: list, holder: str, decision: dict) -> l
         if len(pulled) < len(chunk):
             break
     decision["steps"] = steps
+    pulled_n = sum(t is not None for t in tensors) - sum(t is not None for t in before)
+    if (decision.get("switched") or decision.get("cut_off")) and pulled_n * 2 < len(before) - sum(
+        t is not None for t in before
+    ):
+        # Given up after little more than the probe: recompute all of it from the blocks held
+        # before, not on top of the probe's few. A prefill on top of a short cached prefix
+        # costs more than one from that prefix's start (measured with tiny-llama on CPU: 5,500
+        # tokens on top of 128 pulled took 1.5 s, from scratch 0.36 s), and its time would
+        # skew the prefill meter the rule prices recompute with.
+        return before
     return tensors
