@@ -154,6 +154,11 @@ def measure_fill(state: KVStateRef, action: str) -> float:
     return _runtime_for_state(state, None).measure_fill(_check_state(state), action)
 
 
+def measure_rule(state: KVStateRef, forget: bool = False) -> dict:
+    """The rule's own fill of ``state``'s blocks on this worker, timed: its decision and ``seconds`` (benchmarks)."""
+    return _runtime_for_state(state, None).measure_rule(_check_state(state), forget)
+
+
 def measure_raw_fetch(key: str, holder: str) -> float:
     """Seconds for this worker to fetch task result ``key`` from ``holder`` the way Dask
     moves any data (``get_data``): the baseline KV pulls are measured against."""

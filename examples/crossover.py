@@ -8,13 +8,16 @@ transfer of a numpy array of the same bytes, on the same link, in the same run. 
 measurements are :mod:`dask_kvstate.bench.crossover`.
 
 Run: ``python examples/crossover.py [--model tiny-llama] [--protocol tcp] [--throughput tcp,ucx]``.
+With ``--links netns`` (root, Linux) the sweep runs over real links between network
+namespaces shaped with tbf (:mod:`dask_kvstate.bench.crossover_netns`), beside the config
+throttle on the same cells, and writes ``cells.json`` and ``table.md`` to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from dask_kvstate.bench import crossover
+from dask_kvstate.bench import crossover, crossover_netns
 
 
 def main(argv=None) -> dict:
@@ -30,7 +33,14 @@ def main(argv=None) -> dict:
         "--checksum", action="store_true", help="also time pulls with frame checksums off and on, interleaved"
     )
     ap.add_argument("--tp-repeats", type=int, default=9, help="pulls and fetches per throughput measurement")
+    ap.add_argument("--links", choices=["throttle", "netns"], default="throttle", help="the sweep's links")
+    ap.add_argument("--contexts", type=int, nargs="+", default=crossover_netns.CONTEXTS, help="--links netns contexts")
+    ap.add_argument("--out", default="results/crossover-netns", help="where --links netns writes its table")
     args = ap.parse_args(argv)
+    if args.links == "netns":
+        res = crossover_netns.compare(args.model, args.repeats, contexts=args.contexts)
+        print(crossover_netns.write(res, args.out))
+        return res
     cells = [] if args.skip_sweep else crossover.sweep(args.model, args.protocol, args.repeats)
     protocols = list(filter(None, args.throughput.split(",")))
     rates = crossover.throughputs(

@@ -77,6 +77,12 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--memory-context", type=int, help="context length of experiment 4's all-branches-live runs")
     ap.add_argument("--overhead-tasks", type=int, help="size of experiment 5's non-LLM graph (default 10,000)")
     ap.add_argument("--overhead-repeats", type=int, help="measured rounds of the non-LLM graph")
+    ap.add_argument(
+        "--links",
+        choices=["throttle", "netns"],
+        default="throttle",
+        help="experiment 3's links: the config throttle, or also real shaped links between network namespaces (root)",
+    )
     ap.add_argument("--variants", nargs="+", help="experiment 2's variants (replay prefix kvstate kvstate-unbatched)")
     args = ap.parse_args(argv)
     if args.model is not None:
@@ -203,6 +209,11 @@ def main(argv=None) -> dict:
             checkpoint()
         if "crossover" in exps:
             res["crossover"] = ex.crossover_sweep(g["model"], g["bandwidths"], g["contexts"], g["repeats"], bar)
+            if args.links == "netns":
+                from dask_kvstate.bench import crossover_netns
+
+                res["crossover_netns"] = crossover_netns.sweep(g["model"], g["repeats"], contexts=g["contexts"])
+                crossover_netns.write(res["crossover_netns"], str(out / "crossover-netns"))
             checkpoint()
         if {"throughput", "overhead"} & set(exps):
             res["overhead"] = ex.overhead(g["model"], g["overhead_tasks"], g["overhead_repeats"], bar)

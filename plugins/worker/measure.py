@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 import numpy as np
@@ -78,10 +79,27 @@ class LinkMeter:
         self.window = window
         self.obs: dict[str, deque[tuple[int, float]]] = {}
         self.per_peer: dict[str, float] = {}
+        # pulls cut off by the puller finish on the event loop and are measured there,
+        # while task threads measure their own pulls
+        self._lock = threading.Lock()
 
     def add(self, peer: str, nbytes: int, seconds: float) -> None:
         if nbytes <= 0 or seconds <= 0:
             return
+        with self._lock:
+            self._add(peer, nbytes, seconds)
+
+    def forget(self, peer: str) -> None:
+        """Drop what was measured of ``peer``'s link (its bandwidth is the seed again)."""
+        with self._lock:
+            self.obs.pop(peer, None)
+            self.per_peer.pop(peer, None)
+
+    def measured(self, peer: str) -> bool:
+        """Whether a pull from ``peer`` has been timed (else its bandwidth is the seed)."""
+        return bool(self.obs.get(peer))
+
+    def _add(self, peer: str, nbytes: int, seconds: float) -> None:
         obs = self.obs.setdefault(peer, deque(maxlen=self.window))
         obs.append((nbytes, seconds))
         if len({n for n, _ in obs}) >= 2:

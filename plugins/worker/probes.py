@@ -2,7 +2,8 @@
 
 :func:`probe` seeds the prefill cost model when the worker plugin starts, so the
 transfer-or-recompute rule has numbers before the first real prefill.
-:func:`measure_fill` times filling a state's blocks by one option, for the
+:func:`measure_fill` times filling a state's blocks by one option, and
+:func:`measure_rule` by the rule's own choice (with its probe and cut-off), for the
 benchmarks that check the rule against both options' real times.
 """
 
@@ -49,3 +50,26 @@ def measure_fill(resolver: Resolver, ref: KVStateRef, action: str) -> float:
     seconds = time.perf_counter() - t0
     kv.store.discard(ref.blocks)
     return seconds
+
+
+def measure_rule(resolver: Resolver, ref: KVStateRef, forget: bool = False) -> dict:
+    """Fill ``ref``'s blocks here as a task would (the rule, its probe, its cut-off), from
+    none held: the decision carried out, with its ``seconds``; the blocks are dropped after.
+
+    With ``forget``, what was measured of the holder's link is dropped first, so the
+    rule meets the link as a fresh worker would.
+    """
+    kv = resolver.kv
+    holder = ref.placement.worker
+    if holder in (None, kv.address):
+        raise ValueError("measure_rule needs a state held by another worker")
+    if forget:
+        kv.links.forget(holder)
+    ids = kv.backend.tokenize(ref.text)
+    kv.store.discard(ref.blocks)
+    resolver.last_decision = None
+    resolver.fill(ref, ids)
+    kv.store.discard(ref.blocks)
+    decision = resolver.last_decision
+    assert decision is not None, "a state held elsewhere, none of it here: fill decides"
+    return {k: v for k, v in decision.items() if k != "key"}

@@ -11,6 +11,7 @@ missing, and every path yields the KV of tokenize(text), so output equals text r
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -25,7 +26,8 @@ from dask_kvstate.plugins.worker import decide
 from dask_kvstate.plugins.worker.checksum import ChecksumError
 from dask_kvstate.plugins.worker.engine import KVEngine
 from dask_kvstate.plugins.worker.events import worker_event
-from dask_kvstate.plugins.worker.transport import pull_blocks
+from dask_kvstate.plugins.worker.pull_plan import pull_missing
+from dask_kvstate.plugins.worker.transport import PullResult, pull_blocks, pull_within
 from dask_kvstate.protocol import COMPATIBILITY_TOPIC
 from dask_kvstate.state import KVState, KVStateRef, incompatibility
 
@@ -39,6 +41,8 @@ class Resolver:
         self.kv = kv
         self._guard = threading.Lock()
         self._locks: dict[tuple[bytes, ...], tuple[threading.Lock, int]] = {}
+        #: the last transfer-or-recompute decision :meth:`fill` carried out, with its time (benchmarks read it)
+        self.last_decision: dict | None = None
 
     def resolve(self, ref: KVStateRef) -> KVState:
         """``ref`` with its token ids and KV on this worker (``kv`` None if unusable here).
@@ -109,19 +113,17 @@ class Resolver:
         if missing and kv.worker is not None and holder not in (None, kv.address):
             first = next(i for i, t in enumerate(tensors) if t is None)
             decision = decide.choose(kv, ref, first, holder)
-            if decision["action"] == "pull":
-                t0 = time.perf_counter()
-                pulled = self.pull(holder, missing, self.block_shapes(ref))
-                decision["seconds"] = time.perf_counter() - t0
-                tensors = [pulled.get(h, t) if t is None else t for h, t in zip(ref.blocks, tensors)]
+        t0 = time.perf_counter()
+        if decision is not None and decision["action"] == "pull":
+            tensors = pull_missing(self, ref, tensors, decision["holder"], decision)
         first_missing = next((i for i, t in enumerate(tensors) if t is None), None)
         if first_missing is not None:
-            t0 = time.perf_counter()
             tensors = self.recompute(ids, ref.blocks, tensors, first_missing)
-            if decision is not None and decision["action"] == "recompute":
-                decision["seconds"] = time.perf_counter() - t0
-        if decision is not None and "seconds" in decision:
+        if decision is not None:
+            # what the choice cost in all: a pull's steps and whatever was recomputed after
+            decision["seconds"] = time.perf_counter() - t0
             decide.record_outcome(kv, decision)
+            self.last_decision = decision
         device = kv.backend.device  # a block read back from a lower tier may sit in host memory
         joined = join_blocks([t.to(device, non_blocking=True) for t in tensors])
         if len(tensors) > 1 and not same_storage(joined, tensors[0]):
@@ -138,8 +140,13 @@ class Resolver:
             for i, h in enumerate(ref.blocks)
         }
 
-    def pull(self, holder: str, hashes: list[bytes], shapes: Mapping[bytes, tuple[int, ...]]) -> dict[bytes, Any]:
+    def pull(
+        self, holder: str, hashes: list[bytes], shapes: Mapping[bytes, tuple[int, ...]], patience: float | None = None
+    ) -> dict[bytes, Any]:
         """Blocks ``hashes`` from worker ``holder``, stored here; ``{}`` when the pull fails (logged).
+
+        With ``patience`` (seconds) a pull still running by then is cut off (``{}``,
+        ``pulls_cut_off``); it finishes in the background, where only its time is kept.
 
         A reply whose frames fail their checksum fails as a whole (``pull_checksum_failures``).
         Of a reply read, only blocks asked for, of the shape ``shapes`` gives and the
@@ -149,17 +156,21 @@ class Resolver:
         from distributed.utils import sync
 
         kv = self.kv
+        options = {
+            "connect_timeout": kv.settings.connect_timeout,
+            "timeout": kv.settings.pull_timeout,
+            "emulated_bandwidth": kv.settings.emulated_bandwidth,
+        }
         try:
-            res = sync(
-                kv.worker.loop,
-                pull_blocks,
-                kv.worker.rpc,
-                holder,
-                hashes,
-                connect_timeout=kv.settings.connect_timeout,
-                timeout=kv.settings.pull_timeout,
-                emulated_bandwidth=kv.settings.emulated_bandwidth,
-            )
+            res: PullResult | None
+            if patience is None:
+                res = sync(kv.worker.loop, pull_blocks, kv.worker.rpc, holder, hashes, **options)
+            else:
+                late = functools.partial(timed_late, kv, holder)
+                res = sync(kv.worker.loop, pull_within, patience, late, kv.worker.rpc, holder, hashes, **options)
+            if res is None:
+                kv.counters["pulls_cut_off"] += 1
+                return {}
             got = res.blocks()  # in this thread: checking the checksums reads every byte
         except Exception as e:
             kv.counters["transfer_failures"] += 1
@@ -220,3 +231,12 @@ def accepted(blocks: dict, shapes: Mapping[bytes, tuple[int, ...]], dtype) -> tu
         else:
             rejected.append(h)
     return keep, rejected
+
+
+def timed_late(kv: KVEngine, holder: str, task) -> None:
+    """Time a pull that was cut off once it finishes (its blocks are not used): the link's real rate."""
+    if task.cancelled() or task.exception() is not None:
+        return
+    res = task.result()
+    kv.counters["late_pulls_timed"] += 1
+    kv.links.add(holder, res.nbytes, res.seconds)

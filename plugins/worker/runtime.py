@@ -67,6 +67,10 @@ class StateRuntime(KVEngine):
         """Seconds to pull or recompute all of ``ref``'s blocks here (benchmarks of the rule)."""
         return probes.measure_fill(self.resolver, ref, action)
 
+    def measure_rule(self, ref: KVStateRef, forget: bool = False) -> dict:
+        """Fill ``ref``'s blocks here by the rule's own choice, timed (benchmarks of the rule)."""
+        return probes.measure_rule(self.resolver, ref, forget)
+
     def probe(self, sizes=(32, 256)) -> None:
         """Time a few prefills of this worker's model to seed the prefill cost model."""
         probes.probe(self, sizes)

@@ -47,6 +47,10 @@ class WorkerSettings:
     zero_copy: bool
     #: whether served frames carry a CRC-32 each, which the puller checks
     checksum: bool
+    #: most bytes of the first pull from a peer whose link is not measured yet
+    probe_bytes: int
+    #: how far (a fraction of the recompute estimate) a pull chunk may run past its estimate
+    patience: float
     #: whether Dask's memory monitor may spill KV blocks before task data
     memory_monitor: bool
     #: freed bytes glibc keeps for reuse, or None to leave the allocator alone
@@ -75,6 +79,8 @@ class WorkerSettings:
                 packing_bytes=config.get_bytes("transport.packing-bytes"),
                 zero_copy=bool(config.get("transport.zero-copy")),
                 checksum=bool(config.get("transport.checksum")),
+                probe_bytes=config.get_bytes("transport.probe-bytes"),
+                patience=float(config.get("transport.patience")),
                 memory_monitor=bool(config.get("worker.memory-monitor")),
                 malloc_retain=None if retain is None else config.get_bytes("worker.malloc-retain"),
                 recency_half_life=config.get_seconds("worker.recency-half-life"),

@@ -215,3 +215,20 @@ async def pull_blocks(
     if emulated_bandwidth:
         await asyncio.sleep(max(0.0, nbytes / emulated_bandwidth - (time.perf_counter() - t0)))
     return PullResult(resp, hashes, nbytes, time.perf_counter() - t0)
+
+
+async def pull_within(
+    patience: float, on_late, pool, address: str, hashes: Sequence[bytes], **kwargs
+) -> PullResult | None:
+    """:func:`pull_blocks`, waited for ``patience`` seconds at most; ``None`` when cut off.
+
+    A pull cut off is not cancelled: it finishes in the background (within its own
+    ``timeout``) and ``on_late`` gets its task, so the puller can time the link it was
+    too slow on. Its blocks are not used.
+    """
+    task = asyncio.ensure_future(pull_blocks(pool, address, hashes, **kwargs))
+    done, _ = await asyncio.wait({task}, timeout=max(patience, 0.0))
+    if task in done:
+        return task.result()
+    task.add_done_callback(on_late)
+    return None
