@@ -39,7 +39,7 @@ import logging
 import tempfile
 import threading
 from collections import Counter
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -117,7 +117,7 @@ class TieredBlockStore:
         self.device = ScoredLRU(device_bytes, {}, score=self.ledger.score, movable=self.ledger.movable)
 
     # -- bookkeeping ---------------------------------------------------------------
-    def _disk_victims(self):
+    def _disk_victims(self) -> Iterator[bytes]:
         """Unreferenced blocks on disk, lowest score first (asked when the disk is full)."""
         return iter(self.ledger.lowest(self.disk))
 

@@ -63,19 +63,21 @@ class Mover:
 
     def __init__(self, drain: Callable[[], None]):
         self._drain = drain
-        self._local = threading.local()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvstate-store", initializer=self._mark)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvstate-store")
+        self._thread: int | None = None  # the mover's ident, known from its first job
         self._pending: Future | None = None  # a pass asked for and not yet started
         self._lock = threading.RLock()  # a done callback may run inside submit's own critical section
         #: Jobs submitted and not finished (passes included).
         self.jobs = 0
 
-    def _mark(self) -> None:
-        self._local.mover = True
+    def _call(self, fn: Callable, *args):
+        # Not an executor initializer: its thread would hold this object (and the store) for good.
+        self._thread = threading.get_ident()
+        return fn(*args)
 
     def here(self) -> bool:
         """Whether this is the mover thread."""
-        return getattr(self._local, "mover", False)
+        return self._thread == threading.get_ident()
 
     def _finished(self, fut: Future) -> None:
         with self._lock:
@@ -88,17 +90,19 @@ class Mover:
         """
         with self._lock:
             try:
-                fut = self._executor.submit(fn, *args)
+                queued = self._executor.submit(self._call, fn, *args)
             except RuntimeError:  # shut down
-                fut = Future()
-                try:
-                    fut.set_result(fn(*args))
-                except Exception as e:
-                    fut.set_exception(e)
-                return fut
-            self.jobs += 1
-            fut.add_done_callback(self._finished)
-            return fut
+                pass
+            else:
+                self.jobs += 1
+                queued.add_done_callback(self._finished)
+                return queued
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args))
+        except Exception as e:
+            fut.set_exception(e)
+        return fut
 
     def run(self, fn: Callable, *args):
         """``fn(*args)`` on the mover thread, waiting for it; inline when already there."""
@@ -111,7 +115,7 @@ class Mover:
         with self._lock:  # the pass clears _pending under this lock: it sees the one set here
             if self._pending is None:
                 try:
-                    self._pending = self._executor.submit(self._pass)
+                    self._pending = self._executor.submit(self._call, self._pass)
                 except RuntimeError:  # shut down: nothing rebalances any more
                     done: Future = Future()
                     done.set_result(None)
