@@ -101,8 +101,11 @@ class DiskTier(MutableMapping):
     read or removed after it (:meth:`read`, :meth:`remove`): ``zict.File`` gives every
     write a name of its own, so a file removed or rewritten meanwhile is never mistaken
     for another. The mapping methods chain the steps, for use by one thread.
-    Not locked itself: the store calls the bookkeeping steps under its own lock, and
-    ``zict.File`` locks its name table.
+
+    Not locked itself: the store calls the bookkeeping steps under its own lock. The one
+    exception is :meth:`write`, which ``zict.File`` registers under zict's lock, outside
+    the store's; that is safe because the store writes a key only on its mover thread and
+    only while the key is on no disk record, so no other step touches it until its commit.
     """
 
     def __init__(
