@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dask_kvstate.plugins.worker.block_store import TieredBlockStore
-from dask_kvstate.plugins.worker.tiers import DiskTier, ScoredBuffer
+from dask_kvstate.plugins.worker.tiers import DiskTier, ScoredLRU
 
 from .mapping_kit import check_mapping
 
@@ -37,15 +37,8 @@ def test_disk_tier_is_a_mapping(tmp_path):
     check_mapping(DiskTier(str(tmp_path), capacity=10**6))
 
 
-def test_scored_buffer_over_disk_is_a_mapping(tmp_path):
-    check_mapping(
-        ScoredBuffer({}, DiskTier(str(tmp_path), 10**6), n=3 * 32, score=lambda k, now: 0.0, movable=lambda k: True)
-    )
-
-
-def test_device_host_disk_chain_is_a_mapping(tmp_path):
-    host = ScoredBuffer({}, DiskTier(str(tmp_path), 10**6), n=2 * 32, score=lambda k, now: 0.0, movable=lambda k: True)
-    check_mapping(ScoredBuffer({}, host, n=2 * 32, score=lambda k, now: 0.0, movable=lambda k: True))
+def test_a_memory_tier_is_a_mapping():
+    check_mapping(ScoredLRU(10**6, {}, score=lambda k, now: 0.0, movable=lambda k: True))
 
 
 # -- placement, step by step ---------------------------------------------------------
@@ -240,4 +233,96 @@ def test_adopted_blocks_join_as_a_view_and_spill_intact(tmp_path):
     # A view spills to disk as its own bytes and comes back equal.
     s.offload([hashes[1]], tier="disk")
     assert hashes[1] in s.disk and torch.equal(s.get(hashes[1]), kv[:, :, :, 16:32])
+    s.close()
+
+
+# -- moves off the caller's thread ----------------------------------------------------
+
+
+@pytest.fixture
+def gated(monkeypatch):
+    """Hold every spill-file write of a store at a gate: ``writing`` is set while one waits."""
+    import threading
+
+    state = {"gate": threading.Event(), "writing": threading.Event(), "written": threading.Event()}
+
+    def install(store):
+        real = store.disk.write
+
+        def write(key, value):
+            state["writing"].set()
+            state["gate"].wait(10)
+            name = real(key, value)
+            state["written"].set()
+            return name
+
+        monkeypatch.setattr(store.disk, "write", write)
+        return state
+
+    return install
+
+
+def test_a_block_being_spilled_is_served_from_memory_and_may_be_dropped_meanwhile(store, gated):
+    for h in (b"a", b"b"):
+        store.put(h, block(float(h[0])))
+    gate = gated(store)
+    moved = store.submit(store.offload, [b"a", b"b"], "disk")
+    assert gate["writing"].wait(10)  # a's file is being written: a is still in the host tier
+    assert store.where(b"a") == "host" and torch.equal(store.peek(b"a"), block(97.0))
+    assert store.stats()["tiers"]["disk"]["blocks"] == 0  # the lock is not held across the write
+    assert store.discard([b"a"]) == B  # dropped during its own spill
+    gate["gate"].set()
+    assert moved.result(10) == 1  # b went down; a's move gave up
+    assert b"a" not in store and store.where(b"b") == "disk"
+    assert os.listdir(store.directory) == [os.path.basename(store.disk.path(b"b"))]  # no file left for a
+    assert (store.disk.total, store.disk.reserved, store.nbytes) == (B, 0, B)
+
+
+def test_a_block_read_or_pinned_during_its_spill_stays_above(store, gated):
+    for h in (b"a", b"b"):
+        store.put(h, block(float(h[0])))
+    gate = gated(store)
+    moved = store.submit(store.offload, [b"a"], "disk")
+    assert gate["writing"].wait(10)
+    assert torch.equal(store.get(b"a"), block(97.0)) and store.where(b"a") == "device"  # read back up meanwhile
+    gate["gate"].set()
+    assert moved.result(10) == 0 and store.where(b"a") == "device" and os.listdir(store.directory) == []
+    gate["gate"].clear()
+    gate["writing"].clear()
+    moved = store.submit(store.offload, [b"b"], "disk")
+    assert gate["writing"].wait(10)
+    store.pin("task", [b"b"])  # a task starts using it mid-move: it stays where it was
+    gate["gate"].set()
+    assert moved.result(10) == 0 and store.where(b"b") == "host" and os.listdir(store.directory) == []
+    assert (store.disk.total, store.disk.reserved) == (0, 0)
+
+
+def test_the_event_loop_only_asks_for_spills_and_producers_wait_for_them(tmp_path, gated):
+    import asyncio
+    import threading
+
+    s = TieredBlockStore(str(tmp_path / "b"), device_bytes=2 * B, host_bytes=2 * B, disk_bytes=100 * B)
+    hashes = [bytes([i]) for i in range(8)]
+    s.pin(("task", "k"), hashes)
+    for h in hashes:
+        s.put(h, block())  # pinned: nothing may move yet
+    assert len(s.device) == 8
+    gate = gated(s)
+
+    async def task_end():  # the plugin's transition hook, on the event loop
+        s.unpin(("task", "k"))
+        return gate["written"].is_set(), s.stats()["tiers"]["device"]["blocks"]
+
+    written, on_device = asyncio.run(task_end())
+    assert not written and on_device > 2  # unpin returned with the spill still to do
+    assert gate["writing"].wait(10)
+    producer = threading.Thread(target=s.put, args=(b"new", block()))
+    producer.start()
+    producer.join(0.3)
+    assert producer.is_alive()  # a task's put waits for the backlog it would add to
+    gate["gate"].set()
+    producer.join(10)
+    assert not producer.is_alive()
+    assert s.device.total_weight <= 2 * B and s.host.total_weight <= 2 * B and len(s.disk) == 5
+    assert s.nbytes == 9 * B == s.device.total_weight + s.host.total_weight + s.disk.total
     s.close()

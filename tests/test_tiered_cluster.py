@@ -62,8 +62,11 @@ def test_fork_heavy_workflow_ten_times_over_budget(tight_client):
     assert s["blocks"] >= len(unique)  # every referenced block kept, somewhere
 
 
-def _spill_files(dask_worker) -> list[str]:
+async def _spill_files(dask_worker) -> list[str]:
+    import asyncio
+
     store = dask_worker.plugins["kvstate"].runtime.store
+    await asyncio.wrap_future(store.settled())  # the spills the task's end asked for have run
     return [store.disk.path(h) for h in store.disk]
 
 

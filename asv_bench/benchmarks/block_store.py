@@ -156,3 +156,56 @@ class StatsDuringOffload:
         return 1e3 * max(waits)
 
     track_longest_stats_wait_ms.unit = "ms"
+
+
+class LoopGapAtTaskEnd:
+    """The event loop's longest gap while a finished task's 4,096-token SmolLM2-shaped
+    state (64 blocks, 180 MiB) spills to disk. The task's ``unpin`` runs on the loop (the
+    plugin's transition hook) and takes the tiers over budget (8 blocks each); the store's
+    mover thread writes the spill files, so the gap stays at a GIL switch or two."""
+
+    timeout = 180
+
+    def setup(self):
+        from dask_kvstate.blocks import block_hashes, kv_identity
+        from dask_kvstate.plugins.worker.arena import split_blocks
+        from dask_kvstate.plugins.worker.block_store import TieredBlockStore
+
+        self.dir = tempfile.mkdtemp()
+        kv = torch.randn(30, 2, 3, 4096, 64, generator=torch.Generator().manual_seed(0))
+        hashes = block_hashes(range(4096), identity=kv_identity("m", "c"), namespace="asv", block_tokens=64)
+        budget = 8 * 30 * 2 * 3 * 64 * 64 * 4
+        self.store = TieredBlockStore(self.dir, device_bytes=budget, host_bytes=budget, disk_bytes=2**33)
+        self.store.pin(("task", "k"), hashes)  # the running task's: nothing spills before it ends
+        for b in split_blocks(kv, hashes, 64):
+            self.store.put(b.hash, b.tensor)
+
+    def teardown(self):
+        self.store.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def track_longest_loop_gap_ms(self):
+        import asyncio
+
+        async def task_end() -> float:
+            loop = asyncio.get_running_loop()
+            longest, done = 0.0, False
+
+            async def ticks():  # a 2 ms tick: how late each comes is how long the loop was kept
+                nonlocal longest
+                while not done:
+                    t0 = loop.time()
+                    await asyncio.sleep(0.002)
+                    longest = max(longest, loop.time() - t0 - 0.002)
+
+            ticker = asyncio.ensure_future(ticks())
+            await asyncio.sleep(0.01)
+            self.store.unpin(("task", "k"))
+            await asyncio.wrap_future(self.store.settled())
+            done = True
+            await ticker
+            return longest
+
+        return 1e3 * asyncio.run(task_end())
+
+    track_longest_loop_gap_ms.unit = "ms"

@@ -1,14 +1,23 @@
 """A worker's KV block store: device -> host -> disk tiers composed from zict parts.
 
-The composition follows dask_cuda's DeviceHostFile::
+The tiers (``plugins/worker/tiers.py``)::
 
-    device = ScoredBuffer(fast={}, slow=host-side, n=device-bytes)   # CUDA tensors, or CPU ones
-    host   = ScoredBuffer(fast={}, slow=disk,      n=host-bytes)     # pinned memory on CUDA
+    device = ScoredLRU(n=device-bytes)                 # CUDA tensors, or CPU ones
+    host   = ScoredLRU(n=host-bytes)                   # pinned memory on CUDA
     disk   = DiskTier(<worker local dir>/kvstate-blocks, disk-bytes) # raw bytes + checksum
 
 A block lives in exactly one tier (content-addressed: forks share it, whatever tier).
 New and read blocks enter the device tier; when a tier passes its budget the block
 with the lowest eviction score (reuse, idleness, size) moves one tier down.
+
+Blocks move down on the store's one mover thread (``plugins/worker/moves.py``), never on
+the caller's: the event loop (the plugin's task-end ``unpin``, stats, holds) only asks
+for a rebalance. The lock is held for bookkeeping only, never across a copy or a file.
+Budgets: a tier is over its budget only by pinned blocks, and by blocks whose move the
+mover has not reached yet. That backlog is bounded on the producer's side: a thread
+that puts or reads a block (a task) and so finds a tier over budget waits for the
+mover's pass before it goes on, so no producer adds to a backlog; the event loop never
+waits, and the mover, when it reads or offloads, rebalances inline.
 
 Two kinds of protection, both counted per owner and per hash, independent of where
 (or whether) the block is:
@@ -30,18 +39,17 @@ import logging
 import tempfile
 import threading
 from collections import Counter
-from collections.abc import Hashable, Iterable, Iterator, MutableMapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
 
 import torch
-import zict
 
 from dask_kvstate.blocks import nbytes
-from dask_kvstate.plugins.worker import disk_faults
-from dask_kvstate.plugins.worker.disk_format import CorruptBlockError
+from dask_kvstate.plugins.worker import moves
 from dask_kvstate.plugins.worker.ledger import BlockLedger
+from dask_kvstate.plugins.worker.moves import Mover, on_event_loop
 from dask_kvstate.plugins.worker.store_stats import store_stats
-from dask_kvstate.plugins.worker.tiers import DiskTier, ScoredBuffer
+from dask_kvstate.plugins.worker.tiers import DiskTier, ScoredLRU
 from dask_kvstate.state import TIERS
 
 logger = logging.getLogger("dask_kvstate")
@@ -55,8 +63,8 @@ class TieredBlockStore:
     directory : str
         Folder for the disk tier (made 0700; its old contents are removed).
     device_bytes, host_bytes, disk_bytes : int
-        Budgets of the tiers. The device tier may pass its budget only by blocks that
-        are pinned in use.
+        Budgets of the tiers. A memory tier may pass its budget by blocks that are
+        pinned in use, and until the mover has moved what passed it (module docstring).
     half_life_s : float
         Idle half-life in the eviction score.
     device : str or torch.device, optional
@@ -67,11 +75,12 @@ class TieredBlockStore:
     >>> import tempfile, torch
     >>> store = TieredBlockStore(tempfile.mkdtemp(), device_bytes=100, host_bytes=100, disk_bytes=10**6)
     >>> for h in (b"a", b"b", b"c"):
-    ...     store.put(h, torch.zeros(10))           # 40 bytes each
+    ...     store.put(h, torch.zeros(10))           # 40 bytes each; off the event loop, put waits for the spill
     >>> store.where(b"a"), store.where(b"c")       # the device tier holds 100 bytes
     ('host', 'device')
     >>> store.get(b"a") is not None, store.where(b"a")
     (True, 'device')
+    >>> store.close()
     """
 
     tier = "device"
@@ -98,37 +107,14 @@ class TieredBlockStore:
         self.device_peak = 0
         #: Bumped whenever a block enters or leaves the store (not when it changes tier).
         self.version = 0
-        self._lock = threading.RLock()
-        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvstate-prefetch")
-
-        self.disk = DiskTier(self.directory, disk_bytes, victims=self._disk_victims, on_drop=self.dropped)
-        self._host = ScoredBuffer(
-            {},
-            self.disk,
-            host_bytes,
-            score=self.ledger.score,
-            movable=self.ledger.movable,
-            fast_to_slow_callbacks=[self._count("host", "spills")],
-            slow_to_fast_callbacks=[self._count("host", "unspills")],
-        )
-        host_side: MutableMapping = self._host
-        if self.device_type.type == "cuda":
-            # Host copies are pinned, so moving them back up is an async DMA.
-            host_side = zict.Func(
-                lambda t: t.to("cpu").pin_memory(), lambda t: t.to(self.device_type, non_blocking=True), self._host
-            )
-        self._device = ScoredBuffer(
-            {},
-            host_side,
-            device_bytes,
-            score=self.ledger.score,
-            movable=self.ledger.movable,
-            fast_to_slow_callbacks=[self._count("device", "spills")],
-            slow_to_fast_callbacks=[self._count("device", "unspills")],
-        )
+        #: Guards every tier's bookkeeping and the ledger; never held across I/O (moves.py).
+        self.lock = threading.RLock()
+        #: The one thread every move down (and every prefetch) runs on.
+        self.mover = Mover(lambda: moves.drain(self))
         #: The tiers as mappings, so ``h in store.host`` says where a block lives.
-        self.device = self._device.fast
-        self.host = self._host.fast
+        self.disk = DiskTier(self.directory, disk_bytes, victims=self._disk_victims, on_drop=self.dropped)
+        self.host = ScoredLRU(host_bytes, {}, score=self.ledger.score, movable=self.ledger.movable)
+        self.device = ScoredLRU(device_bytes, {}, score=self.ledger.score, movable=self.ledger.movable)
 
     # -- bookkeeping ---------------------------------------------------------------
     def _disk_victims(self) -> Iterator[bytes]:
@@ -141,84 +127,92 @@ class TieredBlockStore:
         self.counters["store"]["dropped"] += 1
         self.version += 1
 
-    def _count(self, tier: str, what: str):
-        def cb(key, value):
-            self.counters[tier][what] += 1
-
-        return cb
-
     def size_of(self, h: bytes) -> int:
         """Bytes of block ``h`` (0 if not stored). Locked: the serve path asks from the event loop."""
-        with self._lock:
+        with self.lock:
             return self.ledger.size_of(h)
 
-    def _note_peak(self) -> None:
+    def _settle(self) -> None:
+        """After a block entered a memory tier or was unpinned: bring the tiers back under budget.
+
+        The mover does it. Backpressure on the producer: a caller off the event loop
+        waits for that pass (so a task never adds to a backlog), the event loop never
+        waits (the tier stays over budget until the mover gets there), and the mover
+        itself rebalances inline.
+        """
+        with self.lock:
+            need = self.device.over() or self.host.over()
+        if need:
+            if self.mover.here():
+                moves.drain(self)
+            elif not on_event_loop():
+                moves.wait(self.mover.rebalance())
+            else:
+                self.mover.rebalance()
         self.device_peak = max(self.device_peak, int(self.device.total_weight))
+
+    def _remove(self, paths: list[str]) -> None:
+        """Delete files taken off the disk tier: on the mover when asked from the event loop."""
+        paths = [p for p in paths if p]
+        if paths and on_event_loop():
+            self.mover.submit(lambda: [self.disk.remove(p) for p in paths])
+        else:
+            for p in paths:
+                self.disk.remove(p)
 
     # -- mapping-like ----------------------------------------------------------------
     def where(self, h: bytes) -> str | None:
         """The tier holding ``h``, or None."""
-        if h in self.device:
-            return "device"
-        if h in self.host:
-            return "host"
-        if h in self.disk:
-            return "disk"
-        return None
+        with self.lock:
+            if h in self.device:
+                return "device"
+            if h in self.host:
+                return "host"
+            if h in self.disk:
+                return "disk"
+            return None
 
     def __contains__(self, h: object) -> bool:
         return isinstance(h, bytes) and self.where(h) is not None
 
     def __iter__(self):
-        return iter([*self.device, *self.host, *self.disk])
+        with self.lock:
+            return iter([*self.device, *self.host, *self.disk])
 
     def __len__(self) -> int:
-        return len(self.device) + len(self.host) + len(self.disk)
+        with self.lock:
+            return len(self.device) + len(self.host) + len(self.disk)
 
     @property
     def nbytes(self) -> int:
-        return int(self.device.total_weight + self.host.total_weight + self.disk.total)
+        with self.lock:
+            return int(self.device.total_weight + self.host.total_weight + self.disk.total)
 
     def put(self, h: bytes, tensor: torch.Tensor) -> None:
-        """Store a block in the device tier (a no-op if already stored anywhere)."""
-        with self._lock:
+        """Store a block in the device tier (a no-op if already stored anywhere).
+
+        Off the event loop it returns once the tiers are back under budget (see :meth:`_settle`).
+        """
+        tensor = moves.to_device(self, tensor)  # a host-to-device copy on CUDA: outside the lock
+        with self.lock:
             if h in self:
                 return
-            tensor = tensor.to(self.device_type, non_blocking=True)
             self.ledger.touch(h, hit=False, size=nbytes(tensor))
             self.counters["store"]["puts"] += 1
             self.version += 1
-            try:
-                self._device[h] = tensor
-            except OSError as e:  # DiskFullError or a real disk error while spilling
-                disk_faults.disk_full(self, e)
-            self._note_peak()
+            self.device.set_noevict(h, tensor)
+        self._settle()
 
     def get(self, h: bytes) -> torch.Tensor | None:
         """The block, brought up to the device tier; None on a miss (counted).
 
-        Never raises for a damaged spill file or a full disk.
+        A spilled block is read on the calling thread. Never raises for a damaged spill
+        file or a full disk.
         """
-        with self._lock:
-            tier = self.where(h)
-            for t in TIERS[: TIERS.index(tier) if tier else 3]:
-                self.counters[t]["misses"] += 1
-            if tier is None:
-                return None
-            self.ledger.touch(h, hit=True)  # before promotion, so the score sees this use
-            try:
-                value = self._device[h]
-            except CorruptBlockError as e:
-                disk_faults.damaged(self, h, e)
-                return None
-            except OSError as e:
-                disk_faults.disk_full(self, e)
-                value = self.peek(h)
-                if value is None:
-                    return None
-            self.counters[tier]["hits"] += 1
-            self._note_peak()
-            return value
+        value = moves.fetch(self, h, up=True, count=True)
+        if value is not None:
+            self._settle()
+        return value
 
     def adopt(self, hashes: Sequence[bytes], joined: torch.Tensor, block_tokens: int) -> int:
         """Make blocks on the device tier views of ``joined``, their concatenation; returns how many.
@@ -228,10 +222,11 @@ class TieredBlockStore:
         originals, so the worker holds the state once, and later resumes join to a
         view (``blocks.join_blocks``). The bytes are the same, so weights don't change.
         A block that spills later is written from its view; the joined tensor's memory
-        goes when its last block has left the device tier.
+        goes when its last block has left the device tier. A block being moved down
+        meanwhile stays (the move sees another value and gives up).
         """
         done = 0
-        with self._lock:
+        with self.lock:
             for i, h in enumerate(hashes):
                 old = self.device.d.get(h)
                 view = joined[:, :, :, i * block_tokens : (i + 1) * block_tokens]
@@ -243,34 +238,27 @@ class TieredBlockStore:
 
     def peek(self, h: bytes) -> torch.Tensor | None:
         """The block without counting or moving it between tiers (serving peers). Never raises."""
-        with self._lock:
-            for tier in (self.device, self.host):
-                v = tier.d.get(h)
-                if v is not None:
-                    return v
-            if h in self.disk:
-                try:
-                    return self.disk[h]
-                except CorruptBlockError as e:
-                    disk_faults.damaged(self, h, e)
-            return None
+        return moves.fetch(self, h, up=False, count=False)
 
     def peek_memory(self, h: bytes) -> torch.Tensor | None:
         """The block if it sits in a memory tier (never reads disk), else None; like :meth:`peek`."""
-        with self._lock:
+        with self.lock:
             v = self.device.d.get(h)
             return v if v is not None else self.host.d.get(h)
 
     # -- protection ----------------------------------------------------------------
     def pin(self, owner: Hashable, hashes: Iterable[bytes]) -> None:
         """Keep ``hashes`` where they are while ``owner`` (a running task) uses them."""
-        with self._lock:
+        with self.lock:
             self.pins.set(owner, hashes)
 
     def unpin(self, owner: Hashable) -> None:
-        with self._lock:
-            if self.pins.clear(owner):
-                self._rebalance()
+        """Let ``owner``'s blocks move again. From the event loop (the plugin's transition
+        hook) this only asks the mover to rebalance; it never waits for it."""
+        with self.lock:
+            cleared = self.pins.clear(owner)
+        if cleared:
+            self._settle()
 
     def pinned_by(self, owner: Hashable) -> bool:
         """Whether ``owner`` pins any block. No lock: one dict lookup, atomic under the GIL,
@@ -279,110 +267,96 @@ class TieredBlockStore:
 
     def hold(self, owner: Hashable, hashes: Iterable[bytes]) -> None:
         """Never drop ``hashes`` while ``owner`` (a key holding a ref) exists."""
-        with self._lock:
+        with self.lock:
             self.holds.set(owner, hashes)
 
     def release(self, owner: Hashable) -> None:
-        with self._lock:
+        with self.lock:
             self.holds.clear(owner)
 
     def discard(self, hashes: Iterable[bytes]) -> int:
-        """Drop the unreferenced, unpinned ones of ``hashes`` from every tier; returns bytes freed."""
-        freed = 0
-        with self._lock:
+        """Drop the unreferenced, unpinned ones of ``hashes`` from every tier; returns bytes freed.
+
+        A block being moved meanwhile is dropped all the same: its move gives up and
+        deletes the file it wrote. Files are deleted after the lock is let go (on the
+        mover, when called from the event loop).
+        """
+        freed, stale = 0, []
+        with self.lock:
             for h in self.ledger.droppable(hashes):
-                size = self.size_of(h)
-                try:
-                    del self._device[h]
-                except KeyError:  # not stored here
+                tier = self.where(h)
+                if tier is None:  # not stored here
                     continue
+                size = self.ledger.size_of(h)
+                if tier == "disk":
+                    stale.append(self.disk.forget(h))
+                else:
+                    del (self.device if tier == "device" else self.host)[h]
                 self.ledger.forget(h)
                 self.version += 1
                 freed += size
+        self._remove(stale)
         return freed
-
-    def _rebalance(self) -> None:
-        """Unpinned blocks may now move: bring every tier back under its budget."""
-        try:
-            self._device.evict_until_below_target()
-            self._host.evict_until_below_target()
-        except OSError as e:
-            disk_faults.disk_full(self, e)
 
     # -- moving on request ---------------------------------------------------------
     def prefetch(self, hashes: Iterable[bytes]) -> Future:
-        """Bring ``hashes`` up to the device tier in the background; the future gives how many moved."""
-        hashes = list(hashes)
-        return self._prefetcher.submit(self.promote, hashes)
+        """Bring ``hashes`` up to the device tier on the mover; the future gives how many moved."""
+        return self.mover.submit(self.promote, list(hashes))
 
     def promote(self, hashes: list[bytes]) -> int:
-        """Bring ``hashes`` up to the device tier now; returns how many moved. Never raises."""
+        """Bring ``hashes`` up to the device tier now, reading on this thread; returns how many moved.
+
+        Never raises.
+        """
         moved = 0
         for h in hashes:
-            with self._lock:
-                tier = self.where(h)
-                if tier in (None, "device"):
-                    continue
-                self.ledger.touch(h, hit=False)
-                try:
-                    self._device[h]
-                    moved += 1
-                except CorruptBlockError as e:
-                    disk_faults.damaged(self, h, e)
-                except OSError as e:
-                    disk_faults.disk_full(self, e)
-                self._note_peak()
+            if self.where(h) in (None, "device"):
+                continue
+            if moves.fetch(self, h, up=True, count=False) is not None:
+                moved += 1
+                self._settle()
         return moved
 
     def offload(self, hashes: Iterable[bytes], tier: str = "host") -> int:
         """Move ``hashes`` down to ``tier`` ("host" or "disk") now, unless pinned; returns how many moved.
 
-        The lock is taken per block, not across the whole move: an offload writes a
-        session's state to disk (seconds for gigabytes), and the event loop needs the
-        lock meanwhile (stats, holds, peer pulls). Between two blocks those go first.
+        Runs on the mover, the caller waiting (inline when called there, as the
+        lifecycle half's offloads are: see :meth:`submit`). The lock is taken per move
+        step, never across a copy or a file write, so the event loop's calls (stats,
+        holds, peer pulls) go between them.
         """
         if tier not in ("host", "disk"):
             raise ValueError(f"offload tier must be 'host' or 'disk', got {tier!r}")
-        moved = 0
-        for h in hashes:
-            with self._lock:
-                if h in self.pins:
-                    continue
-                before = self.where(h)
-                if before is None or TIERS.index(before) >= TIERS.index(tier):
-                    continue
-                try:
-                    if h in self.device:
-                        self.device.evict(h)
-                    if tier == "disk" and h in self.host:
-                        self.host.evict(h)
-                except OSError as e:
-                    disk_faults.disk_full(self, e)
-                after = self.where(h)
-                moved += after is not None and TIERS.index(after) >= TIERS.index(tier)
-        return moved
+        return self.mover.run(moves.offload, self, list(hashes), tier)
 
     def evict_to_disk(self) -> int:
         """Free memory for Dask's memory monitor: move the lowest-scored movable block
         from memory (host tier first) to disk. Returns its bytes, or -1 if none could
-        move. Never raises (``ManualEvictProto.evict``)."""
-        with self._lock:
-            try:
-                if not any(self.ledger.movable(k) for k in self.host) and self.device:
-                    self.device.evict()  # down to host first
-                key, _, w = self.host.evict()
-                return int(w) if key is not None else -1
-            except KeyError:
-                return -1
-            except OSError as e:
-                disk_faults.disk_full(self, e)
-                return -1
+        move. Never raises (``ManualEvictProto.evict``).
+
+        The monitor calls it on the event loop and needs the bytes freed when it
+        returns, so there it waits for one block's move, but only when the mover is
+        idle: behind other moves (an offload can take seconds) it answers -1 at once,
+        and Dask spills task data instead.
+        """
+        if on_event_loop() and self.mover.jobs:
+            return -1
+        return self.mover.run(moves.evict_one, self)
+
+    def submit(self, fn, *args) -> Future:
+        """Run ``fn(*args)`` on the mover, after the moves asked for before (the lifecycle
+        half times its offloads there, so the time is the move's, not the queue's)."""
+        return self.mover.submit(fn, *args)
+
+    def settled(self) -> Future:
+        """Done once every move asked for so far has run."""
+        return self.mover.submit(lambda: None)
 
     # -- accounting ----------------------------------------------------------------
     def stats(self) -> dict:
         """Blocks, bytes and counters per tier, for ``kvs.stats``."""
-        with self._lock:
+        with self.lock:
             return store_stats(self)
 
     def close(self) -> None:
-        self._prefetcher.shutdown(wait=False)
+        self.mover.close()

@@ -4,8 +4,9 @@ Neither is an exception for the store's callers. A damaged (or vanished) spill f
 a miss, counted as a checksum failure: the caller pulls the block from a peer or
 recomputes it. A disk that takes no more (its budget, or a real ``ENOSPC``) keeps
 blocks in the tier above; if that tier is over budget too, its unreferenced blocks
-are dropped, lowest score first, to be recomputed later. Both run under the store's
-lock, called by the store.
+are dropped, lowest score first, to be recomputed later. Both are bookkeeping, run
+under the store's lock by the store; neither touches a file (the store deletes a
+damaged one after letting the lock go).
 """
 
 from __future__ import annotations
@@ -15,23 +16,20 @@ import logging
 logger = logging.getLogger("dask_kvstate")
 
 
-def damaged(store, h: bytes, err: Exception) -> None:
-    """Spill file of ``h`` failed its check: forget the block (a miss from now on)."""
+def damaged(store, h: bytes, err: Exception) -> str:
+    """Spill file of ``h`` failed its check: forget the block (a miss from now on); the file to delete."""
     store.counters["disk"]["checksum_failures"] += 1
     logger.warning("kvstate: spilled block %s is damaged (%s); treating it as a miss", h.hex()[:12], err)
-    store.disk.discard(h)
+    path = store.disk.forget(h)
     store.ledger.forget(h)
     store.version += 1
+    return path
 
 
 def disk_full(store, err: Exception) -> None:
     """The disk took no more: keep blocks above, dropping unreferenced ones if over budget."""
     store.counters["disk"]["full"] += 1
     logger.info("kvstate: %s", err)
-    # A failed spill inside a nested zict.Buffer can leave a key in both tiers
-    # (the lower one inserted it before its own eviction failed): keep the upper.
-    for k in [k for k in store.host.d if k in store.device.d]:
-        del store.host[k]
     for lru in (store.host, store.device):
         while lru.total_weight > lru.n:
             victims = store.ledger.lowest(lru.order)

@@ -13,8 +13,8 @@ session's end finds it. The scheduler's ``kvstate-lifecycle`` extension then mov
 blocks by messages:
 
 * ``kvstate-offload`` (stream): move the session's own blocks down to host or disk now;
-* ``kvstate-prefetch`` (stream): bring them back to the device tier in the store's
-  prefetch thread, off the event loop and off the task threads;
+* ``kvstate-prefetch`` (stream): bring them back to the device tier on the store's
+  mover thread, off the event loop and off the task threads;
 * ``kvstate_lifecycle_invalidate`` (RPC): the session ended: release its hold and drop,
   in every tier, every block no other session or live ref still holds; answers the bytes
   freed, left and shared. What a live ref or a running task still held then is dropped
@@ -35,7 +35,6 @@ import shutil
 import tempfile
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 
 from distributed import Worker, WorkerPlugin
 from tornado.ioloop import PeriodicCallback
@@ -154,7 +153,6 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         self._session_bytes: dict[str, dict[str, int]] = {}
         self._sweep_due = False
         self._reporter = None
-        self._mover = ThreadPoolExecutor(1, thread_name_prefix="kvstate-offload")
         worker.stream_handlers[OFFLOAD] = self._offload
         worker.stream_handlers[PREFETCH] = self._prefetch
         worker.handlers[INVALIDATE] = self._invalidate
@@ -176,7 +174,6 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         listeners = getattr(worker.plugins.get(WORKER_PLUGIN), "task_listeners", None)
         if listeners is not None and self._task_used in listeners:
             listeners.remove(self._task_used)
-        self._mover.shutdown(wait=False)
 
     def _attach(self) -> None:
         """Hear from the ``kvstate`` plugin which blocks each finished task used (again after it is replaced)."""
@@ -265,8 +262,8 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         store = self.store
         if store is None or session not in self.sessions:
             return
-        # Writing to disk (bytes + checksum) must not stall the event loop: one thread, in order.
-        self._mover.submit(self._offload_now, store, session, self.sessions.own(session), tier, decision)
+        # Writing to disk (bytes + checksum) must not stall the event loop: on the store's mover, in order.
+        store.submit(self._offload_now, store, session, self.sessions.own(session), tier, decision)
 
     def _offload_now(self, store, session, own, tier, decision) -> None:
         hashes = [h for h in own if store.where(h) == "device" or (tier == "disk" and store.where(h) == "host")]
@@ -297,7 +294,7 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         t0 = time.perf_counter()
         fut = store.prefetch(hashes)
 
-        def finished(f) -> None:  # in the prefetch thread
+        def finished(f) -> None:  # on the store's mover
             moved = f.result() if f.exception() is None else 0
             self._moved("prefetch", session, decision, tier, moved, nbytes, time.perf_counter() - t0)
 
