@@ -16,71 +16,23 @@ from dask_kvstate.backends import layout
 from dask_kvstate.backends.batch import Row, generate_batch
 from dask_kvstate.backends.cascade import SharedPrefixKV
 from dask_kvstate.backends.hf import HFBackend
-from dask_kvstate.backends.models import _tiny_tokenizer
 from dask_kvstate.generation import Sampling
+from dask_kvstate.testing import architectures
+from dask_kvstate.testing.architectures import WINDOW
 
-WINDOW = 24
-FAMILIES = {
-    # name: (config class, model class, what the family adds)
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": WINDOW}),
-    "qwen2": (
-        "Qwen2Config",
-        "Qwen2ForCausalLM",
-        {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
-    ),
-    "gemma2": (
-        "Gemma2Config",
-        "Gemma2ForCausalLM",
-        {"sliding_window": WINDOW, "head_dim": 16, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
-    ),
-    "gemma3": (
-        "Gemma3TextConfig",
-        "Gemma3ForCausalLM",
-        {"sliding_window": WINDOW, "head_dim": 16, "sliding_window_pattern": 2},
-    ),
-    "gpt_oss": (
-        "GptOssConfig",
-        "GptOssForCausalLM",
-        {"sliding_window": WINDOW, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
-    ),
-    "granite": ("GraniteConfig", "GraniteForCausalLM", {"logits_scaling": 0.5}),
-}
+# The families whose layers differ from Llama's in what the backend must honour.
+FAMILIES = ("mistral", "qwen2", "gemma2", "gemma3", "gpt_oss", "granite", "cohere")
 TEXT = "The planner reads the task and writes a plan. The developer follows the plan and writes the code. " * 3
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return _tiny_tokenizer()
+def tiny(family: str) -> HFBackend:
+    model, tokenizer = architectures.model(family)
+    return HFBackend(family, model, tokenizer)
 
 
-def tiny(family: str, tokenizer):
-    import transformers
-
-    config_cls, model_cls, extra = FAMILIES[family]
-    config = getattr(transformers, config_cls)(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        initializer_range=0.3,  # peaked logits: greedy choices are decisive, not rounding ties
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        **extra,
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = getattr(transformers, model_cls)(config)
-    return HFBackend(family, model.eval(), tokenizer)
-
-
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_every_backend_path_equals_model_generate(family, tokenizer):
-    backend = tiny(family, tokenizer)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_backend_path_equals_model_generate(family):
+    backend = tiny(family)
     ids = backend.tokenize(TEXT)
     prefix, suffixes = ids[:60], [ids[60:70], ids[60:75], ids[60:64]]
     assert len(prefix) > 2 * WINDOW
@@ -106,8 +58,8 @@ def test_every_backend_path_equals_model_generate(family, tokenizer):
     assert not backend.cascade_fallbacks  # every family here is served by the fused path
 
 
-def test_extend_from_mid_window_equals_replay(tokenizer):
-    backend = tiny("gemma3", tokenizer)
+def test_extend_from_mid_window_equals_replay():
+    backend = tiny("gemma3")
     ids = backend.tokenize(TEXT)
     short = backend.kv_from_cache(backend.prefill(ids[:37])[0])  # ends inside the second window
     extended = backend.kv_from_cache(backend.prefill(ids[:60], short)[0])
@@ -186,26 +138,24 @@ def test_cascade_masks_match_dense_attention(window, feature):
         kv.advance([q_len] * B)
 
 
-def test_models_without_per_token_kv_are_refused_naming_what_they_lack(tokenizer):
-    from transformers import MambaConfig, MambaForCausalLM
-
-    model = MambaForCausalLM(MambaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2)).eval()
+def test_models_without_per_token_kv_are_refused_naming_what_they_lack():
+    model, tokenizer = architectures.model("mamba")
     with pytest.raises(ValueError, match=r"'mamba' is not supported.*recurrent"):
         HFBackend("mamba", model, tokenizer)
 
 
-def test_config_fingerprint_covers_fields_that_change_kv(tokenizer):
-    a = tiny("mistral", tokenizer)
+def test_config_fingerprint_covers_fields_that_change_kv():
+    a = tiny("mistral")
     for field, value in (("sliding_window", WINDOW + 8), ("rms_norm_eps", 1e-3), ("hidden_act", "gelu")):
-        edited = tiny("mistral", tokenizer)
+        edited = tiny("mistral")
         setattr(edited.model.config, field, value)
-        again = HFBackend("mistral", edited.model, tokenizer)
+        again = HFBackend("mistral", edited.model, edited.tokenizer)
         assert again.model_fingerprint == a.model_fingerprint  # same weights
         assert again.config_fingerprint != a.config_fingerprint, field
 
 
-def test_memory_per_token_of_each_layer_kind(tokenizer):
-    backend = tiny("gemma3", tokenizer)
+def test_memory_per_token_of_each_layer_kind():
+    backend = tiny("gemma3")
     per_kind = layout.memory_per_token(backend.layout, backend.kv_heads, backend.head_dim, backend.dtype)
     assert sum(per_kind.values()) == backend.kv_bytes_per_token
     assert set(per_kind) == {"full_attention", f"sliding_attention(window {WINDOW})"}

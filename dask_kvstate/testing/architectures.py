@@ -223,17 +223,26 @@ def _tokenizer_for(family: Family):
     return tok
 
 
-def _save(family: Family, folder: Path) -> None:
+def model(name: str):
+    """Family ``name``'s tiny model (eval mode) and tokenizer, in memory: the weights its folder holds."""
     import torch
     import transformers
 
+    family = FAMILIES.get(name) or UNSUPPORTED.get(name)
+    if family is None:
+        raise ValueError(f"unknown family {name!r}; known: {sorted(FAMILIES)} and unsupported {sorted(UNSUPPORTED)}")
     tok = _tokenizer_for(family)
     config = family.config(len(tok), tok.bos_token_id, tok.eos_token_id)
     auto = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
     with torch.random.fork_rng():
         torch.manual_seed(SEED)
-        model = auto.from_config(config)
-    model.save_pretrained(folder)
+        built = auto.from_config(config)
+    return built.eval(), tok
+
+
+def _save(family: Family, folder: Path) -> None:
+    built, tok = model(family.name)
+    built.save_pretrained(folder)
     tok.save_pretrained(folder)
 
 
