@@ -109,6 +109,7 @@ class SessionTracker(AnnouncedWorkers, SchedulerPlugin):
         self.on_end: list = []
         self.announced: set[str] = set()  # workers running the kvstate-scheduling plugin
         self.counters: Counter[str] = Counter()
+        self.arriving: Counter[str] = Counter()  # session -> its graphs the scheduler is still building
         self._seq = 0
         self.loop = ControlLoop(self.interval_s)
         self.loop.add("sessions", self.sweep)
@@ -124,7 +125,19 @@ class SessionTracker(AnnouncedWorkers, SchedulerPlugin):
                 if parent is not None and SESSION_ANNOTATION not in (annotations or {}):
                     annotations = {**(annotations or {}), SESSION_ANNOTATION: parent.id}
                     self.counters["inherited_graphs"] += 1
-                return await original(*args, submitting_task=submitting_task, annotations=annotations, **kwargs)
+                # A graph is built (deserialized, materialized, compiled) off the event loop,
+                # which takes a while on a busy scheduler: its session must not end meanwhile.
+                sid = (annotations or {}).get(SESSION_ANNOTATION)
+                arriving = isinstance(sid, str)
+                if arriving:
+                    self.arriving[sid] += 1
+                try:
+                    return await original(*args, submitting_task=submitting_task, annotations=annotations, **kwargs)
+                finally:
+                    if arriving:
+                        self.arriving[sid] -= 1
+                        if self.arriving[sid] <= 0:
+                            del self.arriving[sid]
 
             update_graph._kvstate_wrapped = True  # type: ignore[attr-defined]
             scheduler.stream_handlers["update-graph"] = update_graph
@@ -191,12 +204,18 @@ class SessionTracker(AnnouncedWorkers, SchedulerPlugin):
     def sweep(self) -> None:
         """End closed sessions whose tasks are all gone.
 
-        One interval of grace after the close notice: that notice travels by RPC while
-        the session's last graphs travel on the client's batched stream, so it can
-        overtake them by a few milliseconds.
+        The close notice travels by RPC while the session's last graphs travel on the
+        client's batched stream, so it can overtake them: by a few milliseconds on the
+        wire (one interval of grace after the notice covers that), and by as long as the
+        scheduler takes to build a graph once it has read it (a session with a graph
+        being built does not end).
         """
         now = time()
-        for s in [s for s in self.closing if not s.live and now - (s.closed_at or now) >= self.interval_s]:
+        for s in [
+            s
+            for s in self.closing
+            if not s.live and s.id not in self.arriving and now - (s.closed_at or now) >= self.interval_s
+        ]:
             self.closing.discard(s)
             self._end(s, now)
 
