@@ -2,7 +2,7 @@
 while the disk tier fills; prints the figures and writes them as JSON.
 
 Tree of thought, debate, RAG and the SWE loop on tiny-llama, a ``SIGKILL`` to a random
-worker every few seconds, the disk under the tiers filled to its last byte a third of
+worker every few workflows, the disk under the tiers filled to its last byte a third of
 the way through. Every output must equal text replay and the cluster must hold nothing
 at the end. The soak itself is :mod:`dask_kvstate.testing.chaos`; ``tests/test_chaos_soak.py``
 runs it with the defaults.
@@ -10,7 +10,7 @@ runs it with the defaults.
 Run::
 
     python examples/chaos_soak.py                              # 200 workflows, results/chaos/soak.json
-    python examples/chaos_soak.py --workflows 40 --kill-every 2
+    python examples/chaos_soak.py --workflows 40 --kill-per 4
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def main(argv=None) -> dict:
     p.add_argument("--workflows", type=int, default=d.workflows)
     p.add_argument("--workers", type=int, default=d.workers)
     p.add_argument("--live", type=int, default=d.live, help="workflows in flight at once")
-    p.add_argument("--kill-every", type=float, default=d.kill_every, help="seconds between kills")
+    p.add_argument("--kill-per", type=int, default=d.kill_per, help="a kill every this many finished workflows")
     p.add_argument("--min-alive", type=int, default=d.min_alive, help="workers the killer always leaves running")
     p.add_argument("--deadline", type=float, default=d.deadline, help="seconds for every workflow to finish")
     p.add_argument("--seed", type=int, default=d.seed)

@@ -28,7 +28,7 @@ def test_chaos_soak_every_output_identical_and_nothing_left():
     print(summary(report))
     assert report["outcomes"] == {"identical": opts.workflows}, report["problems"]  # none different, failed or hung
     assert report["run_seconds"] < opts.deadline
-    assert report["kills"] >= 3  # it really was chaos: SIGKILLed workers, their work redone
+    assert report["kills"] >= 5  # it really was chaos: SIGKILLed workers, their work redone
     assert report["recomputes"] > 0 and report["retries"] + report["lost_results"] > 0
     if report["tmpfs"]:
         assert report["disk_full"] > 0 and any(e["event"] == "filled" for e in report["disk"])  # a real ENOSPC

@@ -8,7 +8,8 @@ computes each distinct workflow's text replay once, then runs the mix of
 :mod:`~dask_kvstate.testing.workflow_mix` while
 
 * a :class:`~dask_kvstate.testing.killer.Killer` sends ``SIGKILL`` to a random worker
-  process every few seconds (the nanny starts a new one, which joins with every plugin),
+  process every few finished workflows, every few seconds (the nanny starts a new one,
+  which joins with every plugin),
 * a :class:`~dask_kvstate.testing.disk_fill.DiskFiller` fills the disk to the last byte
   a third of the way through and frees it again two thirds through.
 
@@ -64,7 +65,7 @@ class SoakOptions:
     workflows: int = 200
     workers: int = 3
     live: int = 12  # workflows in flight at once
-    kill_every: float = 4.0  # seconds between kills
+    kill_per: int = 10  # a kill falls due every this many finished workflows
     min_alive: int = 1  # workers the killer always leaves running
     deadline: float = 300.0  # seconds for every workflow to finish
     settle: float = 60.0  # seconds for the cluster to hold nothing afterwards
@@ -83,7 +84,9 @@ async def references(client: Client, specs: list[Spec], deadline: float) -> dict
     return dict(zip(firsts, got))
 
 
-async def drive(client: Client, specs: list[Spec], want: dict, opts: SoakOptions, filler: DiskFiller) -> list[dict]:
+async def drive(
+    client: Client, specs: list[Spec], want: dict, opts: SoakOptions, filler: DiskFiller, killer: Killer
+) -> list[dict]:
     """Run every workflow (``opts.live`` at a time) to its end or the deadline; one outcome each."""
     deadline = time.monotonic() + opts.deadline
     gate = asyncio.Semaphore(opts.live)
@@ -103,6 +106,8 @@ async def drive(client: Client, specs: list[Spec], want: dict, opts: SoakOptions
                 outcome, error = ("identical" if got == want[spec.reference_key] else "different"), None
             seconds = time.monotonic() - t0
         done["n"] += 1
+        if done["n"] % opts.kill_per == 0:
+            killer.owe()
         if done["n"] == fill_at:
             await asyncio.to_thread(filler.fill)
         elif done["n"] == free_at:
@@ -172,11 +177,11 @@ async def soak(opts: SoakOptions) -> dict:
                 ),
             )
             want = await references(client, specs, time.monotonic() + opts.deadline)
-            killer = Killer(client, functools.partial(nanny_pids, cluster), opts.kill_every, opts.seed, opts.min_alive)
+            killer = Killer(client, functools.partial(nanny_pids, cluster), opts.seed, opts.min_alive)
             t0 = time.monotonic()
             killer.start()
             try:
-                outcomes = await drive(client, specs, want, opts, filler)
+                outcomes = await drive(client, specs, want, opts, filler, killer)
             finally:
                 await killer.stop()
                 filler.release()
@@ -195,7 +200,7 @@ async def soak(opts: SoakOptions) -> dict:
         },
         "references": len(want),
         "kills": len(killer.kills),
-        "kills_skipped": dict(killer.skipped),
+        "kills_waited": dict(killer.waited),
         "kills_counters_unread": killer.unread,
         **totals(final, killer.last_stats),
         "retries": reruns.get("retries", 0),
