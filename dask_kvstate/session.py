@@ -75,7 +75,8 @@ def _notify_close(session_id: str, client=None) -> None:
     client = client if client is not None else _client_or_none()
     if client is None or client.status not in ("running", "connecting", "newly-created"):
         return  # no cluster to tell: the scheduler never saw the session's tasks either
-    msg = {"kind": "close", "session": session_id}
+    # The client's id lets the scheduler wait for graphs of its still queued on its stream.
+    msg = {"kind": "close", "session": session_id, "client": client.id}
     if client.asynchronous:
         # Called from a coroutine: the notice must not block the event loop it runs on.
         task = asyncio.ensure_future(client.log_event(SESSION_TOPIC, msg))

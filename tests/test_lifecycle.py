@@ -279,6 +279,46 @@ def test_an_ended_session_stays_ended_when_a_late_graph_names_it(lc_client):
     assert c.run(track_after_end, s.id, list(ref.blocks), workers=[a]) == {a: False}
 
 
+def stored(hashes, dask_worker=None) -> int:
+    """How many of ``hashes`` the worker's store has, held or not."""
+    return sum(h in dask_worker.plugins["kvstate"].runtime.store for h in hashes)
+
+
+@pytest.mark.parametrize("slow", ["its own graph", "a graph ahead of it"])
+def test_a_close_notice_that_overtakes_its_graph_does_not_end_the_session(lc_client, monkeypatch, slow):
+    """``with kvs.session(): client.compute(...)`` then leaving the block: the close notice
+    (an RPC) reaches the scheduler while the graph (on the client's stream) is still being
+    built there, or still waits on the stream behind another graph being built. The
+    session must wait for it: its tasks are the session's, and its KV goes when the
+    session ends, not left behind as a prefix cache."""
+    import distributed.scheduler
+
+    c = lc_client
+    a, _ = sorted(c.scheduler_info()["workers"])
+    build = distributed.scheduler._materialize_graph
+    built: list = []
+
+    def slow_build(*args, **kwargs):  # a busy scheduler, or a large graph: the notice wins by far
+        if slow == "its own graph" or not built:
+            time.sleep(1.0)
+        built.append(1)
+        return build(*args, **kwargs)
+
+    before = c.run_on_scheduler(tracker_view, "none")["late_tasks"]
+    monkeypatch.setattr(distributed.scheduler, "_materialize_graph", slow_build)  # the scheduler runs here
+    ahead = c.compute(dask.delayed(sum)([1, 2])) if slow == "a graph ahead of it" else None
+    with on(a), kvs.session("overtaken") as s:
+        f = c.compute(kvs.materialize(f"Overtaken ({slow}): " + CONTEXT))
+    ref = f.result()
+    monkeypatch.undo()
+    view = c.run_on_scheduler(tracker_view, s.id)
+    assert view["late_tasks"] == before and view["live"]  # its task is the session's, and it is open
+    assert s.id in c.run(session_holds)[a]
+    del f, ahead
+    poll_for(lambda: events(c, "invalidate", "done", s.id), timeout=20)
+    poll_for(lambda: c.run(stored, ref.blocks)[a] == 0, timeout=20)  # the session's end took its KV
+
+
 def fail_the_first_invalidation(dask_worker=None):
     original = dask_worker.handlers[INVALIDATE]
     calls: list = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dask
 import pytest
 from distributed import Client, LocalCluster
+from distributed.utils_test import poll_for
 
 import dask_kvstate as kvs
 
@@ -152,3 +153,30 @@ def test_a_late_ref_report_leaves_no_placement_entry():
     assert list(ext.refs) == ["processing"] and ext.counters["late_refs"] == 2
     ext.transition("processing", "processing", "erred")  # its task ended without a value
     assert ext.refs == {} and not ext.counters["errors"]
+
+
+def _placed_on(worker, dask_scheduler=None) -> list:
+    return sorted(dask_scheduler.plugins["kvstate-placement"].blocks_on.get(worker, ()))
+
+
+def _drop_and_report(hashes, dask_worker=None) -> int:
+    plugin = dask_worker.plugins["kvstate"]
+    freed = plugin.runtime.store.discard(hashes)
+    plugin.report_to_placement()
+    return freed
+
+
+def test_blocks_gone_before_the_next_block_report_leave_the_placement_extension():
+    """A ref report adds its blocks to the holder's at once; they may go before the
+    holder's next block report (released, then dropped for room or at a session's end).
+    That report must still say they went, or the extension keeps them forever."""
+    with kv_cluster({**AUTO, "kvstate.placement.report-interval": "1h"}) as client:  # reports only when told
+        a, _ = sorted(client.scheduler_info()["workers"])
+        with on(a):
+            future = client.compute(kvs.materialize("Gone before the report. " + CONTEXT))
+        ref = future.result()
+        assert set(ref.blocks) <= set(client.run_on_scheduler(_placed_on, a))  # the ref report's blocks
+        del future
+        poll_for(lambda: not client.run(lambda dask_worker: len(dask_worker.plugins["kvstate"].held))[a], timeout=10)
+        assert client.run(_drop_and_report, ref.blocks, workers=[a])[a] > 0  # dropped, then a block report
+        poll_for(lambda: not set(ref.blocks) & set(client.run_on_scheduler(_placed_on, a)), timeout=10)

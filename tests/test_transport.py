@@ -89,6 +89,21 @@ def test_a_pull_is_one_frame_in_a_buffer_reused_once_the_comm_wrote_it():
     store.close()
 
 
+def test_idle_reply_buffers_of_different_sizes_are_handed_out_and_dropped_again():
+    from dask_kvstate.plugins.worker.packing import PackingBuffers
+
+    buffers = PackingBuffers(keep_bytes=5000)
+    big, small = buffers.take(4000), buffers.take(1000)
+    buffers.release(big)
+    buffers.release(small)  # idle: the big one first
+    again = buffers.take(900)  # the smallest that fits is not the first idle buffer
+    assert again.ctypes.data == small.ctypes.data and buffers.lent == 1
+    buffers.release(again)
+    fresh = buffers.take(4500)  # fits neither: the small one is dropped to make room
+    assert fresh.ctypes.data not in (big.ctypes.data, small.ctypes.data)
+    assert buffers.nbytes <= buffers.keep_bytes
+
+
 def test_a_peer_naming_an_unknown_dtype_is_refused():
     from dask_kvstate.plugins.worker.transport import unpack_blocks
 

@@ -18,8 +18,13 @@ REPORT = (
 ) * 3
 
 
+def thought(i: int) -> str:
+    """Branch ``i``'s own question in :func:`tree_of_thought`."""
+    return f"Thought {i}: what should happen next?"
+
+
 def tree_of_thought(k: int = 4, n: int = 12) -> list:
-    return [kvs.generate(SYSTEM, REPORT, f"Thought {i}: what should happen next?", max_new_tokens=n) for i in range(k)]
+    return [kvs.generate(SYSTEM, REPORT, thought(i), max_new_tokens=n) for i in range(k)]
 
 
 def debate(rounds: int = 3, agents: int = 2, n: int = 8) -> list:
@@ -40,8 +45,12 @@ def retrieve(query: str) -> str:
     return f"Document for {query!r}:\n" + REPORT
 
 
-def rag(questions: int = 3, n: int = 12) -> list:
-    doc = retrieve("who retries after a failure")
+def rag(questions: int = 3, n: int = 12, retrieve_key: str | None = None) -> list:
+    """``questions`` agents read one retrieved document. ``retrieve_key`` names the retriever's
+    task, so workflows that run at once over the same query keep their own (the default key
+    is the query's, shared by every such workflow)."""
+    query = "who retries after a failure"
+    doc = retrieve(query) if retrieve_key is None else retrieve(query, dask_key_name=retrieve_key)
     return [
         kvs.generate(SYSTEM, doc, f"Question {i}: who acts after the tests fail?", max_new_tokens=n)
         for i in range(questions)

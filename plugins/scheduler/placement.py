@@ -134,8 +134,11 @@ class KVPlacement(SchedulerPlugin):
             self.counters["late_refs"] += 1
             return
         self.refs[key] = refs[0]
-        # The holder has these blocks now; its periodic block report may come later.
-        self.blocks_on.setdefault(refs[0]["holder"], set()).update(refs[0]["blocks"])
+        # The holder has these blocks now; its periodic block report may come later. Only
+        # the holder's own word: a fork elsewhere names a holder that may have dropped them,
+        # or died, since, and only the holder's block reports would ever take them out.
+        if refs[0]["holder"] == worker:
+            self.blocks_on.setdefault(worker, set()).update(refs[0]["blocks"])
         if ts.state == "memory":  # the report lost the race with task-finished
             self._place_dependents(key)
 

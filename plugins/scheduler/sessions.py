@@ -64,6 +64,7 @@ class Session:
     visits: Counter = field(default_factory=Counter)  # component -> invocations created
     live: set = field(default_factory=set)  # keys the scheduler still holds
     closed_at: float | None = None
+    closed_by: str | None = None  # the client whose notice closed it, when the notice names it
     ended_at: float | None = None
     last_activity: float = 0.0
 
@@ -109,6 +110,8 @@ class SessionTracker(AnnouncedWorkers, SchedulerPlugin):
         self.on_end: list = []
         self.announced: set[str] = set()  # workers running the kvstate-scheduling plugin
         self.counters: Counter[str] = Counter()
+        self.arriving: Counter[str] = Counter()  # session -> its graphs the scheduler is still building
+        self.building: Counter[str] = Counter()  # client -> its graphs the scheduler is still building
         self._seq = 0
         self.loop = ControlLoop(self.interval_s)
         self.loop.add("sessions", self.sweep)
@@ -124,7 +127,24 @@ class SessionTracker(AnnouncedWorkers, SchedulerPlugin):
                 if parent is not None and SESSION_ANNOTATION not in (annotations or {}):
                     annotations = {**(annotations or {}), SESSION_ANNOTATION: parent.id}
                     self.counters["inherited_graphs"] += 1
-                return await original(*args, submitting_task=submitting_task, annotations=annotations, **kwargs)
+                # A graph is built (deserialized, materialized, compiled) off the event loop,
+                # which takes a while on a busy scheduler: neither its session may end
+                # meanwhile, nor one its client closed, whose last graphs may wait unread on
+                # the same stream behind this one (the stream's graphs are built in turn).
+                sid = (annotations or {}).get(SESSION_ANNOTATION)
+                sid = sid if isinstance(sid, str) else None
+                client = kwargs.get("client")
+                for counter, name in ((self.arriving, sid), (self.building, client)):
+                    if name is not None:
+                        counter[name] += 1
+                try:
+                    return await original(*args, submitting_task=submitting_task, annotations=annotations, **kwargs)
+                finally:
+                    for counter, name in ((self.arriving, sid), (self.building, client)):
+                        if name is not None:
+                            counter[name] -= 1
+                            if counter[name] <= 0:
+                                del counter[name]
 
             update_graph._kvstate_wrapped = True  # type: ignore[attr-defined]
             scheduler.stream_handlers["update-graph"] = update_graph
@@ -185,18 +205,28 @@ class SessionTracker(AnnouncedWorkers, SchedulerPlugin):
                 s = self.sessions[msg["session"]] = Session(msg["session"], self._seq, time())
             if s.closed_at is None:
                 s.closed_at = time()
+                s.closed_by = msg.get("client")
                 self.closing.add(s)
 
     # -- the control pass ------------------------------------------------------------
     def sweep(self) -> None:
         """End closed sessions whose tasks are all gone.
 
-        One interval of grace after the close notice: that notice travels by RPC while
-        the session's last graphs travel on the client's batched stream, so it can
-        overtake them by a few milliseconds.
+        The close notice travels by RPC while the session's last graphs travel on the
+        client's batched stream, so it can overtake them: by a few milliseconds on the
+        wire (one interval of grace after the notice covers that), and by as long as the
+        scheduler takes to build the graphs ahead of them on that stream (a session does
+        not end while one of its graphs, or one of the closing client's, is being built).
         """
         now = time()
-        for s in [s for s in self.closing if not s.live and now - (s.closed_at or now) >= self.interval_s]:
+        for s in [
+            s
+            for s in self.closing
+            if not s.live
+            and s.id not in self.arriving
+            and (s.closed_by is None or s.closed_by not in self.building)
+            and now - (s.closed_at or now) >= self.interval_s
+        ]:
             self.closing.discard(s)
             self._end(s, now)
 

@@ -48,16 +48,22 @@ class PackingBuffers:
             fits = [b for b in self._idle if b.nbytes >= nbytes]
             if fits:
                 buf = min(fits, key=lambda b: b.nbytes)
-                self._idle.remove(buf)
+                self._drop_idle(buf)
             else:
                 # Idle buffers too small for today's pulls would hold memory for nothing.
                 while self._idle and self._kept() + nbytes > self.keep_bytes:
-                    self._idle.remove(min(self._idle, key=lambda b: b.nbytes))
+                    self._drop_idle(min(self._idle, key=lambda b: b.nbytes))
                 buf = np.empty(nbytes, dtype=np.uint8)
                 if self._kept() + nbytes > self.keep_bytes:
                     return buf  # not kept: nothing to give back
             self._lent[id(buf)] = buf
             return buf[:nbytes] if buf.nbytes > nbytes else buf
+
+    def _drop_idle(self, buf) -> None:
+        """Take ``buf`` off the idle list. Under the lock. By identity: ``list.remove`` would
+        compare it with the buffers before it by ``==``, elementwise, which fails for two
+        arrays of different sizes."""
+        self._idle = [b for b in self._idle if b is not buf]
 
     def _buffer_of(self, frame):
         """The lent buffer ``frame`` is (a view of), or None. Under the lock."""

@@ -288,6 +288,12 @@ class KVStateWorkerPlugin(WorkerPlugin):
             stream.send({"op": REF, "key": key, "refs": [summary]})
         except CommClosedError:
             logger.debug("kvstate: scheduler stream closed; ref report for %s not sent", key)
+            return
+        if summary["holder"] == self.worker.address:
+            # The extension now lists these blocks here: count them as reported, so the next
+            # block report says so if they left before it (released, then dropped).
+            self._sent_blocks.update(ref.blocks)
+            self._sent_version = -1
 
     def _may_hold_refs(self, key) -> bool:
         # Only look at values whose type can hold refs: reading any other key's value
