@@ -23,16 +23,19 @@ CONTEXT = (
 
 
 @contextlib.contextmanager
-def kv_cluster(config: dict = TEST_CONFIG, model: str = "tiny-llama", **cluster_kwargs):
-    """A client of a fresh cluster of two worker processes running ``model`` under ``config``."""
+def kv_cluster(
+    config: dict = TEST_CONFIG, model="tiny-llama", *, n_workers: int = 2, install: dict | None = None, **cluster_kwargs
+):
+    """A client of a fresh cluster of ``n_workers`` worker processes running ``model`` under ``config``;
+    ``install`` holds more arguments of ``kvs.install`` (tier budgets)."""
     with dask.config.set(config):
         with (
             LocalCluster(
-                n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0", **cluster_kwargs
+                n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":0", **cluster_kwargs
             ) as cluster,
             Client(cluster) as client,
         ):
-            kvs.install(client, model, torch_threads=1)
+            kvs.install(client, model, torch_threads=1, **(install or {}))
             yield client
 
 

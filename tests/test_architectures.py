@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import dask
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, wait
 
 import dask_kvstate as kvs
 from dask_kvstate.protocol import WORKER_PLUGIN
@@ -82,19 +82,9 @@ def tight(tight_cluster_client):
 @pytest.fixture(scope="module")
 def tight_cluster_client(folders, tmp_path_factory):
     """One worker process whose device and host tiers hold a couple of blocks: states live on disk."""
-    with dask.config.set(TEST_CONFIG):
-        with (
-            LocalCluster(
-                n_workers=1,
-                threads_per_worker=1,
-                processes=True,
-                dashboard_address=":0",
-                local_directory=str(tmp_path_factory.mktemp("tight")),
-            ) as cluster,
-            Client(cluster) as client,
-        ):
-            kvs.install(client, list(folders.values()), torch_threads=1, **TIGHT)
-            yield client
+    local = str(tmp_path_factory.mktemp("tight"))
+    with kv_cluster(TEST_CONFIG, list(folders.values()), n_workers=1, install=TIGHT, local_directory=local) as client:
+        yield client
 
 
 @functools.cache
@@ -279,12 +269,20 @@ def test_state_of_an_unreachable_holder_is_recomputed(kv, kv_workers, folders, f
     assert after.get("recomputes", 0) > before.get("recomputes", 0)
 
 
+async def _spills_done(dask_worker) -> None:
+    import asyncio
+
+    await asyncio.wrap_future(dask_worker.plugins[WORKER_PLUGIN].runtime.store.settled())
+
+
 @every_family
 def test_blocks_spilled_to_disk_and_back(tight, folders, family):
     m = folders[family]
     (w,) = tight.scheduler_info()["workers"]
     before = kvs.stats(tight).workers[w]
     state = tight.persist(kvs.materialize(PREFIX, model=m, namespace="spill"))
+    wait(state)
+    tight.run(_spills_done)  # the spills the materialize's end asked for have run: its blocks are on disk
     got = tight.compute(kvs.resume(state, SUFFIXES[1], max_new_tokens=N)).result()
     after = kvs.stats(tight).workers[w]
     assert got.token_ids == want(m, PREFIX, SUFFIXES[1]) and got.reused_tokens > 0

@@ -53,6 +53,8 @@ in the tests.
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,28 +93,21 @@ def _dispatch(module, query, key, value, attention_mask, *, kvstate_cascade=None
             window=kwargs.get("sliding_window"),
         )
         return out, None
-    return _base_attention(module)(module, query, key, value, attention_mask, **kwargs)
+    base = _base_attention(module.config._kvstate_base_attn, type(module).__module__)
+    return base(module, query, key, value, attention_mask, **kwargs)
 
 
-def _base_attention(module) -> Callable[..., Any]:
-    """The implementation this model had: sdpa from transformers' registry, or eager from
-    the model's own modeling file (each model family has its own eager function, so it is
-    looked up by the module's class, never shared across models)."""
+@functools.cache
+def _base_attention(base: str, module_name: str) -> Callable[..., Any]:
+    """The implementation a model had: sdpa from transformers' registry, or eager from the
+    model's own modeling file (each family has its own eager function, so it is looked up
+    by the attention module's file, never shared across models). Cached: it runs for every
+    layer of every forward that is not a cascade one."""
+    if base == "eager":
+        return sys.modules[module_name].eager_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    base = module.config._kvstate_base_attn
-    if base == "eager":
-        return _eager_of(type(module).__module__)
     return ALL_ATTENTION_FUNCTIONS[base]
-
-
-def _eager_of(module_name: str) -> Callable[..., Any]:
-    import sys
-
-    fn = getattr(sys.modules[module_name], "eager_attention_forward", None)
-    if fn is None:
-        raise CascadeUnsupported(f"no eager attention function in {module_name}")
-    return fn
 
 
 def enable(model) -> bool:
@@ -121,8 +116,6 @@ def enable(model) -> bool:
     Registers :func:`attn_name` of its base with transformers' attention and mask interfaces (the
     mask function is the base implementation's, so non-cascade calls are unchanged).
     """
-    import sys
-
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 

@@ -151,7 +151,7 @@ class HFBackend:
         """A fresh ``DynamicCache`` holding a copy of ``kv`` ([L, 2, H, T, D]) or empty."""
         if kv is not None:
             kv = kv.to(self.device, non_blocking=True)
-        return layout.new_cache(self.model, self.layout, kv)
+        return layout.new_cache(self.layout, kv)
 
     @staticmethod
     def kv_from_cache(cache) -> torch.Tensor:

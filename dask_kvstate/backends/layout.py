@@ -142,18 +142,17 @@ class RecordingSlidingWindowLayer(DynamicSlidingWindowLayer):
         self._keys, self._values = None, []
 
 
-def new_cache(model, layout: Layout, kv: torch.Tensor | None = None) -> DynamicCache:
-    """A fresh cache for ``model`` holding ``kv`` (``[L, 2, H, T, D]``, every token) or empty.
+def new_cache(layout: Layout, kv: torch.Tensor | None = None) -> DynamicCache:
+    """A fresh cache for a model of ``layout`` holding ``kv`` (``[L, 2, H, T, D]``, every token) or empty.
 
     Full layers get a copy of their tokens; sliding layers keep their window (as
     transformers' own cache would after those tokens) and record everything.
     """
-    cache = DynamicCache(config=model.config)
+    # Built from the layout, which read the config once at load, not from the config on every prefill.
     layers: list[DynamicLayer] = [
-        RecordingSlidingWindowLayer(w) if w is not None else layer
-        for layer, w in zip(cache.layers, layout.windows, strict=True)
-        if isinstance(layer, DynamicLayer)  # what describe() accepted
+        RecordingSlidingWindowLayer(w) if w is not None else DynamicLayer() for w in layout.windows
     ]
+    cache = DynamicCache()
     cache.layers = list(layers)
     if kv is not None and kv.shape[3] > 0:
         if kv.shape[0] != layout.num_layers:

@@ -60,16 +60,22 @@ def context(tokens_hint: int, salt: str) -> str:
     return salt + " " + " ".join(WORDS[i % len(WORDS)] for i in range(tokens_hint))
 
 
-def sweep_cell(client, a, b, tokens_hint: int, salt: str, repeats: int) -> dict:
-    """A state materialized on ``a``, needed on ``b``: the rule's choice vs both options timed there."""
-    ref = client.submit(tasks.materialize, context(tokens_hint, salt), workers=[a], pure=False).result()
-    est = client.submit(tasks.estimate, ref, workers=[b], pure=False).result()
+def option_times(client, ref, b: str, repeats: int) -> dict[str, float]:
+    """Median seconds of filling ``ref`` on worker ``b`` by each option: ``{"pull": s, "recompute": s}``."""
     times = {}
     for action in ("pull", "recompute"):
         runs = [
             client.submit(tasks.measure_fill, ref, action, workers=[b], pure=False).result() for _ in range(repeats)
         ]
         times[action] = statistics.median(runs)
+    return times
+
+
+def sweep_cell(client, a, b, tokens_hint: int, salt: str, repeats: int) -> dict:
+    """A state materialized on ``a``, needed on ``b``: the rule's choice vs both options timed there."""
+    ref = client.submit(tasks.materialize, context(tokens_hint, salt), workers=[a], pure=False).result()
+    est = client.submit(tasks.estimate, ref, workers=[b], pure=False).result()
+    times = option_times(client, ref, b, repeats)
     faster = min(times, key=times.__getitem__)
     return {
         "tokens": ref.num_tokens,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 
 import dask
 
@@ -32,12 +31,7 @@ def cell(client, a: str, b: str, tokens_hint: int, salt: str, repeats: int) -> d
     """A state made on ``a`` needed on ``b``: the rule (first contact, then warm) vs both options."""
     ref = client.submit(tasks.materialize, crossover.context(tokens_hint, salt), workers=[a], pure=False).result()
     first = client.submit(tasks.measure_rule, ref, True, workers=[b], pure=False).result()
-    times = {}
-    for action in ("pull", "recompute"):
-        runs = [
-            client.submit(tasks.measure_fill, ref, action, workers=[b], pure=False).result() for _ in range(repeats)
-        ]
-        times[action] = statistics.median(runs)
+    times = crossover.option_times(client, ref, b, repeats)
     warm = client.submit(tasks.measure_rule, ref, False, workers=[b], pure=False).result()
     best = min(times.values())
     faster = min(times, key=times.__getitem__)

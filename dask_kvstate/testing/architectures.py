@@ -29,8 +29,6 @@ import functools
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -183,30 +181,21 @@ def build(name: str, root: str | os.PathLike) -> Path:
     """The folder of family ``name``'s tiny model under ``root``, saved on first use.
 
     ``name`` is a key of :data:`FAMILIES` or :data:`UNSUPPORTED`. The folder is written
-    to a temporary name and renamed into place, so a crash never leaves half a model;
-    a folder already there (same family, same settings) is returned as it is.
+    to a temporary name and renamed into place under a file lock (the model cache's own
+    :func:`~dask_kvstate.backends.gguf.cached_folder`), so a crash never leaves half a
+    model; a folder already there (same family, same settings) is returned as it is.
     """
+    from dask_kvstate.backends.gguf import cached_folder
+
+    family = _family(name)
+    return cached_folder(Path(root), f"{name}-{family.tag()}", lambda tmp: _save(family, tmp))
+
+
+def _family(name: str) -> Family:
     family = FAMILIES.get(name) or UNSUPPORTED.get(name)
     if family is None:
         raise ValueError(f"unknown family {name!r}; known: {sorted(FAMILIES)} and unsupported {sorted(UNSUPPORTED)}")
-    root = Path(root)
-    folder = root / f"{name}-{family.tag()}"
-    if (folder / "config.json").is_file():
-        return folder
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=root))
-    try:
-        _save(family, tmp)
-        try:
-            os.replace(tmp, folder)
-        except OSError:  # another process saved it first
-            if not (folder / "config.json").is_file():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return folder
+    return family
 
 
 def _tokenizer_for(family: Family):
@@ -228,9 +217,7 @@ def model(name: str):
     import torch
     import transformers
 
-    family = FAMILIES.get(name) or UNSUPPORTED.get(name)
-    if family is None:
-        raise ValueError(f"unknown family {name!r}; known: {sorted(FAMILIES)} and unsupported {sorted(UNSUPPORTED)}")
+    family = _family(name)
     tok = _tokenizer_for(family)
     config = family.config(len(tok), tok.bos_token_id, tok.eos_token_id)
     auto = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM

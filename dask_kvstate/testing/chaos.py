@@ -34,6 +34,7 @@ import dask
 from distributed import Client, LocalCluster
 
 import dask_kvstate as kvs
+from dask_kvstate.protocol import WORKER_PLUGIN
 from dask_kvstate.testing.disk_fill import DiskFiller, small_disk
 from dask_kvstate.testing.footprint import leaks, settled
 from dask_kvstate.testing.killer import Killer, back_to_full_strength, nanny_pids
@@ -73,6 +74,7 @@ class SoakOptions:
     device_bytes: int = 24 * BLOCK
     host_bytes: int = 24 * BLOCK
     tool_seconds: float = 0.3
+    full_wait: float = 30.0  # the most seconds the disk stays full past its slot, until a spill meets ENOSPC
     seed: int = 0
     out: str | None = None  # a JSON file for the report
 
@@ -111,6 +113,8 @@ async def drive(
         if done["n"] == fill_at:
             await asyncio.to_thread(filler.fill)
         elif done["n"] == free_at:
+            if filler.filled:
+                await disk_said_full(client, killer, opts.full_wait)
             filler.release()
         return {
             "index": spec.index,
@@ -122,6 +126,29 @@ async def drive(
         }
 
     return await asyncio.gather(*(one(s) for s in specs))
+
+
+def _disk_full_count(dask_worker) -> int:
+    plugin = dask_worker.plugins.get(WORKER_PLUGIN)
+    if plugin is None or plugin.runtime is None:  # a restarted worker still setting up
+        return 0
+    return int(plugin.runtime.store.counters["disk"]["full"])
+
+
+async def disk_said_full(client: Client, killer: Killer, timeout: float) -> None:
+    """Keep the disk full until some worker's spill has met ``ENOSPC`` (at most ``timeout`` s).
+
+    Whether a spill falls inside the full window depends on the run's timing; without
+    this, a run could pass without ever exercising a full disk.
+    """
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if any(s.get("tiers", {}).get("disk", {}).get("full", 0) for s in killer.last_stats.values()):
+            return
+        counts = await cast(Awaitable[dict], client.run(_disk_full_count, on_error="ignore"))
+        if any(counts.values()):
+            return
+        await asyncio.sleep(0.25)  # polling the workers' counters; nothing to wait on
 
 
 async def dask_reruns(client: Client, addresses) -> dict:

@@ -139,12 +139,6 @@ class Host:
     rate: str | float | None = None
     proc: subprocess.Popen | None = None
     log: str = ""
-    up: bool = True
-
-    @property
-    def worker_address(self) -> str | None:
-        """The address its worker listens on (``None`` for the scheduler host)."""
-        return None if self.name == "s" else f"tcp://{self.addr}:{self.port}"
 
     @property
     def port(self) -> int:
@@ -352,12 +346,10 @@ class Hosts:
     def link_down(self, name: str) -> None:
         """Cut host ``name`` off (its veth's hub end down): its packets are dropped, its sockets hang."""
         _ip("-n", self.hub, "link", "set", self.hosts[name].hub_end, "down")
-        self.hosts[name].up = False
 
     def link_up(self, name: str) -> None:
         """Reconnect host ``name``."""
         _ip("-n", self.hub, "link", "set", self.hosts[name].hub_end, "up")
-        self.hosts[name].up = True
 
     def restart_worker(self, name: str) -> None:
         """Kill host ``name``'s worker process and start a fresh one (same address)."""

@@ -151,13 +151,13 @@ class TieredBlockStore:
                 self.mover.rebalance()
         self.device_peak = max(self.device_peak, int(self.device.total_weight))
 
-    def _remove(self, paths: list[str]) -> None:
+    def remove_files(self, paths: Sequence[str | None]) -> None:
         """Delete files taken off the disk tier: on the mover when asked from the event loop."""
-        paths = [p for p in paths if p]
-        if paths and on_event_loop():
-            self.mover.submit(lambda: [self.disk.remove(p) for p in paths])
+        files = [p for p in paths if p is not None]
+        if files and on_event_loop():
+            self.mover.submit(lambda: [self.disk.remove(p) for p in files])
         else:
-            for p in paths:
+            for p in files:
                 self.disk.remove(p)
 
     # -- mapping-like ----------------------------------------------------------------
@@ -193,6 +193,9 @@ class TieredBlockStore:
 
         Off the event loop it returns once the tiers are back under budget (see :meth:`_settle`).
         """
+        with self.lock:
+            if h in self:  # content-addressed: a fork's blocks are re-put often; no copy for those
+                return
         tensor = moves.to_device(self, tensor)  # a host-to-device copy on CUDA: outside the lock
         with self.lock:
             if h in self:
@@ -295,7 +298,7 @@ class TieredBlockStore:
                 self.ledger.forget(h)
                 self.version += 1
                 freed += size
-        self._remove(stale)
+        self.remove_files(stale)
         return freed
 
     # -- moving on request ---------------------------------------------------------

@@ -27,13 +27,17 @@ def damaged(store, h: bytes, err: Exception) -> str:
 
 
 def disk_full(store, err: Exception) -> None:
-    """The disk took no more: keep blocks above, dropping unreferenced ones if over budget."""
-    store.counters["disk"]["full"] += 1
-    logger.info("kvstate: %s", err)
-    for lru in (store.host, store.device):
-        while lru.total_weight > lru.n:
-            victims = store.ledger.lowest(lru.order)
-            if not victims:
-                break
-            del lru[victims[0]]
-            store.dropped(victims[0])
+    """The disk took no more: keep blocks above, dropping unreferenced ones if over budget.
+
+    Takes the store's lock (re-entrant: callers holding it may call this too).
+    """
+    with store.lock:
+        store.counters["disk"]["full"] += 1
+        logger.info("kvstate: %s", err)
+        for lru in (store.host, store.device):
+            while lru.total_weight > lru.n:
+                victims = store.ledger.lowest(lru.order)
+                if not victims:
+                    break
+                del lru[victims[0]]
+                store.dropped(victims[0])

@@ -221,8 +221,7 @@ def room_in_host(store, size: int) -> bool:
             try:
                 progressed |= move_down(store, key, "host")
             except OSError as e:
-                with store.lock:
-                    disk_faults.disk_full(store, e)
+                disk_faults.disk_full(store, e)
                 return False
         if not progressed:
             return True
@@ -243,8 +242,7 @@ def spill_from_device(store, key: bytes) -> bool | None:
         try:
             move_down(store, key, "host")
         except OSError as e:
-            with store.lock:
-                disk_faults.disk_full(store, e)
+            disk_faults.disk_full(store, e)
     return True
 
 
@@ -286,8 +284,7 @@ def offload(store, hashes: list[bytes], tier: str) -> int:
             if tier == "disk" and store.where(h) == "host":
                 move_down(store, h, "host")
         except OSError as e:
-            with store.lock:
-                disk_faults.disk_full(store, e)
+            disk_faults.disk_full(store, e)
         after = store.where(h)
         moved += after is not None and TIERS.index(after) >= TIERS.index(tier)
     return moved
@@ -312,8 +309,7 @@ def evict_one(store) -> int:
                 return int(size)
         return -1
     except OSError as e:
-        with store.lock:
-            disk_faults.disk_full(store, e)
+        disk_faults.disk_full(store, e)
         return -1
 
 
@@ -362,7 +358,7 @@ def fetch(store, h: bytes, *, up: bool, count: bool):
                         stale = disk_faults.damaged(store, h, err)
                 if stale is None:
                     continue  # moved or dropped meanwhile: look again
-                store.disk.remove(stale)
+                store.remove_files([stale])  # a read may come from the event loop (a peer's pull)
                 return None
             if not up:
                 return value
@@ -383,6 +379,6 @@ def fetch(store, h: bytes, *, up: bool, count: bool):
                 continue  # moved down or dropped meanwhile: look again
             store.counters["device"]["unspills"] += 1
             store.counters[first]["hits"] += count
-        store.disk.remove(stale)
+        store.remove_files([stale])
         return block
     return None

@@ -67,9 +67,7 @@ def measure_rule(resolver: Resolver, ref: KVStateRef, forget: bool = False) -> d
         kv.links.forget(holder)
     ids = kv.backend.tokenize(ref.text)
     kv.store.discard(ref.blocks)
-    resolver.last_decision = None
-    resolver.fill(ref, ids)
+    _, decision = resolver.fill_decided(ref, ids)
     kv.store.discard(ref.blocks)
-    decision = resolver.last_decision
     assert decision is not None, "a state held elsewhere, none of it here: fill decides"
     return {k: v for k, v in decision.items() if k != "key"}

@@ -37,14 +37,17 @@ def pull_missing(resolver, ref, tensors: list, holder: str, decision: dict) -> l
     """
     kv = resolver.kv
     shapes = resolver.block_shapes(ref)
-    tensors = list(tensors)
+
+    def filled(pulled: dict, held: list) -> list:
+        return [pulled.get(h, t) if t is None else t for h, t in zip(ref.blocks, held)]
+
     if decision["by"] == "config":
         missing = [h for h, t in zip(ref.blocks, tensors) if t is None]
-        pulled = resolver.pull(holder, missing, shapes)
         decision["steps"] = 1
-        return [pulled.get(h, t) if t is None else t for h, t in zip(ref.blocks, tensors)]
+        return filled(resolver.pull(holder, missing, shapes), tensors)
     per_block = ref.block_tokens * kv.backend.kv_bytes_per_token
     before = tensors
+    wanted = sum(t is None for t in before)
     estimate = decision
     steps = 0
     while True:
@@ -67,14 +70,12 @@ def pull_missing(resolver, ref, tensors: list, holder: str, decision: dict) -> l
         if not pulled:  # cut off, failed or the holder lost them: the caller recomputes
             decision["cut_off"] = True
             break
-        tensors = [pulled.get(h, t) if t is None else t for h, t in zip(ref.blocks, tensors)]
+        tensors = filled(pulled, tensors)
         if len(pulled) < len(chunk):
             break
     decision["steps"] = steps
-    pulled_n = sum(t is not None for t in tensors) - sum(t is not None for t in before)
-    if (decision.get("switched") or decision.get("cut_off")) and pulled_n * 2 < len(before) - sum(
-        t is not None for t in before
-    ):
+    pulled_n = wanted - sum(t is None for t in tensors)
+    if (decision.get("switched") or decision.get("cut_off")) and pulled_n * 2 < wanted:
         # Given up after little more than the probe: recompute all of it from the blocks held
         # before, not on top of the probe's few. A prefill on top of a short cached prefix
         # costs more than one from that prefix's start (measured with tiny-llama on CPU: 5,500

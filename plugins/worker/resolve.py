@@ -41,8 +41,6 @@ class Resolver:
         self.kv = kv
         self._guard = threading.Lock()
         self._locks: dict[tuple[bytes, ...], tuple[threading.Lock, int]] = {}
-        #: the last transfer-or-recompute decision :meth:`fill` carried out, with its time (benchmarks read it)
-        self.last_decision: dict | None = None
 
     def resolve(self, ref: KVStateRef) -> KVState:
         """``ref`` with its token ids and KV on this worker (``kv`` None if unusable here).
@@ -104,6 +102,11 @@ class Resolver:
 
     def fill(self, ref: KVStateRef, ids: list[int]) -> torch.Tensor:
         """The KV of ``ref``'s blocks on this worker as one tensor: held, pulled or recomputed."""
+        return self.fill_decided(ref, ids)[0]
+
+    def fill_decided(self, ref: KVStateRef, ids: list[int]) -> tuple[torch.Tensor, dict | None]:
+        """:meth:`fill`, and the transfer-or-recompute decision it carried out with its
+        ``seconds`` (None when nothing was missing or no peer held it; benchmarks read it)."""
         kv = self.kv
         tensors = [kv.store.get(h) for h in ref.blocks]
         missing = [h for h, t in zip(ref.blocks, tensors) if t is None]
@@ -123,14 +126,13 @@ class Resolver:
             # what the choice cost in all: a pull's steps and whatever was recomputed after
             decision["seconds"] = time.perf_counter() - t0
             decide.record_outcome(kv, decision)
-            self.last_decision = decision
         device = kv.backend.device  # a block read back from a lower tier may sit in host memory
         joined = join_blocks([t.to(device, non_blocking=True) for t in tensors])
         if len(tensors) > 1 and not same_storage(joined, tensors[0]):
             # Keep the joined copy as the blocks' storage: one copy of the state here, not two.
             kv.counters["adopted_blocks"] += kv.store.adopt(ref.blocks, joined, kv.block_tokens)
         assert joined is not None, "a compatible state with tokens has blocks"
-        return joined
+        return joined, decision
 
     def block_shapes(self, ref: KVStateRef) -> dict[bytes, tuple[int, ...]]:
         """``hash -> shape`` each of ``ref``'s blocks has for this worker's model (the last one may be shorter)."""

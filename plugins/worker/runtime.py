@@ -256,5 +256,5 @@ class StateRuntime(KVEngine):
 
     def stats(self) -> dict:
         # Batched resumes the fused path could not serve (run per row with the model's own attention), by reason.
-        fallbacks = dict(getattr(self.backend, "cascade_fallbacks", {}))
+        fallbacks = dict(self.backend.cascade_fallbacks)
         return {**runtime_stats(self.backend.name, self.store, self.counters), "cascade_fallbacks": fallbacks}
