@@ -262,7 +262,6 @@ class KVStateConnector(KVConnectorBase_V1):
             for layer, kv in zip(self._layers, src):
                 write_blocks(layer, index, kv)
             order.loaded_tokens += copy.stop - copy.start
-            self.exchange.counters["loaded_tokens"] += copy.stop - copy.start
 
     def _check_isa(self, forward_context: ForwardContext) -> None:
         """Refuse a paged layout other than the one :func:`read_blocks` knows, before any copy."""
