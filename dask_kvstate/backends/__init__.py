@@ -13,15 +13,15 @@ from dask_kvstate.backends.models import (
 )
 
 __all__ = [
+    "BACKENDS",
     "DTYPES",
-    "check_backend",
     "KNOWN_MODELS",
+    "check_backend",
     "check_dtype",
     "check_model_name",
     "check_supported",
     "describe_known",
     "load_backend",
-    "BACKENDS",
 ]
 
 #: Values of ``kvstate.backend``.
@@ -29,7 +29,7 @@ BACKENDS = ("hf", "vllm")
 
 
 def load_backend(name: str, cache_dir: str | None = None, device: str | None = None):
-    """Load the ``kvstate.backend`` backend for a model name, folder or ``.gguf`` file, in the dtype ``kvstate.dtype`` names.
+    """Load the ``kvstate.backend`` backend for a model name, folder or ``.gguf`` file, in ``kvstate.dtype``.
 
     Raises ``ValueError`` listing the known names when ``name`` is unknown, and naming
     the value when ``kvstate.dtype`` or ``kvstate.backend`` is not a known one.

@@ -119,6 +119,10 @@ class VLLMBackend:
     def close(self) -> None:
         self.loop.close()
 
+    def reset_engine_cache(self) -> bool:
+        """Drop the engine's own prefix cache (benchmarks and tests of the load path); True if it was reset."""
+        return bool(self.loop.call(lambda engine: engine.reset_prefix_cache()))
+
     # -- text ----------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text`` as ``tokenizer(text)`` gives them (the transformers backend's rule)."""
@@ -143,6 +147,7 @@ class VLLMBackend:
         """
         if not ids:
             raise ValueError("cannot prefill an empty prompt")
+        self._check_past(ids, past_kv)
         order = vllm_connector.Order(load=past_kv, capture=len(ids))
         self._run([Job(list(ids), self._params(Sampling(max_new_tokens=1, temperature=0.0)), order)])
         if order.captured is None:
@@ -153,6 +158,7 @@ class VLLMBackend:
         """Generate from ``ids`` reusing ``past_kv`` for their leading tokens (see the transformers backend)."""
         if not ids:
             raise ValueError("cannot generate from an empty prompt: give at least one token of text")
+        self._check_past(ids, past_kv)
         order = vllm_connector.Order(load=past_kv, capture=len(ids) if on_prefill is not None else 0)
         (done,) = self._run([Job(list(ids), self._params(sampling), order)])
         if on_prefill is not None and order.captured is not None:
@@ -174,12 +180,26 @@ class VLLMBackend:
             first = self.loop.submit(jobs[0])
             jobs[0].prefilled.wait()
             rest = self._run(jobs[1:])
-            done = [first.result(), *rest]
+            done = [*self._count(jobs[:1], [first.result()]), *rest]
         else:
             done = self._run(jobs)
         return [self._result(d, o, len(r.ids), started) for d, o, r in zip(done, orders, rows)]
 
     # -- helpers -------------------------------------------------------------------
+    def _check_past(self, ids: list[int], past_kv: torch.Tensor | None) -> None:
+        """A load the connector could write: checked here, where a bad one fails its own call only."""
+        if past_kv is None:
+            return
+        want = (self.num_layers, 2, self.kv_heads, self.head_dim)
+        got = tuple(past_kv.shape)
+        if past_kv.dim() != 5 or got[:3] + got[4:] != want or past_kv.dtype != self.dtype:
+            raise ValueError(
+                f"KV of shape {got} {past_kv.dtype} cannot be resumed by {self.name!r} on vLLM: it needs "
+                f"[{want[0]}, 2, {want[2]}, tokens, {want[3]}] {self.dtype}"
+            )
+        if got[3] >= len(ids):
+            raise ValueError(f"KV of {got[3]} tokens cannot be resumed by a {len(ids)}-token prompt: leave one to run")
+
     def _params(self, sampling: Sampling):
         from vllm import SamplingParams
 
@@ -192,15 +212,23 @@ class VLLMBackend:
         )
 
     def _run(self, jobs: list[Job]) -> list[Finished]:
-        done = self.loop.run(jobs)
-        self.counters["engine_requests"] += len(jobs)
+        return self._count(jobs, self.loop.run(jobs))
+
+    def _count(self, jobs: list[Job], done: list[Finished]) -> list[Finished]:
+        """Count what each request took from a state and from the engine's own prefix cache."""
+        for job, d in zip(jobs, done):
+            loaded = job.order.loaded_tokens if job.order is not None else 0
+            self.counters["engine_requests"] += 1
+            self.counters["loaded_tokens"] += loaded
+            self.counters["engine_prefix_hit_tokens"] += max(0, d.engine_hit_tokens - loaded)
         return done
 
     def _result(self, done: Finished, order, prompt_tokens: int, started: float | None) -> GenerationResult:
+        """Timings and token counts of one request; tokens of a state count as reused whether
+        the connector loaded them or the engine's prefix cache already held them."""
         loaded = order.loaded_tokens if order is not None else 0
         engine_hits = max(0, done.engine_hit_tokens - loaded)
-        self.counters["loaded_tokens"] += loaded
-        self.counters["engine_prefix_hit_tokens"] += engine_hits
+        from_state = order is not None and order.load is not None
         t0 = done.submitted if started is None else started
         return GenerationResult(
             token_ids=done.token_ids,
@@ -208,7 +236,7 @@ class VLLMBackend:
             prefill_s=done.first_token_at - done.submitted,
             decode_s=done.finished_at - done.first_token_at,
             prefill_tokens=prompt_tokens - loaded - engine_hits,
-            reused_tokens=loaded + engine_hits,
+            reused_tokens=loaded + engine_hits if from_state else 0,
         )
 
     def engine_stats(self) -> dict:

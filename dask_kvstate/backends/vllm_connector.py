@@ -124,7 +124,7 @@ def write_blocks(layer: torch.Tensor, index: torch.Tensor, kv: torch.Tensor) -> 
     """Write ``kv`` (``[2, H, len(index) * bs, D]``, whole blocks) into paged blocks ``index`` of one layer."""
     keys, values = _interior(layer)
     size = keys.shape[3]
-    two, heads, n, dim = kv.shape
+    _, heads, n, dim = kv.shape
     per_block = kv.to(layer.dtype).reshape(2, heads, n // size, size, dim).permute(0, 2, 1, 3, 4)  # [2, b, H, bs, D]
     keys.index_copy_(0, index, per_block[0].transpose(2, 3))
     values.index_copy_(0, index, per_block[1])

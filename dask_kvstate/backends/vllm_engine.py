@@ -15,6 +15,7 @@ steps the way clients of a vLLM server do.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -111,6 +112,20 @@ class Job:
 
 
 @dataclass
+class Call:
+    """A function of the engine to run on the driver thread."""
+
+    fn: object
+    future: Future
+
+    def run(self, engine) -> None:
+        try:
+            self.future.set_result(self.fn(engine))  # type: ignore[operator]
+        except BaseException as e:
+            self.future.set_exception(e)
+
+
+@dataclass
 class Finished:
     """What the engine returned for one job."""
 
@@ -127,7 +142,7 @@ class EngineLoop:
     def __init__(self, engine, exchange: vllm_connector.Exchange):
         self.engine = engine
         self.exchange = exchange
-        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Job | Call | None] = queue.SimpleQueue()
         self._jobs: dict[str, Job] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="kvstate-vllm-engine", daemon=True)
@@ -143,6 +158,12 @@ class EngineLoop:
         """Submit ``jobs`` together (one engine step can take them all) and wait for them."""
         futures = [self.submit(job) for job in jobs]
         return [f.result() for f in futures]
+
+    def call(self, fn):
+        """``fn(engine)`` on the driver thread, between steps (the engine is not thread-safe); its result."""
+        future: Future = Future()
+        self.submit(Call(fn, future))  # type: ignore[arg-type]
+        return future.result()
 
     def close(self) -> None:
         self._closed = True
@@ -182,9 +203,9 @@ class EngineLoop:
             )
         )
 
-    def _take(self) -> list[Job | None]:
+    def _take(self) -> list[Job | Call | None]:
         """Every submitted job, waiting for one while the engine has nothing to do."""
-        taken = [] if self.engine.has_unfinished_requests() else [self._queue.get()]
+        taken: list[Job | Call | None] = [] if self.engine.has_unfinished_requests() else [self._queue.get()]
         while True:
             try:
                 taken.append(self._queue.get_nowait())
@@ -197,7 +218,10 @@ class EngineLoop:
                 if job is None:
                     self._fail_all(RuntimeError("the vLLM engine of this worker was closed"))
                     return
-                self._add(job)
+                if isinstance(job, Call):
+                    job.run(self.engine)
+                else:
+                    self._add(job)
             if not self.engine.has_unfinished_requests():
                 continue
             try:
@@ -219,8 +243,6 @@ class EngineLoop:
 
     def _fail_all(self, error: BaseException) -> None:
         for job in list(self._jobs.values()):
-            try:
+            with contextlib.suppress(Exception):  # the engine may be gone; the job still fails below
                 self.engine.abort_request([job.request_id])
-            except Exception:  # the engine may be gone; the job still fails below
-                pass
             self._finish(job, error=error)
