@@ -220,7 +220,9 @@ class VLLMBackend:
             loaded = job.order.loaded_tokens if job.order is not None else 0
             self.counters["engine_requests"] += 1
             self.counters["loaded_tokens"] += loaded
-            self.counters["engine_prefix_hit_tokens"] += max(0, d.engine_hit_tokens - loaded)
+            hits = max(0, d.engine_hit_tokens - loaded)
+            self.counters["engine_prefix_hit_tokens"] += hits
+            self.counters["computed_tokens"] += len(job.ids) - loaded - hits
         return done
 
     def _result(self, done: Finished, order, prompt_tokens: int, started: float | None) -> GenerationResult:
