@@ -131,7 +131,7 @@ class VLLMBackend:
 
     def detokenize(self, ids: list[int]) -> str:
         with self._tok_lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
+            return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     # -- KV ------------------------------------------------------------------------
     @staticmethod

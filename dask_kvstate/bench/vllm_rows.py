@@ -227,7 +227,8 @@ def table(res: dict) -> str:
         f"({local['wall_s']:.1f} s) and one engine on both cores ({one['wall_s']:.1f} s) | {ours['wall_s']:.1f} s | "
         f"{best_wall / ours['wall_s']:.2f}x |",
         f"| prompt tokens computed | local prefix cache per worker: {local['computed_prompt_tokens']} | "
-        f"{ours['computed_prompt_tokens']} | {_ratio(local['computed_prompt_tokens'], ours['computed_prompt_tokens'])} |",
+        f"{ours['computed_prompt_tokens']} | "
+        f"{_ratio(local['computed_prompt_tokens'], ours['computed_prompt_tokens'])} |",
         f"| mean TTFT, {len(ar['kvstate']['ttfts'])} readers arriving on alternating workers | "
         f"{ar['vllm_local_prefix_each_worker']['mean_ttft_s']:.3f} s | {ar['kvstate']['mean_ttft_s']:.3f} s | "
         f"{ar['vllm_local_prefix_each_worker']['mean_ttft_s'] / ar['kvstate']['mean_ttft_s']:.1f}x lower |",
