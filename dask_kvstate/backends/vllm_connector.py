@@ -13,8 +13,8 @@ own channel for connector parameters) with one key, ``kvstate``, naming an order
 process's :class:`Exchange`:
 
 - a **load**: the ``[layers, 2, kv_heads, tokens, head_dim]`` KV of the prompt's leading
-  tokens. The scheduler half offers its whole blocks beyond what vLLM's own prefix cache
-  already holds; the worker half writes them into the request's paged blocks before the
+  tokens. The scheduler half offers its tokens beyond what vLLM's own prefix cache already
+  holds; the worker half writes them into the request's paged blocks before the
   forward that needs them;
 - a **capture**: the number of leading prompt tokens whose KV to copy out, in the same
   layout, once the forward that computes the last of them has run.
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -73,7 +74,7 @@ class Exchange:
     def __init__(self):
         self.orders: dict[str, Order] = {}
         self.lock = threading.Lock()
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter()  # tokens, and seconds spent copying (load_s, capture_s)
 
     def put(self, key: str, order: Order) -> None:
         with self.lock:
@@ -121,11 +122,18 @@ def read_blocks(layer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def write_blocks(layer: torch.Tensor, index: torch.Tensor, kv: torch.Tensor) -> None:
-    """Write ``kv`` (``[2, H, len(index) * bs, D]``, whole blocks) into paged blocks ``index`` of one layer."""
+    """Write ``kv`` (``[2, H, n, D]``, starting a block) into paged blocks ``index`` of one layer.
+
+    A last block ``kv`` fills only in part is written whole, its tail zero: the forward that
+    follows writes the prompt's next tokens over those slots before anything reads them.
+    """
     keys, values = _interior(layer)
     size = keys.shape[3]
     _, heads, n, dim = kv.shape
-    per_block = kv.to(layer.dtype).reshape(2, heads, n // size, size, dim).permute(0, 2, 1, 3, 4)  # [2, b, H, bs, D]
+    blocks = len(index)
+    if n < blocks * size:
+        kv = torch.nn.functional.pad(kv, (0, 0, 0, blocks * size - n))
+    per_block = kv.to(layer.dtype).reshape(2, heads, blocks, size, dim).permute(0, 2, 1, 3, 4)  # [2, b, H, bs, D]
     keys.index_copy_(0, index, per_block[0].transpose(2, 3))
     values.index_copy_(0, index, per_block[1])
 
@@ -190,10 +198,10 @@ class KVStateConnector(KVConnectorBase_V1):
             return 0, False
         order.engine_hit_tokens = num_computed_tokens
         self._matched[request.request_id] = num_computed_tokens  # where a load would start
-        # Whole blocks only, and never the last prompt token: its logits start decoding.
+        # Every token the state has (vLLM starts a load on a block boundary and lets it end
+        # anywhere, as NIXL's loads do), but never the last prompt token: its logits start decoding.
         have = min(int(order.load.shape[3]), request.num_prompt_tokens - 1)
-        offer = have // self.block_size * self.block_size
-        return max(0, offer - num_computed_tokens), False
+        return max(0, have - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         key = _order_key(request)
@@ -253,15 +261,18 @@ class KVStateConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, Metadata)
         self._check_isa(forward_context)
+        t0 = time.perf_counter()
         for copy in meta.loads:
             order = self.exchange.get(copy.key)
             if order is None or order.load is None:
                 raise RuntimeError(f"KV load order {copy.key!r} vanished before its forward pass")
             index = torch.tensor(copy.block_ids, dtype=torch.long)
-            src = order.load[:, :, :, copy.start : copy.stop]  # [L, 2, H, n, D], n whole blocks
+            src = order.load[:, :, :, copy.start : copy.stop]  # [L, 2, H, n, D] from a block boundary
             for layer, kv in zip(self._layers, src):
                 write_blocks(layer, index, kv)
             order.loaded_tokens += copy.stop - copy.start
+        if meta.loads:
+            self.exchange.counters["load_s"] += time.perf_counter() - t0
 
     def _check_isa(self, forward_context: ForwardContext) -> None:
         """Refuse a paged layout other than the one :func:`read_blocks` knows, before any copy."""
@@ -285,6 +296,7 @@ class KVStateConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, Metadata)
+        t0 = time.perf_counter()
         for copy in meta.saves:
             order = self.exchange.get(copy.key)
             if order is None:
@@ -292,3 +304,5 @@ class KVStateConnector(KVConnectorBase_V1):
             index = torch.tensor(copy.block_ids, dtype=torch.long)
             order.captured = torch.stack([read_blocks(layer, index)[:, :, : copy.stop] for layer in self._layers])
             self.exchange.counters["captured_tokens"] += copy.stop
+        if meta.saves:
+            self.exchange.counters["capture_s"] += time.perf_counter() - t0
