@@ -256,6 +256,12 @@ class KVStateConnector(KVConnectorBase_V1):
     # -- worker half ---------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_index)]
+        for name, layer in kv_caches.items():
+            if layer.device.type != "cpu" or layer.dim() != 4 or layer.shape[3] % 2:
+                raise RuntimeError(
+                    f"KV cache layer {name!r} is {tuple(layer.shape)} on {layer.device}: this connector knows "
+                    "vLLM's CPU paged layout only ([blocks, kv_heads, block_size, 2 * head_dim])"
+                )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
