@@ -47,6 +47,10 @@ def _vllm_version() -> str:
     )
 
 
+_LIVE: list[VLLMBackend] = []  # the engine of this process, if one runs
+_LIVE_LOCK = threading.Lock()
+
+
 class VLLMBackend:
     """One vLLM engine in this process, behind the backend protocol the worker runtime uses."""
 
@@ -97,7 +101,16 @@ class VLLMBackend:
         self.counters: Counter[str] = Counter()
         self._tok_lock = threading.Lock()
         self.exchange = vllm_connector.exchange(options.exchange)
-        self.loop = EngineLoop(start_engine(options), self.exchange)
+        with _LIVE_LOCK:
+            # vLLM keeps one KV connector per process (its worker half is a module global), so a
+            # second engine here would run its copies against the first engine's paged cache.
+            if _LIVE:
+                raise RuntimeError(
+                    f"a vLLM engine for {_LIVE[0].name!r} already runs in this process; the vLLM backend serves "
+                    "one model per worker: install one model, or close the other backend first"
+                )
+            self.loop = EngineLoop(start_engine(options), self.exchange)
+            _LIVE.append(self)
 
     @classmethod
     def load(cls, name: str, cache_dir: str | None = None, device: str | None = None) -> VLLMBackend:
@@ -109,7 +122,7 @@ class VLLMBackend:
             folder=models.folder(name, cache_dir),
             dtype=models.check_dtype(config.get("dtype")),
             block_tokens=int(config.get("block-tokens")),
-            max_model_len=int(config.get("vllm.max-model-len")),
+            max_model_len=config.get("vllm.max-model-len"),
             kv_cache_bytes=config.get_bytes("vllm.kv-cache-bytes"),
             cpu_cores=config.get("vllm.cpu-cores"),
             compile=bool(config.get("vllm.compile")),
@@ -117,7 +130,10 @@ class VLLMBackend:
         return cls(name, options)
 
     def close(self) -> None:
-        self.loop.close()
+        with _LIVE_LOCK:
+            self.loop.close()
+            if self in _LIVE:
+                _LIVE.remove(self)
 
     def reset_engine_cache(self) -> bool:
         """Drop the engine's own prefix cache (benchmarks and tests of the load path); True if it was reset."""

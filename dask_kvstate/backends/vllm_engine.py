@@ -38,7 +38,7 @@ class EngineOptions:
     folder: Path
     dtype: str
     block_tokens: int
-    max_model_len: int
+    max_model_len: int | None  # None: the model's own maximum
     kv_cache_bytes: int
     cpu_cores: str | None  # "0-1" style; None: every core this process may run on
     compile: bool  # torch.compile the model (slower start, faster steps) or run eager
@@ -166,9 +166,16 @@ class EngineLoop:
         return future.result()
 
     def close(self) -> None:
+        """Stop the driver, then the engine, and free the process's connector for a next engine."""
+        if self._closed:
+            return
         self._closed = True
         self._queue.put(None)
         self._thread.join(timeout=30)
+        from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+        self.engine.engine_core.shutdown()
+        ensure_kv_transfer_shutdown()
 
     # -- the driver thread ---------------------------------------------------------
     def _add(self, job: Job) -> None:
