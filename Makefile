@@ -27,6 +27,12 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	# distributed-ucxx: its pinned requirements would downgrade dask.
 	$(PIP) install ucxx-cu12 && $(PIP) install --no-deps distributed-ucxx-cu12 \
 		|| echo "UCX comm not installed: the UCX cases of tests/test_comms.py will skip"
+	# The vLLM backend (kvstate.backend: vllm), best-effort: its CPU build pins transformers
+	# <5.20, which the transformers backend supports too. It pulls CUDA-linked torchvision,
+	# torchaudio and torchcodec that break `import vllm` next to the CPU torch; a text-only
+	# model needs none of them.
+	$(PIP) install -e ".[test,vllm]" && $(PIP) uninstall -y -q torchvision torchaudio torchcodec \
+		|| echo "vLLM not installed: tests/test_vllm.py will skip"
 	touch $@
 
 demo: install

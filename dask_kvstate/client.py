@@ -35,6 +35,7 @@ def install(
     client: Client,
     model: str | list[str] | Literal[False] | None = None,
     *,
+    backend: str | None = None,
     scheduling: bool | Mapping[str, bool] | None = None,
     lifecycle: bool | None = None,
     torch_threads: int | None = None,
@@ -55,6 +56,9 @@ def install(
         Python functions: only the scheduling extensions (sessions, priority, stealing,
         capacity, hints) and their worker half; placement, the observe extension and the
         lifecycle serve KV state and are skipped.
+    backend : str, optional
+        What computes on the workers: ``"hf"`` (Hugging Face transformers) or ``"vllm"``
+        (a vLLM engine per worker; the ``vllm`` extra). ``None``: ``kvstate.backend``.
     scheduling : bool or mapping, optional
         Overrides ``kvstate.scheduling.<name>.enabled``: ``True`` / ``False`` switches all of
         sessions, priority, stealing, capacity and hints on / off, ``{"stealing": True}``
@@ -75,6 +79,7 @@ def install(
     Returns ``{worker address: the kvstate plugin's settings}`` (``{}`` with ``model=False``).
     """
     options: dict = {
+        "backend": backend,
         "torch_threads": torch_threads,
         "device_bytes": device_bytes,
         "host_bytes": host_bytes,

@@ -15,7 +15,6 @@ to first token is measured where it happens.
 from __future__ import annotations
 
 import hashlib
-import json
 import secrets
 import threading
 import time
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dask_kvstate.backends import cascade, layout, models
+from dask_kvstate.backends import cascade, identity, layout, models
 from dask_kvstate.blocks import kv_identity
 from dask_kvstate.generation import Sampling
 
@@ -54,6 +53,9 @@ class HFBackend:
         A transformers causal LM (eval mode) and its tokenizer.
     """
 
+    #: torch's intra-op threads are this backend's threads: a worker may lend it idle ones
+    elastic_threads = True
+
     def __init__(self, name: str, model, tokenizer, device: str | None = None):
         self.name = name
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -72,7 +74,7 @@ class HFBackend:
         self.config_fingerprint = self._config_fingerprint()
         self.model_fingerprint = self._model_fingerprint()
         self.kv_identity = kv_identity(self.model_fingerprint, self.config_fingerprint)
-        self.eos_ids = self._eos_ids()
+        self.eos_ids = identity.eos_ids(tokenizer, model.generation_config)
         # Shared-prefix (cascade) attention for resumes; False for a model it can't route.
         self.cascade = cascade.enable(self.model)
         self.cascade_fallbacks: Counter[str] = Counter()  # batched calls run per row instead, by reason
@@ -88,29 +90,15 @@ class HFBackend:
 
     # -- identity ------------------------------------------------------------------
     def _config_fingerprint(self) -> str:
-        """The whole model config (every field that can change K/V or logits), the dtype,
-        the attention implementation and the tokenizer.
-
-        Left out are only fields that name where or how the model was loaded, not what
-        it computes: the same model loaded from two paths must share its blocks.
-        """
-        tok_json = (
-            self.tokenizer.backend_tokenizer.to_str()
-            if hasattr(self.tokenizer, "backend_tokenizer")
-            else repr(self.tokenizer.get_vocab())
+        """The whole model config, the dtype, the attention implementation and the tokenizer
+        (:func:`identity.config_fingerprint`): the same model loaded from two paths shares its blocks."""
+        return identity.config_fingerprint(
+            self.model.config.to_dict(),
+            architecture=type(self.model).__name__,
+            attention=getattr(self.model.config, "_kvstate_base_attn", self.model.config._attn_implementation),
+            dtype=str(self.dtype),
+            tokenizer=self.tokenizer,
         )
-        config = {
-            k: v for k, v in self.model.config.to_dict().items() if k not in _NOT_IDENTITY and not k.startswith("_")
-        }
-        desc = {
-            "config": config,
-            "architecture": type(self.model).__name__,
-            "attention": getattr(self.model.config, "_kvstate_base_attn", self.model.config._attn_implementation),
-            "dtype": str(self.dtype),
-            "tokenizer": hashlib.sha256(tok_json.encode()).hexdigest(),
-        }
-        blob = json.dumps(desc, sort_keys=True, default=str).encode()
-        return "c-" + hashlib.blake2b(blob, digest_size=16).hexdigest()
 
     def _model_fingerprint(self) -> str:
         # The weights themselves: a re-quantized or fine-tuned checkpoint under the
@@ -120,15 +108,6 @@ class HFBackend:
             h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
             h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return "m-" + h.hexdigest()
-
-    def _eos_ids(self) -> frozenset[int]:
-        ids = set()
-        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
-            if isinstance(source, int):
-                ids.add(source)
-            elif source:
-                ids.update(int(i) for i in source)
-        return frozenset(ids)
 
     # -- text ----------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -236,14 +215,15 @@ class HFBackend:
             reused_tokens=reused,
         )
 
+    def engine_stats(self) -> dict:
+        """What computes here (the vLLM backend adds its engine's counters)."""
+        return {"engine": "transformers"}
 
-# Config fields that say where or how a model was loaded, not what it computes (private
-# "_" fields too: they are loading state; the attention actually used and the model's
-# class, which ``architectures`` names only once saved, are added apart).
-_NOT_IDENTITY = frozenset(
-    {"transformers_version", "torch_dtype", "dtype", "use_cache", "return_dict", "name_or_path", "architectures"}
-    | {"output_attentions", "output_hidden_states"}
-)
+    def generate_batch(self, rows: list, prefix: torch.Tensor | None, sampling: Sampling, *, started: float):
+        """Rows sharing ``prefix``, decoded as one batch (:func:`batch.generate_batch`)."""
+        from dask_kvstate.backends import batch  # it builds on this module's decoding helpers
+
+        return batch.generate_batch(self, rows, prefix, sampling, started=started)
 
 
 def generator(device, temperature: float, seed: int | None) -> torch.Generator | None:

@@ -109,16 +109,25 @@ def load(name: str, cache_dir: str | None = None, dtype: str | None = None):
     if name == TINY_LLAMA:
         model, tokenizer = _tiny_llama()
         return model.to(torch_dtype), tokenizer
+    return _from_folder(folder(name, cache_dir), torch_dtype)
+
+
+def folder(name: str, cache_dir: str | None = None) -> Path:
+    """The safetensors folder a known name, folder or ``.gguf`` file is served from (converted once).
+
+    ``tiny-llama`` has none: it is built in memory, for the transformers backend's tests.
+    """
+    check_model_name(name)
+    if name == TINY_LLAMA:
+        raise ValueError(f"{TINY_LLAMA!r} is built in memory and has no model folder; give a known name or a folder")
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     if name == SMOLLM2:
-        folder = packaged.smollm2_folder(root)
-    elif name == GEMMA3:
-        folder = packaged.GEMMA3_GGUF.folder(root)
-    elif Path(name).expanduser().is_file():
-        folder = gguf.converted_folder(Path(name).expanduser().resolve(), root)
-    else:
-        folder = Path(name).expanduser()
-    return _from_folder(folder, torch_dtype)
+        return packaged.smollm2_folder(root)
+    if name == GEMMA3:
+        return packaged.GEMMA3_GGUF.folder(root)
+    if Path(name).expanduser().is_file():
+        return gguf.converted_folder(Path(name).expanduser().resolve(), root)
+    return Path(name).expanduser()
 
 
 def default_cache_dir() -> Path:

@@ -29,7 +29,7 @@ import functools
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -177,18 +177,27 @@ def tokenizer():
     return models.load(models.TINY_LLAMA)[1]
 
 
-def build(name: str, root: str | os.PathLike) -> Path:
+def build(name: str, root: str | os.PathLike, *, wide: bool = False) -> Path:
     """The folder of family ``name``'s tiny model under ``root``, saved on first use.
 
-    ``name`` is a key of :data:`FAMILIES` or :data:`UNSUPPORTED`. The folder is written
+    ``name`` is a key of :data:`FAMILIES` or :data:`UNSUPPORTED`; ``wide`` gives it
+    32-dim heads (a 128-wide model), the narrowest vLLM's CPU attention serves. The folder is written
     to a temporary name and renamed into place under a file lock (the model cache's own
     :func:`~dask_kvstate.backends.gguf.cached_folder`), so a crash never leaves half a
     model; a folder already there (same family, same settings) is returned as it is.
     """
     from dask_kvstate.backends.gguf import cached_folder
 
-    family = _family(name)
-    return cached_folder(Path(root), f"{name}-{family.tag()}", lambda tmp: _save(family, tmp))
+    family = widened(_family(name)) if wide else _family(name)
+    return cached_folder(Path(root), f"{family.name}-{family.tag()}", lambda tmp: _save(family, tmp))
+
+
+def widened(family: Family) -> Family:
+    """``family`` with 32-dim heads in a 128-wide model (``build(..., wide=True)``)."""
+    options = {**family.options, "hidden_size": 128}
+    if "head_dim" in options:
+        options["head_dim"] = 32
+    return replace(family, name=f"{family.name}-wide", options=options)
 
 
 def _family(name: str) -> Family:
@@ -212,12 +221,12 @@ def _tokenizer_for(family: Family):
     return tok
 
 
-def model(name: str):
+def model(name: str | Family):
     """Family ``name``'s tiny model (eval mode) and tokenizer, in memory: the weights its folder holds."""
     import torch
     import transformers
 
-    family = _family(name)
+    family = name if isinstance(name, Family) else _family(name)
     tok = _tokenizer_for(family)
     config = family.config(len(tok), tok.bos_token_id, tok.eos_token_id)
     auto = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
@@ -228,7 +237,7 @@ def model(name: str):
 
 
 def _save(family: Family, folder: Path) -> None:
-    built, tok = model(family.name)
+    built, tok = model(family)
     built.save_pretrained(folder)
     tok.save_pretrained(folder)
 

@@ -31,7 +31,7 @@ from distributed.utils import sync
 from tornado.ioloop import PeriodicCallback
 
 from dask_kvstate import config
-from dask_kvstate.backends import check_supported
+from dask_kvstate.backends import check_backend, check_supported
 from dask_kvstate.plugins.worker import checksum
 from dask_kvstate.plugins.worker.allocator import retain_freed_memory
 from dask_kvstate.plugins.worker.handshake import hello
@@ -70,6 +70,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
         a known model name (``kvstate.backends.KNOWN_MODELS``), a local model folder or ``.gguf`` file (default
         ``kvstate.model``); a list loads several, the first being the default for
         calls that name none. Unknown names raise ValueError listing the known ones.
+    backend : str, optional
+        What computes: ``"hf"`` (transformers) or ``"vllm"`` (default ``kvstate.backend``).
     torch_threads : int, optional
         ``torch.set_num_threads`` on the worker (default ``kvstate.worker.torch-threads``).
     device_bytes, host_bytes, disk_bytes : int or str, optional
@@ -87,6 +89,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
         self,
         model: str | list[str] | None = None,
         *,
+        backend: str | None = None,
         torch_threads: int | None = None,
         device_bytes: int | str | None = None,
         host_bytes: int | str | None = None,
@@ -105,6 +108,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
             for name, value in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("disk_bytes", disk_bytes))
         }
         self.config = {"kvstate": dask.config.get("kvstate")}
+        if backend is not None:
+            self.config["kvstate"] = {**self.config["kvstate"], "backend": check_backend(backend)}
         self.placement = False  # whether the scheduler runs the placement extension
         self.runtime: StateRuntime | None = None  # of the default (first) model
         self.runtimes: dict[str, StateRuntime] = {}  # model name -> its runtime, all sharing one block store
@@ -224,6 +229,10 @@ class KVStateWorkerPlugin(WorkerPlugin):
             worker.memory_manager.data = worker.memory_manager.data.data
         if self.runtime is not None:
             self.runtime.store.close()
+        for rt in self.runtimes.values():  # an engine holding threads and memory (the vLLM backend)
+            close = getattr(rt.backend, "close", None)
+            if close is not None:
+                close()
         self.runtime = None
         self.runtimes = {}
         self.held.clear()

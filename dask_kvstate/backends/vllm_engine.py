@@ -1,0 +1,255 @@
+"""One vLLM engine inside the Dask worker's process, and the thread that drives it.
+
+vLLM's CPU build, started plainly, runs its engine core and its model executor as two
+more processes; a Dask worker under a nanny is a daemon process and may not have
+children, and KV crossing those process boundaries would go through pickle or shared
+memory. So the engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with
+the single-process ``uni`` executor, and our connector's halves
+(:mod:`.vllm_connector`) share this process with the block store.
+
+vLLM batches whatever requests it holds at each step (continuous batching). Dask runs
+tasks on several threads, so one driver thread owns the engine: task threads submit
+requests and wait for their result, and concurrent tasks of a worker share the engine's
+steps the way clients of a vLLM server do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dask_kvstate.backends import vllm_connector
+
+logger = logging.getLogger("dask_kvstate")
+
+
+@dataclass
+class EngineOptions:
+    """How to start the engine (``kvstate.vllm.*`` and the worker's block size)."""
+
+    folder: Path
+    dtype: str
+    block_tokens: int
+    max_model_len: int | None  # None: the model's own maximum
+    kv_cache_bytes: int
+    cpu_cores: str | None  # "0-1" style; None: every core this process may run on
+    compile: bool  # torch.compile the model (slower start, faster steps) or run eager
+    exchange: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+def _cores_of_this_process() -> str:
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return ",".join(str(c) for c in cores)
+
+
+def start_engine(options: EngineOptions):
+    """An in-process ``LLMEngine`` serving ``options.folder`` with our connector attached."""
+    # Read by vLLM when the engine is built, not at import: set them first.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, options.kv_cache_bytes // 2**30))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = options.cpu_cores or _cores_of_this_process()
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    transfer = KVTransferConfig(
+        kv_connector=vllm_connector.KVStateConnector.__name__,
+        kv_connector_module_path=vllm_connector.__name__,
+        kv_role="kv_both",
+        kv_connector_extra_config={vllm_connector.EXCHANGE_KEY: options.exchange},
+    )
+    args = EngineArgs(
+        model=str(options.folder),
+        dtype=options.dtype,
+        block_size=options.block_tokens,
+        max_model_len=options.max_model_len,
+        enable_prefix_caching=True,  # the engine's own cache stays on; stats count its hits apart
+        distributed_executor_backend="uni",
+        enforce_eager=not options.compile,
+        kv_transfer_config=transfer,
+        seed=0,
+    )
+    logger.info(
+        "kvstate: starting a vLLM engine for %s (block size %d, cores %s); this takes up to a minute or two",
+        options.folder.name,
+        options.block_tokens,
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"],
+    )
+    t0 = time.perf_counter()
+    try:
+        engine = LLMEngine.from_engine_args(args)
+    except ValueError as e:
+        if "block size" in str(e):
+            raise ValueError(
+                f"kvstate.block-tokens = {options.block_tokens} is not a block size this vLLM engine supports "
+                f"({e}); vLLM's CPU attention needs a multiple of 32, e.g. 64"
+            ) from e
+        raise
+    logger.info("kvstate: vLLM engine ready in %.1f s", time.perf_counter() - t0)
+    return engine
+
+
+@dataclass
+class Job:
+    """One request: prompt ids, vLLM sampling params and the connector order (if any)."""
+
+    ids: list[int]
+    params: object  # vllm.SamplingParams
+    order: vllm_connector.Order | None
+    future: Future = field(default_factory=Future)
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    prefilled: threading.Event = field(default_factory=threading.Event)  # its first token is out (or it ended)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class Call:
+    """A function of the engine to run on the driver thread."""
+
+    fn: object
+    future: Future
+
+    def run(self, engine) -> None:
+        try:
+            self.future.set_result(self.fn(engine))  # type: ignore[operator]
+        except BaseException as e:
+            self.future.set_exception(e)
+
+
+@dataclass
+class Finished:
+    """What the engine returned for one job."""
+
+    token_ids: list[int]
+    submitted: float
+    first_token_at: float
+    finished_at: float
+    engine_hit_tokens: int  # prompt tokens vLLM's own prefix cache held (reported by vLLM)
+
+
+class EngineLoop:
+    """Drives one engine on its own thread; :meth:`run` is called from any task thread."""
+
+    def __init__(self, engine, exchange: vllm_connector.Exchange):
+        self.engine = engine
+        self.exchange = exchange
+        self._queue: queue.SimpleQueue[Job | Call | None] = queue.SimpleQueue()
+        self._jobs: dict[str, Job] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="kvstate-vllm-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> Future:
+        if self._closed:
+            raise RuntimeError("the vLLM engine of this worker is closed")
+        self._queue.put(job)
+        return job.future
+
+    def run(self, jobs: list[Job]) -> list[Finished]:
+        """Submit ``jobs`` together (one engine step can take them all) and wait for them."""
+        futures = [self.submit(job) for job in jobs]
+        return [f.result() for f in futures]
+
+    def call(self, fn):
+        """``fn(engine)`` on the driver thread, between steps (the engine is not thread-safe); its result."""
+        future: Future = Future()
+        self.submit(Call(fn, future))  # type: ignore[arg-type]
+        return future.result()
+
+    def close(self) -> None:
+        """Stop the driver, then the engine, and free the process's connector for a next engine."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+        from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+        self.engine.engine_core.shutdown()
+        ensure_kv_transfer_shutdown()
+
+    # -- the driver thread ---------------------------------------------------------
+    def _add(self, job: Job) -> None:
+        extra = None
+        if job.order is not None:
+            self.exchange.put(job.request_id, job.order)
+            extra = {"kv_transfer_params": {vllm_connector.PARAM: job.request_id}}
+        job.params.extra_args = extra  # type: ignore[attr-defined]
+        self._jobs[job.request_id] = job
+        try:
+            self.engine.add_request(job.request_id, {"prompt_token_ids": job.ids}, job.params)
+        except BaseException as e:  # a prompt the engine refuses (too long, ...): that job fails alone
+            self._finish(job, error=e)
+
+    def _finish(self, job: Job, output=None, error: BaseException | None = None) -> None:
+        self._jobs.pop(job.request_id, None)
+        job.prefilled.set()
+        if job.order is not None:
+            self.exchange.pop(job.request_id)
+        if error is not None:
+            job.future.set_exception(error)
+            return
+        now = time.perf_counter()
+        hits = getattr(output, "num_cached_tokens", None) or 0
+        job.future.set_result(
+            Finished(
+                token_ids=list(output.outputs[0].token_ids),
+                submitted=job.submitted,
+                first_token_at=job.first_token_at or now,
+                finished_at=now,
+                engine_hit_tokens=int(hits),
+            )
+        )
+
+    def _take(self) -> list[Job | Call | None]:
+        """Every submitted job, waiting for one while the engine has nothing to do."""
+        taken: list[Job | Call | None] = [] if self.engine.has_unfinished_requests() else [self._queue.get()]
+        while True:
+            try:
+                taken.append(self._queue.get_nowait())
+            except queue.Empty:
+                return taken
+
+    def _loop(self) -> None:
+        while True:
+            for job in self._take():
+                if job is None:
+                    self._fail_all(RuntimeError("the vLLM engine of this worker was closed"))
+                    return
+                if isinstance(job, Call):
+                    job.run(self.engine)
+                else:
+                    self._add(job)
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except BaseException as e:  # the engine is broken: fail every waiting task, clearly
+                logger.exception("kvstate: the vLLM engine failed a step")
+                self._fail_all(RuntimeError(f"the vLLM engine failed: {e!r}"))
+                continue
+            now = time.perf_counter()
+            for out in outputs:
+                job = self._jobs.get(out.request_id)
+                if job is None:
+                    continue
+                if job.first_token_at is None and out.outputs and out.outputs[0].token_ids:
+                    job.first_token_at = now
+                    job.prefilled.set()
+                if out.finished:
+                    self._finish(job, out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for job in list(self._jobs.values()):
+            with contextlib.suppress(Exception):  # the engine may be gone; the job still fails below
+                self.engine.abort_request([job.request_id])
+            self._finish(job, error=error)

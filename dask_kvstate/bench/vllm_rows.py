@@ -1,0 +1,281 @@
+"""kvstate over vLLM against what a vLLM user would run instead, side by side in one run.
+
+::
+
+    python -m dask_kvstate.bench.vllm_rows --out results/vllm          # SmolLM2, L = 4,096
+    python -m dask_kvstate.bench.vllm_rows --length 1024 --agents 8    # a shorter run
+
+Two Dask workers, one vLLM engine each (each bound to its own core), and the baselines:
+
+- **vLLM local prefix caching on each worker**: Dask places the requests, every engine
+  keeps its own prefix cache, no KV moves (the AAFLOW+ paper's "vLLM local prefix");
+- **one vLLM engine given both cores** (one worker), prefix caching on;
+- **a prefix-cache hit on a single engine** (the floor for a branch's TTFT);
+- **kvstate over vLLM**: the state made once on one worker, its blocks pulled by the
+  other and loaded into that engine by our connector.
+
+Every output of a kvstate row is checked token for token against the same prompt's
+replay on the same engine build; a mismatch stops the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import dask
+from distributed import Client, LocalCluster
+
+import dask_kvstate as kvs
+from dask_kvstate.bench import crossover, workload
+from dask_kvstate.protocol import WORKER_PLUGIN
+
+
+def _reset(dask_worker=None) -> None:
+    """Empty the engine's prefix cache and the block store: every row starts cold."""
+    plugin = dask_worker.plugins[WORKER_PLUGIN]
+    plugin.runtime.backend.reset_engine_cache()
+    workload._reset(dask_worker)
+
+
+def _engine(client) -> dict:
+    return {w: dict(s["engine"]) for w, s in kvs.stats(client).workers.items()}
+
+
+def _computed(before: dict, after: dict) -> int:
+    """Prompt tokens the engines computed between two snapshots (requests' prompts less hits and loads)."""
+    return sum(after[w].get("computed_tokens", 0) - before[w].get("computed_tokens", 0) for w in after)
+
+
+def on(worker):
+    return dask.annotate(workers=[worker], allow_other_workers=False)
+
+
+def _cluster(n_workers: int, cores: list[set[int]]):
+    cluster = LocalCluster(n_workers=n_workers, threads_per_worker=16, processes=True, dashboard_address=":0")
+    client = Client(cluster)
+    workers = sorted(client.scheduler_info()["workers"])
+    for w, core_set in zip(workers, cores):
+        client.run(lambda dask_worker, c=tuple(core_set): os.sched_setaffinity(0, set(c)), workers=[w])
+    kvs.install(client, "smollm2-135m", backend="vllm")
+    return cluster, client, workers
+
+
+def _check(got, want, what: str) -> None:
+    for g, w in zip(got, want, strict=True):
+        if g.token_ids != w.token_ids:
+            raise AssertionError(f"{what}: reuse output differs from replay ({g.token_ids[:8]} vs {w.token_ids[:8]})")
+
+
+def branch_ttft(client, a: str, b: str, context: str, repeats: int) -> dict:
+    """TTFT of a branch on worker B, which does not hold the state made on A."""
+    rows: dict[str, list[float]] = {"vllm_local_prefill_on_b": [], "kvstate_pull_into_b": [], "single_engine_hit": []}
+    for r in range(repeats):
+        client.run(_reset)
+        sfx, sfx2 = workload.suffix(2 * r), workload.suffix(2 * r + 1)
+        with on(b):
+            cold = kvs.generate(context, sfx, max_new_tokens=4).compute()
+        rows["vllm_local_prefill_on_b"].append(cold.ttft)
+        client.run(_reset)
+        with on(a):
+            state = client.persist(kvs.materialize(context))
+        state.compute()
+        with on(b):
+            resumed = kvs.resume(state, sfx, max_new_tokens=4).compute()
+        _check([resumed], [cold], "branch on B")
+        rows["kvstate_pull_into_b"].append(resumed.ttft)
+        with on(a):  # A's engine holds the prefix: a plain request hits its prefix cache
+            hit = kvs.generate(context, sfx2, max_new_tokens=4).compute()
+        rows["single_engine_hit"].append(hit.ttft)
+        del state
+    return {k: statistics.median(v) for k, v in rows.items()}
+
+
+def agents_wall(client, workers: list[str], context: str, agents: int, new_tokens: int, mode: str) -> dict:
+    """``agents`` requests sharing ``context``, spread over ``workers``: wall time and prompt tokens computed."""
+    client.run(_reset)
+    before = _engine(client)
+    suffixes = [workload.suffix(i) for i in range(agents)]
+    t0 = time.perf_counter()
+    if mode == "kvstate":
+        with on(workers[0]):
+            state = kvs.materialize(context)
+        outs = []
+        for j, w in enumerate(workers):
+            with on(w):
+                outs += kvs.resume_many(state, suffixes[j :: len(workers)], max_new_tokens=new_tokens)
+        got = dask.compute(*outs)
+        order = [i for j in range(len(workers)) for i in range(j, agents, len(workers))]
+    else:
+        outs = []
+        for i, s in enumerate(suffixes):
+            with on(workers[i % len(workers)]):
+                outs.append(kvs.generate(context, s, max_new_tokens=new_tokens))
+        got = dask.compute(*outs)
+        order = list(range(agents))
+    wall = time.perf_counter() - t0
+    after = _engine(client)
+    by_agent = dict(zip(order, got))
+    return {
+        "wall_s": wall,
+        "computed_prompt_tokens": _computed(before, after),
+        "outputs": [by_agent[i].token_ids for i in range(agents)],
+    }
+
+
+def transfer(client, a: str, b: str, context: str) -> dict:
+    """Our pull of a state's blocks (into B's store) and our connector's copy of them into B's
+    engine, against Dask's own fetch of a numpy array of the same bytes, A to B."""
+    client.run(_reset)
+    rates = crossover.throughput(client, a, b, _state_bytes(client, a, context))
+    before = _engine(client)[b]
+    with on(a):
+        state = client.persist(kvs.materialize(context))
+    client.run(_reset, workers=[b])
+    with on(b):
+        kvs.resume(state, workload.suffix(0), max_new_tokens=1).compute()
+    after = _engine(client)[b]
+    load_s = after.get("load_s", 0.0) - before.get("load_s", 0.0)
+    loaded = after.get("loaded_tokens", 0) - before.get("loaded_tokens", 0)
+    per_token = workload.kv_bytes_per_token(client)
+    into_engine_s = rates["kv_s"] + load_s * rates["mib"] * 2**20 / max(1, loaded * per_token)
+    return {
+        **{k: rates[k] for k in ("mib", "kv_s", "raw_s", "ratio", "paired_ratio")},
+        "engine_load_s": load_s,
+        "engine_load_mib": loaded * per_token / 2**20,
+        "into_engine_ratio": rates["raw_s"] / into_engine_s,
+    }
+
+
+def _state_bytes(client, a: str, context: str) -> int:
+    tokens = client.run(
+        lambda dask_worker: len(dask_worker.plugins[WORKER_PLUGIN].runtime.backend.tokenize(context)), workers=[a]
+    )[a]
+    return tokens * workload.kv_bytes_per_token(client)
+
+
+def arrivals(client, a: str, b: str, context: str, readers: int, mode: str) -> dict:
+    """Readers of one document arriving one after another on alternating workers: mean TTFT."""
+    client.run(_reset)
+    ttfts, outs = [], []
+    state = None
+    for i in range(readers):
+        w = (a, b)[i % 2]
+        with on(w):
+            if mode == "kvstate":
+                if state is None:
+                    with on(a):
+                        state = client.persist(kvs.materialize(context))
+                g = kvs.resume(state, workload.suffix(i), max_new_tokens=4).compute()
+            else:
+                g = kvs.generate(context, workload.suffix(i), max_new_tokens=4).compute()
+        ttfts.append(g.ttft)
+        outs.append(g.token_ids)
+    return {"mean_ttft_s": statistics.fmean(ttfts), "ttfts": ttfts, "outputs": outs}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m dask_kvstate.bench.vllm_rows", description=__doc__.splitlines()[0])
+    ap.add_argument("--length", type=int, default=4096, help="shared context tokens (default 4096)")
+    ap.add_argument("--agents", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--readers", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path("results/vllm"))
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"length": args.length, "n_agents": args.agents, "new_tokens": args.new_tokens}
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    cluster, client, (a, b) = _cluster(2, [{0}, {1}])
+    try:
+        context = workload.contexts(client, [args.length])[args.length]
+        print("branch TTFT on the worker without the state ...", flush=True)
+        results["branch_ttft"] = branch_ttft(client, a, b, context, args.repeats)
+        print(results["branch_ttft"], flush=True)
+        print(f"{args.agents} agents over both workers ...", flush=True)
+        local = agents_wall(client, [a, b], context, args.agents, args.new_tokens, "local")
+        ours = agents_wall(client, [a, b], context, args.agents, args.new_tokens, "kvstate")
+        _check_ids(ours["outputs"], local["outputs"], "16 agents")
+        results["agents"] = {"vllm_local_prefix_each_worker": local, "kvstate": ours}
+        print("KV pull into the engine vs Dask's own transfer of the same bytes ...", flush=True)
+        results["transfer"] = transfer(client, a, b, context)
+        print("readers arriving on alternating workers ...", flush=True)
+        r_local = arrivals(client, a, b, context, args.readers, "local")
+        r_ours = arrivals(client, a, b, context, args.readers, "kvstate")
+        _check_ids(r_ours["outputs"], r_local["outputs"], "arrivals")
+        results["arrivals"] = {"vllm_local_prefix_each_worker": r_local, "kvstate": r_ours}
+    finally:
+        client.close()
+        cluster.close()
+
+    cluster, client, (solo,) = _cluster(1, [{0, 1}])
+    try:
+        one = agents_wall(client, [solo], context, args.agents, args.new_tokens, "local")
+        _check_ids(one["outputs"], results["agents"]["vllm_local_prefix_each_worker"]["outputs"], "one engine")
+        results["agents"]["one_engine_both_cores"] = one
+    finally:
+        client.close()
+        cluster.close()
+
+    (args.out / "vllm_rows.json").write_text(json.dumps(results, indent=1))
+    (args.out / "table.md").write_text(table(results))
+    print(table(results))
+
+
+def _check_ids(got: list, want: list, what: str) -> None:
+    if got != want:
+        bad = sum(g != w for g, w in zip(got, want))
+        raise AssertionError(f"{what}: {bad} of {len(want)} outputs differ from vLLM's own replay")
+
+
+def _ratio(baseline: int, ours: int) -> str:
+    return f"{baseline / max(1, ours):.2f}x fewer"
+
+
+def table(res: dict) -> str:
+    t = res["branch_ttft"]
+    ag = res["agents"]
+    ar = res["arrivals"]
+    local, ours, one = ag["vllm_local_prefix_each_worker"], ag["kvstate"], ag["one_engine_both_cores"]
+    best_wall = min(local["wall_s"], one["wall_s"])
+    lines = [
+        f"SmolLM2-135M fp32, vLLM CPU engines, L = {res['length']}, medians; every kvstate output equal to replay.",
+        "",
+        "| measure | baseline | kvstate over vLLM | ratio |",
+        "|---|---|---|---|",
+        f"| TTFT of a branch on the worker without the state | local prefix cache, must prefill: "
+        f"{t['vllm_local_prefill_on_b']:.3f} s | {t['kvstate_pull_into_b']:.3f} s | "
+        f"{t['vllm_local_prefill_on_b'] / t['kvstate_pull_into_b']:.1f}x lower |",
+        f"| same, against a prefix-cache hit on one engine | {t['single_engine_hit']:.3f} s | "
+        f"{t['kvstate_pull_into_b']:.3f} s | {t['kvstate_pull_into_b'] / t['single_engine_hit']:.2f}x of the hit |",
+        f"| {res['n_agents']} agents, Y = {res['new_tokens']}, wall | best of local prefix cache per worker "
+        f"({local['wall_s']:.1f} s) and one engine on both cores ({one['wall_s']:.1f} s) | {ours['wall_s']:.1f} s | "
+        f"{best_wall / ours['wall_s']:.2f}x |",
+        f"| prompt tokens computed | local prefix cache per worker: {local['computed_prompt_tokens']} | "
+        f"{ours['computed_prompt_tokens']} | "
+        f"{_ratio(local['computed_prompt_tokens'], ours['computed_prompt_tokens'])} |",
+        f"| prompt tokens computed, {res['n_agents']} agents, one engine on both cores | "
+        f"{one['computed_prompt_tokens']} | {ours['computed_prompt_tokens']} | "
+        f"{_ratio(one['computed_prompt_tokens'], ours['computed_prompt_tokens'])} |",
+        f"| mean TTFT, {len(ar['kvstate']['ttfts'])} readers arriving on alternating workers | "
+        f"{ar['vllm_local_prefix_each_worker']['mean_ttft_s']:.3f} s | {ar['kvstate']['mean_ttft_s']:.3f} s | "
+        f"{ar['vllm_local_prefix_each_worker']['mean_ttft_s'] / ar['kvstate']['mean_ttft_s']:.1f}x lower |",
+    ]
+    if "transfer" in res:
+        tr = res["transfer"]
+        lines.append(
+            f"| KV of the state ({tr['mib']:.0f} MiB), A to B | Dask's own fetch of the same bytes: "
+            f"{tr['mib'] / tr['raw_s']:.0f} MiB/s | pull {tr['mib'] / tr['kv_s']:.0f} MiB/s; copy into the engine "
+            f"{tr['engine_load_mib'] / max(tr['engine_load_s'], 1e-9):.0f} MiB/s | pull at {100 * tr['ratio']:.0f}% "
+            f"of Dask's fetch, pull + engine load at {100 * tr['into_engine_ratio']:.0f}% |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

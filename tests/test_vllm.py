@@ -1,0 +1,154 @@
+"""The vLLM backend on SmolLM2: its connector's KV layout, every reuse path against the same
+engine's text replay, and that replay against transformers' own ``generate``.
+
+Skips, saying why, where vLLM is not installed (the ``vllm`` extra).
+"""
+
+from __future__ import annotations
+
+import dask
+import pytest
+import torch
+from distributed import Client, LocalCluster
+
+import dask_kvstate as kvs
+from dask_kvstate.bench.tree_of_thought import QUESTIONS, prompt_parts
+from dask_kvstate.generation import Sampling
+
+from .conftest import on
+
+
+def _vllm_missing() -> str | None:
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # a CUDA-linked torchvision next to the CPU torch breaks the import itself
+        return f"vLLM is not usable here ({type(e).__name__}: {e}); pip install 'dask-kvstate[vllm]'"
+    return None
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(_vllm_missing() is not None, reason=_vllm_missing() or ""),
+]
+
+PARTS = [prompt_parts(12, q) for q in QUESTIONS[:3]]
+PREFIX = PARTS[0][0]
+GREEDY = Sampling(max_new_tokens=16, temperature=0.0, top_p=1.0, seed=None)
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from dask_kvstate.backends import load_backend
+
+    with dask.config.set({"kvstate.backend": "vllm", "kvstate.block-tokens": 64}):
+        b = load_backend("smollm2-135m")
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from dask_kvstate.backends import models
+
+    model, tokenizer = models.load("smollm2-135m", dtype="float32")
+    return model
+
+
+def test_captured_kv_is_transformers_kv_of_the_same_prompt(backend, hf_model):
+    ids = backend.tokenize(PREFIX)
+    kv, _ = backend.prefill(ids)
+    with torch.inference_mode():
+        cache = hf_model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+    want = torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers])
+    assert kv.shape == want.shape == (backend.num_layers, 2, backend.kv_heads, len(ids), backend.head_dim)
+    # Same math, other kernels: equal to rounding, and the keys in token order (a layout
+    # slip would put whole rows of other tokens here).
+    assert torch.allclose(kv, want, atol=1e-3, rtol=1e-3), (kv - want).abs().max()
+
+
+def test_a_loaded_state_resumes_token_identical_to_replay(backend):
+    ids = backend.tokenize(PREFIX)
+    kv, _ = backend.prefill(ids)
+    for _, suffix in PARTS:
+        full = backend.tokenize(PREFIX + suffix)
+        assert full[: len(ids) - 1] == ids[: len(ids) - 1]
+        backend.reset_engine_cache()
+        replay = backend.generate(full, None, GREEDY)
+        backend.reset_engine_cache()  # nothing left in the engine: the state's blocks must be loaded
+        before = backend.counters["loaded_tokens"]
+        resumed = backend.generate(full, kv[:, :, :, : len(ids) - 1], GREEDY)
+        loaded = backend.counters["loaded_tokens"] - before
+        assert loaded == len(ids) - 1  # all of it, the last part-filled block too
+        assert resumed.token_ids == replay.token_ids
+        assert resumed.prefill_tokens == len(full) - loaded
+
+
+def test_replay_equals_transformers_generate(backend, hf_model):
+    for prefix, suffix in PARTS:
+        ids = backend.tokenize(prefix + suffix)
+        got = backend.generate(ids, None, GREEDY).token_ids
+        with torch.inference_mode():
+            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+        assert got == out[0, len(ids) :].tolist()[: len(got)]
+
+
+def test_a_bad_load_fails_its_call_and_the_engine_goes_on(backend):
+    ids = backend.tokenize(PREFIX)
+    bad = torch.zeros(backend.num_layers, 2, backend.kv_heads + 1, 8, backend.head_dim)
+    with pytest.raises(ValueError, match="cannot be resumed"):
+        backend.generate(ids, bad, GREEDY)
+    assert backend.generate(ids, None, GREEDY).token_ids
+
+
+def test_every_path_on_two_engines_is_token_identical_to_replay():
+    """Worker A's engine makes the state; worker B's engine, which never saw it, resumes it."""
+    pull = dask.config.set({"kvstate.placement.rule": "pull"})  # short prompts: the rule could recompute
+    with pull, LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0") as cluster:
+        with Client(cluster) as client:
+            kvs.install(client, "smollm2-135m", backend="vllm")
+            a, b = sorted(client.scheduler_info()["workers"])
+            with on(a):
+                state = kvs.materialize(PREFIX)
+            with on(b):
+                resumed = [
+                    kvs.resume(s, suffix, max_new_tokens=16) for s, (_, suffix) in zip(kvs.fork(state, 3), PARTS)
+                ]
+                batched = kvs.resume_many(state, [suffix for _, suffix in PARTS], max_new_tokens=16)
+                longer = kvs.extend(state, PARTS[0][1])
+                from_longer = kvs.resume(longer, " In short,", max_new_tokens=16)
+            with on(a):  # replay on the other engine: the same engine build, the same tokens
+                replay = [kvs.generate(p, s, max_new_tokens=16) for p, s in PARTS]
+                replay_longer = kvs.generate(PARTS[0][0] + PARTS[0][1] + " In short,", max_new_tokens=16)
+            ref, got, got_batched, got_longer, want, want_longer = dask.compute(
+                state, resumed, batched, from_longer, replay, replay_longer
+            )
+            stats = kvs.stats(client).workers
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [g.token_ids for g in got_batched] == [w.token_ids for w in want]
+    assert got_longer.token_ids == want_longer.token_ids
+    assert all(g.reused_tokens >= ref.num_tokens // 64 * 64 for g in got)
+    assert stats[b]["transfer_bytes"] >= ref.nbytes // 2  # B pulled A's blocks over the comm
+    assert stats[b]["engine"]["loaded_tokens"] > 0  # and its engine got them through our connector
+    assert stats[a]["engine"]["engine"] == "vllm"
+
+
+def test_the_compiler_on_vllm_is_token_identical():
+    """Plain ``kvs.generate`` calls sharing a long prompt prefix: the compiler makes it a state."""
+
+    def graph():
+        return [kvs.generate(PREFIX, suffix, max_new_tokens=16) for _, suffix in PARTS]
+
+    with LocalCluster(n_workers=1, threads_per_worker=4, processes=True, dashboard_address=":0") as cluster:
+        with Client(cluster) as client:
+            kvs.install(client, "smollm2-135m", backend="vllm")
+            off = dask.compute(*graph())
+            client.run(lambda dask_worker: dask_worker.plugins["kvstate"].runtime.backend.reset_engine_cache())
+            with kvs.stateflow():
+                got = dask.compute(*graph())
+            stats = kvs.stats(client).workers
+    assert [g.token_ids for g in got] == [o.token_ids for o in off]
+    assert all(o.reused_tokens == 0 for o in off)
+    assert all(g.reused_tokens >= len(PREFIX) // 8 for g in got)  # the shared prefix came from the state
+    # One worker: the state was prefilled by this engine, whose own prefix cache then serves it.
+    assert sum(s["engine"]["engine_prefix_hit_tokens"] for s in stats.values()) > 0
