@@ -9,6 +9,14 @@ The imports below are the slow part of a model suite's setup (seconds for torch 
 transformers' Llama modelling code, against milliseconds to build tiny-llama), so
 they happen here, at import, once for the whole run.
 
+Cluster suites start worker processes the same way, for the same reason: from a
+``multiprocessing`` fork server that has imported torch, transformers' Llama code and
+the worker plugin (:func:`fork_worker_processes`). Spawned, every worker of every
+cluster imports them anew, about 15 seconds a cluster on two cores, and a spawned
+worker that has loaded a model takes 4 seconds to be killed at close. What the suites
+time happens inside running workers, after ``kvs.install``: how they were started
+changes none of it.
+
 A suite parametrized over model backends adds ``"backend"`` to its ``param_names``
 with ``list(BACKENDS)`` as the values and passes the value to
 :meth:`ModelSuite.setup_model` (or :func:`require_backend` for a cluster suite): a
@@ -19,14 +27,20 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import tempfile
 
+import dask
 import torch
 import transformers.models.llama.modeling_llama  # noqa: F401  (imported once in the fork server, see above)
+from distributed.utils import get_mp_context
 
 import dask_kvstate.backends.hf  # noqa: F401
 
 SEED = 0
+#: What a forked worker process finds imported (distributed's own choice first).
+WORKER_PRELOAD = ["distributed", "numpy", "torch", "transformers.models.llama.modeling_llama"]
+WORKER_PRELOAD += ["dask_kvstate.plugins.worker.plugin"]
 DEFAULT_BACKEND = "transformers"
 #: Backend name (the value of ``kvstate.backend``) -> the optional package it needs,
 #: None for one that dask-kvstate itself requires.
@@ -34,6 +48,25 @@ BACKENDS: dict[str, str | None] = {DEFAULT_BACKEND: None}
 #: Comm protocol -> the optional package it needs.
 COMMS: dict[str, str | None] = {"tcp": None, "tls": None, "ucx": "distributed_ucxx"}
 _BACKENDS: dict = {}
+
+
+def fork_worker_processes() -> None:
+    """Start this process's Dask worker processes from a fork server holding :data:`WORKER_PRELOAD`.
+
+    A forked worker has its fork server's environment, not the environment of the
+    process that starts the cluster: UCX's settings (loopback TCP and shared memory on
+    a machine without RDMA, as ``crossover.two_workers`` sets them) are set here, before
+    the fork server starts, so a UCX cluster made later still gets them.
+    """
+    os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
+    # distributed names its preload on first use; this list replaces it (the fork
+    # server starts with the first worker, so until then the list can change).
+    get_mp_context().set_forkserver_preload(WORKER_PRELOAD)
+
+
+fork_worker_processes()
 
 
 def missing(package: str | None) -> str | None:

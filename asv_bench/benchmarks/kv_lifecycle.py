@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dask_kvstate.bench import kv_lifecycle
 
+from . import common  # noqa: F401  (its worker processes: see common.fork_worker_processes)
+
 
 class Lifecycle:
     timeout = 900

@@ -13,6 +13,10 @@ import asyncio
 
 from dask_kvstate.bench import nalar
 
+#: Seconds of seeded arrivals per workflow and configuration: 70 requests of swe and
+#: analyst, 200 of router (``examples/nalar_workflows.py`` runs 40 s for its tables).
+ARRIVAL_SECONDS = 10.0
+
 
 class WorkflowLatency:
     params = (["swe", "router", "analyst"],)
@@ -25,7 +29,10 @@ class WorkflowLatency:
         out = {}
         for name in self.params[0]:
             wf = nalar.WORKFLOWS[name]
-            rows = {c: asyncio.run(nalar.run_one(wf, c, duration=20.0, seed=0, drain=60.0)) for c in ("default", "all")}
+            rows = {
+                c: asyncio.run(nalar.run_one(wf, c, duration=ARRIVAL_SECONDS, seed=0, drain=60.0))
+                for c in ("default", "all")
+            }
             out[name] = rows
         return out
 

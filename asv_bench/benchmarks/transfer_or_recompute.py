@@ -19,7 +19,7 @@ from dask_kvstate.bench import crossover, serve_path
 from . import common
 
 MODEL = "tiny-llama"
-STATE_BYTES = 64 * 2**20
+STATE_BYTES = 32 * 2**20
 STATE_TOKENS = 4096
 
 
@@ -60,9 +60,10 @@ class KVThroughput:
 
     Every cell is measured in ``setup_cache``: one two-worker cluster per comm, each
     model installed on it in turn, so the run starts a cluster per comm rather than
-    per benchmark and parameter. The state is 64 MiB, or :data:`STATE_TOKENS` tokens
-    where 64 MiB would not fit the model's positions (tiny-llama's 512 bytes a token
-    would take 131,072 tokens, 16 times its 8,192 positions: a prefill of minutes).
+    per benchmark and parameter. The state is :data:`STATE_BYTES` (32 MiB: 728 SmolLM2
+    tokens, whose prefill is most of a comm's time), or :data:`STATE_TOKENS` tokens
+    where that would not fit the model's positions (tiny-llama's 512 bytes a token
+    would take 65,536 tokens, 8 times its 8,192 positions: a prefill of minutes).
     """
 
     params = (list(common.COMMS), ["tiny-llama", "smollm2-135m"])
