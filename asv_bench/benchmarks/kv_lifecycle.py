@@ -15,7 +15,7 @@ from . import common  # noqa: F401  (its worker processes: see common.fork_worke
 
 
 class Lifecycle:
-    timeout = 900
+    timeout = 600
     number = 1
     repeat = 1
 

@@ -21,7 +21,7 @@ ARRIVAL_SECONDS = 10.0
 class WorkflowLatency:
     params = (["swe", "router", "analyst"],)
     param_names = ["workflow"]
-    timeout = 900
+    timeout = 600
     number = 1
     repeat = 1
 
