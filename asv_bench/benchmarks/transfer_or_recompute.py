@@ -26,7 +26,7 @@ STATE_TOKENS = 4096
 class CrossoverSweep:
     params = (crossover.BANDWIDTHS, crossover.CONTEXTS)
     param_names = ["bandwidth", "context_tokens"]
-    timeout = 600  # a cluster per link speed: about a minute; a hang fails it, not the run
+    timeout = 600
 
     def setup_cache(self):
         cells = crossover.sweep(MODEL, "tcp", repeats=3)
