@@ -16,6 +16,8 @@ import time
 import torch
 import zict
 
+from . import common  # noqa: F401  (torch's threads: see common.TORCH_THREADS)
+
 N_BLOCKS = 32
 
 

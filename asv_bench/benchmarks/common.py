@@ -17,6 +17,12 @@ worker that has loaded a model takes 4 seconds to be killed at close. What the s
 time happens inside running workers, after ``kvs.install``: how they were started
 changes none of it.
 
+Benchmark processes run torch on :data:`TORCH_THREADS` thread, as every cluster
+suite's workers do (``kvs.install(..., torch_threads=1)``): an in-process suite times
+one worker's work. With torch's default of one thread per core on two cores shared
+with other work, ``batching.SiblingDecode`` took 7 times as long (1.8 minutes against
+14 seconds, same load), most of it threads waiting for a core.
+
 A suite parametrized over model backends adds ``"backend"`` to its ``param_names``
 with ``list(BACKENDS)`` as the values and passes the value to
 :meth:`ModelSuite.setup_model` (or :func:`require_backend` for a cluster suite): a
@@ -38,6 +44,7 @@ from distributed.utils import get_mp_context
 import dask_kvstate.backends.hf  # noqa: F401
 
 SEED = 0
+TORCH_THREADS = 1
 #: What a forked worker process finds imported (distributed's own choice first).
 WORKER_PRELOAD = ["distributed", "numpy", "torch", "transformers.models.llama.modeling_llama"]
 WORKER_PRELOAD += ["dask_kvstate.plugins.worker.plugin"]
@@ -67,6 +74,7 @@ def fork_worker_processes() -> None:
 
 
 fork_worker_processes()
+torch.set_num_threads(TORCH_THREADS)
 
 
 def missing(package: str | None) -> str | None:
