@@ -3,7 +3,7 @@
 The raw baseline is what Dask itself spills with: ``zict.Buffer`` over
 ``zict.Func(pickle.dumps, pickle.loads, zict.File)``. Ours adds scored eviction, pins,
 holds, the checked raw disk format and stats. Both run in the same benchmark process on
-the same seeded blocks; ``track_*_ratio`` is ours / raw (below 1 is faster than zict).
+the same seeded blocks; ``TierOps.track_ratio`` is ours / raw (below 1 is faster than zict).
 """
 
 from __future__ import annotations
