@@ -3,7 +3,7 @@
 The raw baseline is what Dask itself spills with: ``zict.Buffer`` over
 ``zict.Func(pickle.dumps, pickle.loads, zict.File)``. Ours adds scored eviction, pins,
 holds, the checked raw disk format and stats. Both run in the same benchmark process on
-the same seeded blocks; ``track_*_ratio`` is ours / raw (below 1 is faster than zict).
+the same seeded blocks; ``TierOps.track_ratio`` is ours / raw (below 1 is faster than zict).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import time
 import torch
 import zict
 
+from . import common  # noqa: F401  (torch's threads: see common.TORCH_THREADS)
+
 N_BLOCKS = 32
 
 
@@ -25,14 +27,14 @@ def blocks(block_bytes: int) -> dict[bytes, torch.Tensor]:
 
 
 class _Pair:
-    """One of ours and one raw zict chain, both with room for everything."""
+    """One of ours and one raw zict chain over the same blocks, both with room for everything."""
 
-    def __init__(self, block_bytes: int):
+    def __init__(self, data: dict[bytes, torch.Tensor]):
         from dask_kvstate.plugins.worker.block_store import TieredBlockStore
 
         self.dirs = [tempfile.mkdtemp(), tempfile.mkdtemp()]
-        self.data = blocks(block_bytes)
-        big = 10 * N_BLOCKS * block_bytes
+        self.data = data
+        big = 10 * sum(t.nelement() * t.element_size() for t in data.values())
         self.ours = TieredBlockStore(self.dirs[0], device_bytes=big, host_bytes=big, disk_bytes=big)
         weight = lambda k, v: v.nelement() * v.element_size()
         disk = zict.Func(pickle.dumps, pickle.loads, zict.File(self.dirs[1]))
@@ -67,22 +69,33 @@ class _Pair:
                 self.raw_host.fast.evict(h)
 
 
-class TierOps:
-    """Per tier, ours / raw zict: put and get on the device tier, spill to and unspill
-    from the host and disk tiers. Other (tier, op) pairs are skipped."""
+#: The operations each tier is measured on: put and get where blocks are made and read
+#: (the device tier), spill to and unspill from the tiers below it.
+TIER_OPS = {"device": ("put", "get"), "host": ("spill", "unspill"), "disk": ("spill", "unspill")}
 
-    params = (["device", "host", "disk"], [8 * 1024, 2_949_120])  # a tiny-llama block, a SmolLM2 64-token block
-    param_names = ["tier", "block_bytes"]
+
+class TierOps:
+    """Per operation and tier, ours / raw zict (``track_ratio``). Pairs that
+    :data:`TIER_OPS` does not list are skipped in ``setup``."""
+
+    params = (
+        ["put", "get", "spill", "unspill"],
+        list(TIER_OPS),
+        [8 * 1024, 2_949_120],  # a tiny-llama block, a SmolLM2 64-token block
+    )
+    param_names = ["op", "tier", "block_bytes"]
     timeout = 600
 
-    def setup(self, tier, block_bytes):
-        self.block_bytes = block_bytes
+    def setup(self, op, tier, block_bytes):
+        if op not in TIER_OPS[tier]:
+            raise NotImplementedError(f"{op} is not measured on the {tier} tier")  # asv: skip
+        self.data = blocks(block_bytes)
 
     def _time(self, op: str, tier: str, ours: bool) -> float:
         """Best of three, each on a fresh pair prepared up to the operation."""
         best = float("inf")
         for _ in range(3):
-            pair = _Pair(self.block_bytes)
+            pair = _Pair(self.data)
             if op in ("get", "unspill", "spill"):
                 pair.put(ours)
             if op == "unspill":
@@ -98,24 +111,10 @@ class TierOps:
             pair.close()
         return best
 
-    def _ratio(self, op: str, tier: str) -> float:
-        if (tier == "device") != (op in ("put", "get")):
-            raise NotImplementedError(f"{op} is not measured on the {tier} tier")  # asv: skipped
+    def track_ratio(self, op, tier, block_bytes):
         return self._time(op, tier, ours=True) / self._time(op, tier, ours=False)
 
-    def track_put_ratio(self, tier, block_bytes):
-        return self._ratio("put", tier)
-
-    def track_get_ratio(self, tier, block_bytes):
-        return self._ratio("get", tier)
-
-    def track_spill_ratio(self, tier, block_bytes):
-        return self._ratio("spill", tier)
-
-    def track_unspill_ratio(self, tier, block_bytes):
-        return self._ratio("unspill", tier)
-
-    track_put_ratio.unit = track_get_ratio.unit = track_spill_ratio.unit = track_unspill_ratio.unit = "ours/zict"
+    track_ratio.unit = "ours/zict"
 
 
 class StatsDuringOffload:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from dask_kvstate.bench import kv_lifecycle
 
+from . import common  # noqa: F401  (its worker processes: see common.fork_worker_processes)
+
 
 class Lifecycle:
-    timeout = 900
+    timeout = 600
     number = 1
     repeat = 1
 

@@ -11,6 +11,8 @@ import time
 
 from dask_kvstate.generation import Sampling
 
+from . import common
+
 
 class PrefillReuse:
     params = ([256, 1024], ["tiny-llama"])
@@ -18,9 +20,7 @@ class PrefillReuse:
     timeout = 300
 
     def setup(self, context_tokens, model):
-        from dask_kvstate.backends import load_backend
-
-        self.backend = load_backend(model)
+        self.backend = common.backend(model)
         words = ("the planner writes a plan and the tester runs the tests " * 400).split()
         ids = self.backend.tokenize(" ".join(words))
         self.prefix = ids[:context_tokens]

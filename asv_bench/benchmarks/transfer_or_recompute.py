@@ -12,15 +12,21 @@ holder's side alone: packing a pull into a reply buffer vs finding its block are
 
 from __future__ import annotations
 
+import traceback
+
 from dask_kvstate.bench import crossover, serve_path
 
+from . import common
+
 MODEL = "tiny-llama"
+STATE_BYTES = 32 * 2**20
+STATE_TOKENS = 4096
 
 
 class CrossoverSweep:
     params = (crossover.BANDWIDTHS, crossover.CONTEXTS)
     param_names = ["bandwidth", "context_tokens"]
-    timeout = 1800
+    timeout = 600
 
     def setup_cache(self):
         cells = crossover.sweep(MODEL, "tcp", repeats=3)
@@ -50,40 +56,68 @@ class CrossoverSweep:
 
 
 class KVThroughput:
-    params = (["tcp", "tls", "ucx"], ["tiny-llama", "smollm2-135m"])
+    """KV pull vs Dask's fetch of the same bytes, per comm and model (``crossover.throughput``).
+
+    Every cell is measured in ``setup_cache``: one two-worker cluster per comm, each
+    model installed on it in turn, so the run starts a cluster per comm rather than
+    per benchmark and parameter. The state is :data:`STATE_BYTES` (32 MiB: 728 SmolLM2
+    tokens, whose prefill is most of a comm's time), or :data:`STATE_TOKENS` tokens
+    where that would not fit the model's positions (tiny-llama's 512 bytes a token
+    would take 65,536 tokens, 8 times its 8,192 positions: a prefill of minutes).
+    """
+
+    params = (list(common.COMMS), ["tiny-llama", "smollm2-135m"])
     param_names = ["protocol", "model"]
-    timeout = 600
+    timeout = 420
 
-    def setup(self, protocol, model):
-        if protocol == "ucx":
-            try:
-                import distributed_ucxx  # noqa: F401
-            except ImportError:
-                raise NotImplementedError("UCX comm not installed")  # asv: skip this combination
+    def setup_cache(self):
         import dask_kvstate as kvs
+        from dask_kvstate.bench import workload
 
-        with crossover.two_workers(protocol) as client:
-            kvs.install(client, model, torch_threads=1)
-            a, b = sorted(client.scheduler_info()["workers"])
-            self.result = crossover.throughput(client, a, b, 64 * 2**20, packed=True)
+        cells = {}
+        for protocol in self.params[0]:
+            reason = common.missing(common.COMMS[protocol])
+            if reason:
+                cells.update({(protocol, m): {"skip": reason} for m in self.params[1]})
+                continue
+            try:
+                with crossover.two_workers(protocol) as client:
+                    for model in self.params[1]:
+                        kvs.install(client, model, torch_threads=1)
+                        a, b = sorted(client.scheduler_info()["workers"])
+                        nbytes = min(STATE_BYTES, STATE_TOKENS * workload.kv_bytes_per_token(client))
+                        cells[protocol, model] = crossover.throughput(client, a, b, nbytes, packed=True)
+            except Exception:  # one comm's failure fails its cells, not the other comms'
+                error = traceback.format_exc()
+                cells.update({(protocol, m): {"error": error} for m in self.params[1] if (protocol, m) not in cells})
+        return cells
 
-    def track_kv_pull_mib_per_s(self, protocol, model):
-        return self.result["mib"] / self.result["kv_s"]
+    def setup(self, cells, protocol, model):
+        cell = cells[protocol, model]
+        if "skip" in cell:
+            raise NotImplementedError(cell["skip"])  # asv: skip this combination
+        if "error" in cell:
+            raise RuntimeError(f"measuring {protocol} with {model} failed:\n{cell['error']}")
+
+    def track_kv_pull_mib_per_s(self, cells, protocol, model):
+        cell = cells[protocol, model]
+        return cell["mib"] / cell["kv_s"]
 
     track_kv_pull_mib_per_s.unit = "MiB/s"
 
-    def track_dask_fetch_mib_per_s(self, protocol, model):
-        return self.result["mib"] / self.result["raw_s"]
+    def track_dask_fetch_mib_per_s(self, cells, protocol, model):
+        cell = cells[protocol, model]
+        return cell["mib"] / cell["raw_s"]
 
     track_dask_fetch_mib_per_s.unit = "MiB/s"
 
-    def track_kv_vs_dask_ratio(self, protocol, model):
-        return self.result["ratio"]
+    def track_kv_vs_dask_ratio(self, cells, protocol, model):
+        return cells[protocol, model]["ratio"]
 
     track_kv_vs_dask_ratio.unit = "KV pull / Dask fetch throughput"
 
-    def track_kv_packed_vs_dask_ratio(self, protocol, model):
-        return self.result["packed_ratio"]
+    def track_kv_packed_vs_dask_ratio(self, cells, protocol, model):
+        return cells[protocol, model]["packed_ratio"]
 
     track_kv_packed_vs_dask_ratio.unit = "KV pull with zero-copy off / Dask fetch throughput"
 
