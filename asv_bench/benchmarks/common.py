@@ -51,7 +51,7 @@ WORKER_PRELOAD += ["dask_kvstate.plugins.worker.plugin"]
 DEFAULT_BACKEND = "transformers"
 #: Backend name (the value of ``kvstate.backend``) -> the optional package it needs,
 #: None for one that dask-kvstate itself requires.
-BACKENDS: dict[str, str | None] = {DEFAULT_BACKEND: None}
+BACKENDS: dict[str, str | None] = {DEFAULT_BACKEND: None, "vllm": "vllm"}
 #: Comm protocol -> the optional package it needs.
 COMMS: dict[str, str | None] = {"tcp": None, "tls": None, "ucx": "distributed_ucxx"}
 _BACKENDS: dict = {}
