@@ -30,7 +30,7 @@ import torch
 
 from dask_kvstate.backends import identity, layout, models, vllm_connector
 from dask_kvstate.backends.hf import GenerationResult
-from dask_kvstate.backends.vllm_engine import EngineLoop, EngineOptions, Finished, Job, start_engine
+from dask_kvstate.backends.vllm_engine import EngineLoop, EngineOptions, Finished, Job
 from dask_kvstate.blocks import kv_identity
 from dask_kvstate.generation import Sampling
 
@@ -109,7 +109,7 @@ class VLLMBackend:
                     f"a vLLM engine for {_LIVE[0].name!r} already runs in this process; the vLLM backend serves "
                     "one model per worker: install one model, or close the other backend first"
                 )
-            self.loop = EngineLoop(start_engine(options), self.exchange)
+            self.loop = EngineLoop(options, self.exchange)
             _LIVE.append(self)
 
     @classmethod

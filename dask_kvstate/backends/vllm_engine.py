@@ -45,9 +45,23 @@ class EngineOptions:
     exchange: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
-def _cores_of_this_process() -> str:
+def _cores_of_this_process(limit: int) -> str:
+    """The first ``limit`` cores this process may run on, as vLLM's binding spec ("0,1")."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    return ",".join(str(c) for c in cores)
+    return ",".join(str(c) for c in list(cores)[: max(1, limit)])
+
+
+def count_cores(spec: str) -> int:
+    """Cores a binding spec names.
+
+    >>> count_cores("0-3"), count_cores("0,2"), count_cores("1")
+    (4, 2, 1)
+    """
+    n = 0
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        n += int(hi) - int(lo) + 1 if hi else 1
+    return n
 
 
 def start_engine(options: EngineOptions):
@@ -55,7 +69,16 @@ def start_engine(options: EngineOptions):
     # Read by vLLM when the engine is built, not at import: set them first.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, options.kv_cache_bytes // 2**30))
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = options.cpu_cores or _cores_of_this_process()
+    import torch
+
+    # vLLM's CPU attention plans its work for the bound cores and runs it on torch's
+    # threads: the two counts must agree, or its kernels abort the process. Unbound, the
+    # engine takes as many of this process's cores as torch has threads (the worker's own
+    # setting, kvstate.worker.torch-threads); bound by hand, torch follows the binding.
+    cores = options.cpu_cores or _cores_of_this_process(torch.get_num_threads())
+    if count_cores(cores) != torch.get_num_threads():
+        torch.set_num_threads(count_cores(cores))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -137,16 +160,33 @@ class Finished:
 
 
 class EngineLoop:
-    """Drives one engine on its own thread; :meth:`run` is called from any task thread."""
+    """Starts one engine on its own thread and drives it there; :meth:`run` is called from any task thread.
 
-    def __init__(self, engine, exchange: vllm_connector.Exchange):
-        self.engine = engine
+    The engine is built on the thread that steps it: vLLM binds that thread's OpenMP team
+    to the engine's cores when it starts, and its CPU attention aborts the process when a
+    step runs on a thread with another team size.
+    """
+
+    def __init__(self, options: EngineOptions, exchange: vllm_connector.Exchange):
         self.exchange = exchange
         self._queue: queue.SimpleQueue[Job | Call | None] = queue.SimpleQueue()
         self._jobs: dict[str, Job] = {}
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="kvstate-vllm-engine", daemon=True)
+        started: Future = Future()
+        self._thread = threading.Thread(target=self._main, args=(options, started), name="kvstate-vllm-engine")
+        self._thread.daemon = True
         self._thread.start()
+        self.engine = started.result()  # the engine's start error, raised in the caller
+
+    def _main(self, options: EngineOptions, started: Future) -> None:
+        try:
+            engine = start_engine(options)
+        except BaseException as e:
+            started.set_exception(e)
+            return
+        self.engine = engine
+        started.set_result(engine)
+        self._loop()
 
     def submit(self, job: Job) -> Future:
         if self._closed:
