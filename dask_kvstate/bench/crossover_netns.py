@@ -27,31 +27,41 @@ CONTEXTS = [256, 1024, 4096]
 TOLERANCE = 1.5
 
 
+def rule_runs(client, ref, b: str, forget: bool, repeats: int) -> dict:
+    """The rule's own fill of ``ref`` on ``b``, ``repeats`` times: the run of median seconds."""
+    runs = [client.submit(tasks.measure_rule, ref, forget, workers=[b], pure=False).result() for _ in range(repeats)]
+    return sorted(runs, key=lambda d: d["seconds"])[len(runs) // 2]
+
+
+def outcome(d: dict) -> str:
+    """What a rule run did: pulled, recomputed at once, or probed and then recomputed."""
+    if d.get("cut_off") or d.get("switched"):
+        return "probe->recompute"
+    return d["action"]
+
+
 def cell(client, a: str, b: str, tokens_hint: int, salt: str, repeats: int) -> dict:
     """A state made on ``a`` needed on ``b``: the rule (first contact, then warm) vs both options."""
     ref = client.submit(tasks.materialize, crossover.context(tokens_hint, salt), workers=[a], pure=False).result()
-    first = client.submit(tasks.measure_rule, ref, True, workers=[b], pure=False).result()
+    first = rule_runs(client, ref, b, True, repeats)
     times = crossover.option_times(client, ref, b, repeats)
-    warm = client.submit(tasks.measure_rule, ref, False, workers=[b], pure=False).result()
+    warm = rule_runs(client, ref, b, False, repeats)
     best = min(times.values())
     faster = min(times, key=times.__getitem__)
-
-    def outcome(d: dict) -> str:
-        if d.get("cut_off") or d.get("switched"):
-            return "probe->recompute"
-        return d["action"]
-
     return {
         "tokens": ref.num_tokens,
         "mib": ref.nbytes / 2**20,
         "faster": faster,
         "t_pull": times["pull"],
         "t_recompute": times["recompute"],
+        "est_recompute": warm["t_recompute"],
         "first": outcome(first),
         "first_s": first["seconds"],
+        "first_chunks": first.get("chunks", []),
         "first_right": first["seconds"] <= TOLERANCE * best,
         "warm": outcome(warm),
         "warm_s": warm["seconds"],
+        "warm_chunks": warm.get("chunks", []),
         "warm_right": warm["seconds"] <= TOLERANCE * best,
         "choice": warm["action"],
         "right": warm["action"] == faster,
@@ -76,8 +86,8 @@ def sweep(model: str, repeats: int, rates=RATES, contexts=CONTEXTS) -> dict:
                 bar.update()
                 progress.write(
                     f"{c['rate']:>11} {c['tokens']:>5} tok {c['mib']:6.2f} MiB | pull {c['t_pull']:.4f} s, "
-                    f"recompute {c['t_recompute']:.4f} s | rule first {c['first']} {c['first_s']:.4f} s, "
-                    f"warm {c['warm']} {c['warm_s']:.4f} s"
+                    f"recompute {c['t_recompute']:.4f} s (est. {c['est_recompute']:.4f}) | rule first {c['first']} "
+                    f"{c['first_s']:.4f} s {c['first_chunks']}, warm {c['warm']} {c['warm_s']:.4f} s {c['warm_chunks']}"
                 )
             fitted = client.run(_fitted, a, workers=[b])[b]
             fits.append({"rate": rate or "unshaped", "fitted_bytes_per_s": fitted})
