@@ -30,6 +30,8 @@ TOLERANCE = 1.5
 def rule_runs(client, ref, b: str, forget: bool, repeats: int) -> dict:
     """The rule's own fill of ``ref`` on ``b``, ``repeats`` times: the run of median seconds."""
     runs = [client.submit(tasks.measure_rule, ref, forget, workers=[b], pure=False).result() for _ in range(repeats)]
+    for d in runs:  # what the task waited: deciding (and asking for other copies) too
+        d["seconds"] += d.get("decide_s", 0.0)
     return sorted(runs, key=lambda d: d["seconds"])[len(runs) // 2]
 
 
@@ -91,8 +93,9 @@ def sweep(model: str, repeats: int, rates=RATES, contexts=CONTEXTS) -> dict:
                 )
             fitted = client.run(_fitted, a, workers=[b])[b]
             fits.append({"rate": rate or "unshaped", "fitted_bytes_per_s": fitted})
+        prefills = client.run(_prefills, workers=[b])[b]
     bar.close()
-    return {"cells": cells, "fits": fits}
+    return {"cells": cells, "fits": fits, "prefills": prefills}
 
 
 def _fitted(peer: str, dask_worker) -> float | None:
@@ -100,6 +103,14 @@ def _fitted(peer: str, dask_worker) -> float | None:
 
     links = dask_worker.plugins[WORKER_PLUGIN].runtime.links
     return links.per_peer.get(peer)
+
+
+def _prefills(dask_worker) -> dict:
+    """The consumer's prefill meter: its recent ``(missing, cached, seconds)`` and its fit."""
+    from dask_kvstate.protocol import WORKER_PLUGIN
+
+    meter = dask_worker.plugins[WORKER_PLUGIN].runtime.prefill_meter
+    return {"obs": [list(o) for o in meter.obs], "coefficients": list(meter.coefficients())}
 
 
 def compare(model: str, repeats: int, rates=RATES, contexts=CONTEXTS) -> dict:

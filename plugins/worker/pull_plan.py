@@ -9,11 +9,15 @@ same bytes over 1 Gbit/s as 0.5 Gbit/s. So a pull decided by the rule goes in st
 (:func:`next_chunk`), each priced with what the ones before measured:
 
 1. a peer whose link is unmeasured first gets a probe of ``transport.probe-bytes`` of
-   the missing blocks; a state of at most four probes is pulled whole, as its own probe;
+   the missing blocks, with the rest asked for at once beside it: the two share the
+   link, so going on costs no second round trip, and a rest the probe says not to
+   pull is dropped (its comm aborted, the link free at once); a state of at most four
+   probes is pulled whole, as its own probe;
 2. the rest is pulled whole when it wins even at the link's floor (the fastest pull
    seen, latency counted as transfer time: a rate the link surely carries), or when a
    fit of latency and bandwidth from pulls at least a quarter of its size says so;
-3. it is left to be recomputed when the fitted link says pulling it costs more;
+3. it is left to be recomputed when the fitted link says pulling it costs more, or,
+   with one pull size measured (no fit yet), when it would even at twice the floor;
 4. between the two, a probe four times the largest measured pull, then step 2 again:
    two sizes make the fit of latency and bandwidth (``LinkMeter``).
 
@@ -87,11 +91,17 @@ def next_chunk(
     floor = links.floor(holder)
     if floor > 0 and rest_bytes / floor <= t_recompute:
         return pull(n_rest, rest_bytes / floor)
-    estimate = transfer_seconds(rest_bytes, bw, lat)
-    if estimate >= t_recompute:
+    if links.fitted(holder):
+        estimate = transfer_seconds(rest_bytes, bw, lat)
+        if estimate >= t_recompute:
+            return None
+        if GROWTH * links.largest(holder) >= rest_bytes:
+            return pull(n_rest, estimate)
+    elif rest_bytes / (2 * floor) >= t_recompute:
+        # One size measured says nothing of latency: its rate is the floor at worst, and
+        # its latency at most half of its time unless the link is fast, so a rest that
+        # takes longer than the recompute even at twice the floor is better recomputed.
         return None
-    if links.fitted(holder) and GROWTH * links.largest(holder) >= rest_bytes:
-        return pull(n_rest, estimate)
     n = blocks_of(GROWTH * max(links.largest(holder), probe_bytes))
     return pull(n, transfer_seconds(n * block_bytes, bw, lat))
 
@@ -123,40 +133,63 @@ def pull_missing(resolver, ref, tensors: list, holder: str, decision: dict) -> l
     estimate = decision
     untried = [h for h in decision.get("holders", ()) if h != holder]
     chunks: list[list] = []
-    while True:
-        missing = [i for i, t in enumerate(tensors) if t is None]
-        if not missing:
-            break
-        if chunks:
-            estimate = decide.rule(kv, ref, missing[0], holder)
-        plan = next_chunk(
-            kv.links,
-            holder,
-            estimate["missing_bytes"],
-            per_block,
-            estimate["t_recompute"],
-            probe_bytes=kv.settings.probe_bytes,
-            patience=kv.settings.patience,
-        )
-        if plan is None:  # the measured link says recompute: unless another copy is worth a try
-            untried.sort(key=lambda h: decide.pull_seconds(kv, ref, missing[0], h))
-            other = untried.pop(0) if untried else None
-            if other is not None and decide.rule(kv, ref, missing[0], other)["action"] == "pull":
-                holder = decision["holder"] = other
-                chunks.append([0, None])  # a step that moved to another copy
-                continue
-            decision["switched"] = True
-            break
-        chunk = missing[: plan[0]]
-        t0 = time.perf_counter()
-        pulled = resolver.pull(holder, [ref.blocks[i] for i in chunk], shapes, patience=plan[1])
-        chunks.append([len(chunk), time.perf_counter() - t0 if pulled else None])
-        if not pulled:  # cut off, failed or the holder lost them: the caller recomputes
-            decision["cut_off"] = True
-            break
-        tensors = filled(pulled, tensors)
-        if len(pulled) < len(chunk):
-            break
+    ahead = None  # the rest, asked for beside a first probe
+    try:
+        while True:
+            missing = [i for i, t in enumerate(tensors) if t is None]
+            if not missing:
+                break
+            if chunks:
+                estimate = decide.rule(kv, ref, missing[0], holder)
+            plan = next_chunk(
+                kv.links,
+                holder,
+                estimate["missing_bytes"],
+                per_block,
+                estimate["t_recompute"],
+                probe_bytes=kv.settings.probe_bytes,
+                patience=kv.settings.patience,
+            )
+            if ahead is not None and plan is not None:  # go on with the rest already on its way
+                wait = transfer_seconds(
+                    estimate["missing_bytes"], kv.links.bandwidth(holder), kv.links.latency_to(holder)
+                )
+                wait = max(plan[1], wait + kv.settings.patience * estimate["t_recompute"])
+                t0 = time.perf_counter()
+                pulled = resolver.take(holder, ahead, shapes, wait)
+                n, ahead = len(ahead.hashes), None
+            else:
+                if ahead is not None:
+                    resolver.drop(ahead)
+                    ahead = None
+                if plan is None:  # the measured link says recompute: unless another copy is worth a try
+                    untried.sort(key=lambda h: decide.pull_seconds(kv, ref, missing[0], h))
+                    other = untried.pop(0) if untried else None
+                    if other is not None and decide.rule(kv, ref, missing[0], other)["action"] == "pull":
+                        holder = decision["holder"] = other
+                        chunks.append([0, None])  # a step that moved to another copy
+                        continue
+                    decision["switched"] = True
+                    break
+                chunk = [ref.blocks[i] for i in missing[: plan[0]]]
+                rest = [ref.blocks[i] for i in missing[plan[0] :]]
+                n, t0 = len(chunk), time.perf_counter()
+                if rest and not kv.links.measured(holder):
+                    # first contact: the rest is asked for at once beside the probe, so going
+                    # on costs no second round trip, and is dropped if the probe says recompute
+                    pulled, ahead = resolver.pull_beside(holder, chunk, rest, shapes, plan[1])
+                else:
+                    pulled = resolver.pull(holder, chunk, shapes, patience=plan[1])
+            chunks.append([n, time.perf_counter() - t0 if pulled else None])
+            if not pulled:  # cut off, failed or the holder lost them: the caller recomputes
+                decision["cut_off"] = True
+                break
+            tensors = filled(pulled, tensors)
+            if len(pulled) < n:
+                break
+    finally:
+        if ahead is not None:
+            resolver.drop(ahead)
     decision["steps"], decision["chunks"] = len(chunks), chunks
     pulled_n = wanted - sum(t is None for t in tensors)
     if (decision.get("switched") or decision.get("cut_off")) and pulled_n * 2 < wanted:
