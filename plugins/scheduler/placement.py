@@ -297,11 +297,12 @@ class KVPlacement(SchedulerPlugin):
         """
         planned = planned if planned is not None else {}
         best = None
-        copies = self.holders(ref)
+        copies: set[str] | None = None  # the state's copies: the first estimate finds them itself, the rest reuse
         for ws in self.scheduler.running:
             if among is not None and ws.address not in among:
                 continue
             est = self.estimate(ref, ws.address, copies)
+            copies = self.holders(ref) if copies is None else copies
             if est is None:
                 continue
             wait = ws.occupancy / max(ws.nthreads, 1) + planned.get(ws.address, 0.0)
