@@ -162,11 +162,12 @@ class LinkMeter:
             if lat >= 0 and inv_bw > 0:
                 self.latencies[peer], self.per_peer[peer] = float(lat), float(1 / inv_bw)
                 return
-        # one size, or a fit that noise made unphysical: the latest pull over a latency
-        # no larger than the fastest pull seen
+        # one size, or a fit that noise made unphysical: the median pull, each over a
+        # latency no larger than half the fastest pull seen (one slow pull moves nothing)
         self.latencies.pop(peer, None)
         lat = min(self.latency, min(t for _, t in obs) * 0.5)
-        self.per_peer[peer] = nbytes / max(seconds - lat, seconds * 0.05)
+        rates = sorted(n / max(t - lat, t * 0.05) for n, t in obs)
+        self.per_peer[peer] = rates[len(rates) // 2]
 
     def bandwidth(self, peer: str) -> float:
         if peer in self.per_peer:

@@ -155,13 +155,20 @@ def pull_missing(resolver, ref, tensors: list, holder: str, decision: dict) -> l
                     estimate["missing_bytes"], kv.links.bandwidth(holder), kv.links.latency_to(holder)
                 )
                 wait = max(plan[1], wait + kv.settings.patience * estimate["t_recompute"])
+            elif ahead is not None:
+                # The probe says recompute, but it shared the link and the puller's event loop
+                # with the rest: over a fast link the rest lands about when the probe does, and
+                # one already here costs nothing. It gets half the probe's time, at most half
+                # the patience.
+                wait = min(chunks[-1][1] or 0.0, kv.settings.patience * estimate["t_recompute"]) / 2
+            if ahead is not None:
                 t0 = time.perf_counter()
                 pulled = resolver.take(holder, ahead, shapes, wait)
                 n, ahead = len(ahead.hashes), None
+                if not pulled and plan is None:  # not here in time: recompute, as the probe said
+                    decision["switched"] = True
+                    break
             else:
-                if ahead is not None:
-                    resolver.drop(ahead)
-                    ahead = None
                 if plan is None:  # the measured link says recompute: unless another copy is worth a try
                     untried.sort(key=lambda h: decide.pull_seconds(kv, ref, missing[0], h))
                     other = untried.pop(0) if untried else None
