@@ -146,10 +146,12 @@ def test_a_state_on_a_slow_and_a_fast_host_is_pulled_from_the_fast_one(hosts):
     futures = {w: client.submit(tasks.materialize, text, workers=[w], pure=False) for w in (slow, fast)}
     refs = {w: f.result() for w, f in futures.items()}
     assert refs[slow].blocks == refs[fast].blocks
-    # the consumer times each link with pulls of two sizes, 8x apart (its fits of latency and bandwidth)
+    # the consumer times each link with pulls of two sizes, 8x apart (its fits of latency and
+    # bandwidth), and the fast one with a 2 MB pull too: smaller ones are mostly latency there
     for w in (slow, fast):
-        small = client.submit(tasks.materialize, short, workers=[w], pure=False).result()
-        for ref in (small, refs[w], small, refs[w]):
+        sizes = [short] + ([CONTEXT * 32] if w == fast else [])
+        made = [client.submit(tasks.materialize, t, workers=[w], pure=False).result() for t in sizes]
+        for ref in [*made, refs[w]] * 2:
             client.submit(tasks.measure_fill, ref, "pull", workers=[consumer], pure=False).result()
     fits = client.run(_links, workers=[consumer])[consumer]
     for w, rate in ((slow, SLOW), (fast, FAST)):
@@ -158,6 +160,7 @@ def test_a_state_on_a_slow_and_a_fast_host_is_pulled_from_the_fast_one(hosts):
             f"latency {fits['latency'].get(w, float('nan')) * 1e3:.2f} ms"
         )
     assert fits["bandwidth"][slow] < SLOW_BPS * 2  # a fit from four pulls; a busy machine only slows them
+    assert fits["bandwidth"][fast] < FAST_BPS * 2
     assert fits["bandwidth"][fast] > 4 * fits["bandwidth"][slow]
     # the ref names the slow host; the pull still comes from the fast copy
     d = client.submit(tasks.measure_rule, refs[slow], workers=[consumer], pure=False).result()
