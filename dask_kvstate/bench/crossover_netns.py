@@ -54,7 +54,9 @@ def cell(client, a: str, b: str, tokens_hint: int, salt: str, repeats: int) -> d
     def run(fn, *args):
         return client.submit(fn, ref, *args, workers=[b], pure=False).result()
 
-    firsts, warms, times = [], [], {"pull": [], "recompute": []}
+    firsts: list[dict] = []
+    warms: list[dict] = []
+    times: dict[str, list[float]] = {"pull": [], "recompute": []}
     for _ in range(repeats):
         firsts.append(run(tasks.measure_rule, True))
         for action in times:
