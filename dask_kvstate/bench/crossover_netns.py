@@ -1,7 +1,7 @@
 """Transfer versus recompute over real links: shaped network namespaces x context length.
 
 The same cells as :func:`dask_kvstate.bench.crossover.sweep`, but the link between the
-holder and the consumer is a real TCP link through a bridge, shaped with ``tbf``
+holder and the consumer is a real TCP link through a bridge, shaped with ``htb``
 (:class:`dask_kvstate.testing.hosts.Hosts`), not the in-process throttle of
 ``kvstate.transport.emulated-bandwidth``. Per cell: the rule carried out on a link it
 has not measured yet (``first``: the probes and the cut-off at work) and again once it
