@@ -58,6 +58,9 @@ SCHEDULING_EXTENSIONS = (
 HELLO = "kvstate_hello"
 #: Worker runtime (a long prefill) -> placement: how many threads on its host are idle.
 IDLE_THREADS = "kvstate_idle_threads"
+#: Worker runtime (a consumer whose named holder is slow to reach) -> placement: the running
+#: workers that hold every one of a list of blocks, so the pull can come from the fastest.
+HOLDERS = "kvstate_holders"
 
 # -- RPC handlers on workers --------------------------------------------------------------------
 #: Worker runtime (a consumer) -> the holder's worker plugin: blocks by hash.

@@ -9,7 +9,7 @@ measurements are :mod:`dask_kvstate.bench.crossover`.
 
 Run: ``python examples/crossover.py [--model tiny-llama] [--protocol tcp] [--throughput tcp,ucx]``.
 With ``--links netns`` (root, Linux) the sweep runs over real links between network
-namespaces shaped with tbf (:mod:`dask_kvstate.bench.crossover_netns`), beside the config
+namespaces shaped with htb (:mod:`dask_kvstate.bench.crossover_netns`), beside the config
 throttle on the same cells, and writes ``cells.json`` and ``table.md`` to ``--out``.
 """
 

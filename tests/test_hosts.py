@@ -1,10 +1,15 @@
-"""Several hosts on one machine (network namespaces, real TCP links shaped with tbf).
+"""Several hosts on one machine (network namespaces, real TCP links shaped with htb), over TLS.
 
-A scheduler host and two worker hosts, tiny-llama; the holder's link shaped to 10 Mbit/s.
-A state made on one host is resumed on the other: over the shaped link the pull takes
-the time its bytes need there, the rule learns the link and stops pulling where
-recomputing is faster, and with the holder's link cut mid-workflow the consumer
-recomputes and every output still equals text replay, within a deadline.
+A scheduler host and three worker hosts, tiny-llama: ``w0`` behind a 10 Mbit/s link,
+``w1`` behind 1 Gbit/s, ``w2`` unshaped. Every process speaks TLS only, with a throwaway
+CA's certificates passed as ``--tls-ca-file`` / ``--tls-cert`` / ``--tls-key`` (plain TCP
+between hosts is what the crossover bench runs on). A state made on one host is resumed on another:
+over the shaped link the pull takes the time its bytes need there, the rule learns the
+link and stops pulling where recomputing is faster, a state held on a slow and a fast
+host is pulled from the fast one, and with the holder's link cut mid-workflow the
+consumer recomputes and every output still equals text replay, within a deadline; once
+the link is back, the cut-off host's worker ends itself and a replacement joins with
+none of its blocks.
 
 Runs as root where namespaces work; skips with the reason elsewhere.
 """
@@ -15,17 +20,20 @@ import time
 
 import dask
 import pytest
+from distributed import Client
+from distributed.utils_test import poll_for
 
 import dask_kvstate as kvs
 from dask_kvstate import tasks
+from dask_kvstate.protocol import HOLDERS, PLACEMENT_EXTENSION, WORKER_PLUGIN
 from dask_kvstate.testing.hosts import Hosts, skip_reason
 
 from .conftest import CONTEXT, TEST_CONFIG
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
 
-SLOW = "10 Mbit/s"
-SLOW_BPS = 10e6 / 8
+SLOW, FAST = "10 Mbit/s", "1 Gbit/s"
+SLOW_BPS, FAST_BPS = 10e6 / 8, 1e9 / 8
 CONNECT = 2.0  # Dask's and the KV pull's connect timeout on every host
 TTL = 3.0  # the scheduler's worker-ttl: a host silent this long is gone
 PROCESS_CONFIG = {
@@ -39,7 +47,7 @@ QUESTION = " Who tests the code?"
 
 @pytest.fixture(scope="module")
 def hosts():
-    with Hosts(n_workers=2, rates={"w0": SLOW}, config=PROCESS_CONFIG) as h:
+    with Hosts(n_workers=3, rates={"w0": SLOW, "w1": FAST}, config=PROCESS_CONFIG, tls=True) as h:
         with dask.config.set(KV_CONFIG), h.client() as client:
             kvs.install(client, "tiny-llama", torch_threads=1)
             h.kv_client = client  # type: ignore[attr-defined]
@@ -52,6 +60,17 @@ def near(worker: str) -> dict:
 
 def replay(client, text: str, n: int = 12):
     return client.submit(tasks.generate, text, max_new_tokens=n, pure=False).result()
+
+
+def test_hosts_speak_tls_only(hosts):
+    assert hosts.scheduler_address.startswith("tls://")
+    assert set(hosts.kv_client.scheduler_info()["workers"]) == set(hosts.workers.values())
+    assert all(w.startswith("tls://") for w in hosts.workers.values())
+    # without the throwaway CA's certificates, or in plain TCP, nobody gets in
+    s = hosts.hosts["s"]
+    for address, security in ((hosts.scheduler_address, None), (f"tcp://{s.addr}:{s.port}", None)):
+        with pytest.raises(Exception), Client(address, security=security, timeout="3s"):
+            pass
 
 
 def test_state_made_on_one_host_resumes_on_another_over_a_shaped_link(hosts):
@@ -67,8 +86,8 @@ def test_state_made_on_one_host_resumes_on_another_over_a_shaped_link(hosts):
         f"{ref.num_tokens} tokens, {ref.nbytes / 1e6:.2f} MB over {SLOW}: pull {pull:.3f} s "
         f"({rate * 8 / 1e6:.1f} Mbit/s), recompute {recompute:.3f} s"
     )
-    # the shaped link, not loopback: the bytes take their time at 10 Mbit/s (tbf's burst and
-    # TCP's framing move the measured rate a little either way)
+    # the shaped link, not loopback: the bytes take their time at 10 Mbit/s (TCP's framing
+    # and the request's round trip move the measured rate a little)
     assert SLOW_BPS / 2 < rate < SLOW_BPS * 1.5
     out = client.submit(tasks.resume, ref, QUESTION, max_new_tokens=12, workers=[b], pure=False).result()
     assert out.token_ids == replay(client, text + QUESTION).token_ids
@@ -105,18 +124,76 @@ def test_the_rule_learns_a_slow_link_before_committing_to_a_large_pull(hosts):
 
 
 def _forget_link(peer, dask_worker):
-    from dask_kvstate.protocol import WORKER_PLUGIN
+    dask_worker.plugins[WORKER_PLUGIN].runtime.links.forget(peer)
 
+
+def _links(dask_worker) -> dict:
     links = dask_worker.plugins[WORKER_PLUGIN].runtime.links
-    links.per_peer.pop(peer, None)
-    links.obs.pop(peer, None)
+    return {"bandwidth": dict(links.per_peer), "latency": dict(links.latencies)}
 
 
-def test_holder_link_down_mid_workflow_recomputes_within_a_deadline(hosts):
+def _placement_holder(key, worker, dask_scheduler=None):
+    ext = dask_scheduler.plugins[PLACEMENT_EXTENSION]
+    est = ext.estimate(ext.refs[key], worker) if key in ext.refs else None
+    return est and est["holder"]
+
+
+def test_a_state_on_a_slow_and_a_fast_host_is_pulled_from_the_fast_one(hosts):
     client = hosts.kv_client
-    a, b = hosts.workers["w0"], hosts.workers["w1"]
+    slow, fast, consumer = (hosts.workers[n] for n in ("w0", "w1", "w2"))
+    text, short = "Two copies. " + CONTEXT * 8, "Short. " + CONTEXT
+    # the same text prefilled on both: equal tokens and model, so equal blocks
+    futures = {w: client.submit(tasks.materialize, text, workers=[w], pure=False) for w in (slow, fast)}
+    refs = {w: f.result() for w, f in futures.items()}
+    assert refs[slow].blocks == refs[fast].blocks
+    # the consumer times each link with pulls of two sizes, 8x apart (its fits of latency and
+    # bandwidth), and the fast one with a 2 MB pull too: smaller ones are mostly latency there
+    for w in (slow, fast):
+        sizes = [short] + ([CONTEXT * 32] if w == fast else [])
+        made = [client.submit(tasks.materialize, t, workers=[w], pure=False).result() for t in sizes]
+        for ref in [*made, refs[w]] * 2:
+            client.submit(tasks.measure_fill, ref, "pull", workers=[consumer], pure=False).result()
+    fits = client.run(_links, workers=[consumer])[consumer]
+    for w, rate in ((slow, SLOW), (fast, FAST)):
+        print(
+            f"{w} shaped to {rate}: fitted {fits['bandwidth'][w] * 8 / 1e6:.1f} Mbit/s, "
+            f"latency {fits['latency'].get(w, float('nan')) * 1e3:.2f} ms"
+        )
+    assert fits["bandwidth"][slow] < SLOW_BPS * 2  # a fit from four pulls; a busy machine only slows them
+    assert fits["bandwidth"][fast] < FAST_BPS * 2
+    assert fits["bandwidth"][fast] > 4 * fits["bandwidth"][slow]
+    # the ref names the slow host; the pull still comes from the fast copy
+    d = client.submit(tasks.measure_rule, refs[slow], workers=[consumer], pure=False).result()
+    print(f"rule: {d['action']} from {d['holder']} in {d['seconds']:.3f} s, copies {d['holders']}")
+    assert d["holder"] == fast and set(d["holders"]) == {slow, fast}
+    # placement prices the consumer's pull from the copy it measured fastest (once the
+    # consumer's report of its links, and of the blocks measure_rule dropped, is in)
+    key = futures[slow].key
+    poll_for(lambda: client.run_on_scheduler(_placement_holder, key, consumer) == fast, timeout=10)
+    out = client.submit(tasks.resume, refs[slow], QUESTION, max_new_tokens=12, workers=[consumer], pure=False)
+    assert out.result().token_ids == replay(client, text + QUESTION).token_ids
+
+
+def _holders_of(blocks, dask_scheduler=None):
+    return dask_scheduler.handlers[HOLDERS](blocks=list(blocks))
+
+
+def _has_runtime(dask_worker) -> bool:
+    plugin = dask_worker.plugins.get(WORKER_PLUGIN)
+    return plugin is not None and plugin.runtime is not None
+
+
+def _store_size(dask_worker) -> int:
+    return len(dask_worker.plugins[WORKER_PLUGIN].runtime.store)
+
+
+def test_holder_cut_off_then_back_is_replaced_and_its_stale_blocks_never_serve(hosts):
+    client = hosts.kv_client
+    a, b, c = (hosts.workers[n] for n in ("w0", "w1", "w2"))
     text = "Partition. " + CONTEXT
+    changed = text.replace("planner", "architect", 1)
     want = replay(client, text + QUESTION)
+    want_changed = replay(client, changed + QUESTION)
     with dask.annotate(**near(a)):
         state = client.persist(kvs.materialize(text))
     ref = state.compute()
@@ -129,8 +206,32 @@ def test_holder_link_down_mid_workflow_recomputes_within_a_deadline(hosts):
         got = [o.result(timeout=60) for o in outs]
         seconds = time.perf_counter() - t0
         print(f"holder's link down -> workflow done in {seconds:.1f} s (connect {CONNECT} s, worker-ttl {TTL} s)")
+        assert [g.token_ids for g in got] == [want.token_ids] * 2
+        # the connect timeout and two worker-ttl periods (the scheduler checks once per period)
+        assert seconds < CONNECT + 2 * TTL + 10
+        poll_for(lambda: a not in client.scheduler_info()["workers"], timeout=CONNECT + 2 * TTL + 10)
+        # meanwhile the state changes: a new text sharing only the start of the old one
+        new = client.submit(tasks.materialize, changed, workers=[b], pure=False).result()
     finally:
         hosts.link_up("w0")
-    assert [g.token_ids for g in got] == [want.token_ids] * 2
-    # the connect timeout and two worker-ttl periods (the scheduler checks once per period)
-    assert seconds < CONNECT + 2 * TTL + 10
+    t1 = time.perf_counter()
+    # Dask lets no removed worker back: once it hears from the scheduler, it ends itself
+    assert hosts.wait_exit("w0", timeout=CONNECT + 2 * TTL + 20) is not None, hosts.log_tail("w0")
+    ended = time.perf_counter() - t1
+    hosts.restart_worker("w0")  # the replacement a cluster manager would start
+    client.wait_for_workers(3, timeout=hosts.start_timeout)
+    # the scheduler hands a joining worker the plugins registered before (kvs.install's)
+    poll_for(lambda: client.run(_has_runtime, workers=[a]).get(a), timeout=hosts.start_timeout)
+    print(f"link up -> old worker ended in {ended:.1f} s, replacement joined {time.perf_counter() - t1:.1f} s after")
+    # the replacement has none of the cut-off worker's blocks, and no one says it does
+    assert client.run(_store_size, workers=[a])[a] == 0
+    assert a not in client.run_on_scheduler(_holders_of, ref.blocks)
+    # the changed state's blocks past the shared start are its own: no old block can stand in
+    shared = next(i for i, (x, y) in enumerate(zip(ref.blocks, new.blocks)) if x != y)
+    assert not set(new.blocks[shared:]) & set(ref.blocks)
+    # the old ref (naming the replaced worker's address) and the changed state, on every host
+    for w in (a, c):
+        old = client.submit(tasks.resume, ref, QUESTION, max_new_tokens=12, workers=[w], pure=False)
+        cur = client.submit(tasks.resume, new, QUESTION, max_new_tokens=12, workers=[w], pure=False)
+        assert old.result().token_ids == want.token_ids
+        assert cur.result().token_ids == want_changed.token_ids

@@ -3,10 +3,11 @@
 :class:`Hosts` builds, as root, one network namespace per host, each joined by a veth
 pair to a hub namespace that holds a bridge, plus one unshaped veth pair from the root
 namespace to the hub so the test's own client (in the root namespace) reaches every
-host. Each host's link is shaped with ``tbf`` on both ends of its veth pair: the host
+host. Each host's link is shaped with ``htb`` on both ends of its veth pair: the host
 end's egress is the host's upload, the hub end's egress its download (ingress shaping
 would need an ``ifb`` device, which these machines may lack). A pull from host A to
-host B therefore runs at ``min(rate A, rate B)``. A scheduler runs in host ``s`` and a
+host B therefore runs at ``min(rate A, rate B)``, from its first byte
+(:mod:`~dask_kvstate.testing.netns`). A scheduler runs in host ``s`` and a
 worker in each host ``w0``, ``w1``, ... as real ``dask scheduler`` / ``dask worker``
 processes started with ``ip netns exec``.
 
@@ -17,20 +18,12 @@ later run deletes what a killed run left behind (namespaces whose owning pid is 
 
 :func:`skip_reason` says why the harness cannot run here (not root, no ``ip`` or
 ``tc``, no namespace support), for ``pytest.skip``; ``None`` when it can.
-
-Examples
---------
->>> isinstance(skip_reason(), (str, type(None)))
-True
->>> rate_arg("10 Mbit/s"), rate_arg(None)
-('10000000bit', None)
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import itertools
 import os
 import shutil
@@ -39,93 +32,27 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from dask_kvstate.config import parse_bandwidth
+from dask_kvstate.testing.netns import (
+    PREFIX,
+    cleanup_stale,
+    env_for,
+    ip,
+    kill_namespace,
+    rate_arg,
+    shape,
+    skip_reason,
+)
+from dask_kvstate.testing.tls import TLSFiles, throwaway_ca
 
-PREFIX = "kvh"
+__all__ = ["Host", "Hosts", "skip_reason"]
+
 _COUNTER = itertools.count()
 SCHEDULER_PORT = 8786
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
-
-
-def _tc(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["tc", "-n", ns, *args], capture_output=True, text=True, check=check, timeout=30)
-
-
-@functools.cache
-def skip_reason() -> str | None:
-    """Why :class:`Hosts` cannot run on this machine, or ``None`` when it can (cached)."""
-    if sys.platform != "linux":
-        return f"network namespaces need Linux, this is {sys.platform}"
-    if os.geteuid() != 0:
-        return "creating network namespaces needs root"
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-    if missing:
-        return f"{' and '.join(missing)} not found (iproute2)"
-    probe = f"{PREFIX}{os.getpid()}probe"
-    try:
-        _ip("netns", "add", probe)
-        _ip("-n", probe, "link", "add", "a0", "type", "veth", "peer", "name", "b0")
-        _tc(probe, "qdisc", "replace", "dev", "a0", "root", "tbf", "rate", "10mbit", "burst", "16kb", "latency", "50ms")
-    except (OSError, subprocess.SubprocessError) as e:
-        err = getattr(e, "stderr", "") or e
-        return f"network namespaces, veth pairs or tc tbf are unavailable here: {str(err).strip()[:200]}"
-    finally:
-        _ip("netns", "del", probe, check=False)
-    return None
-
-
-def rate_arg(rate: str | float | None) -> str | None:
-    """A rate (``"10 Mbit/s"`` or bytes/s) as ``tc``'s ``<bits>bit``; None stays None (unshaped)."""
-    bps = parse_bandwidth(rate) if isinstance(rate, str) else rate
-    return None if bps is None else f"{round(bps * 8)}bit"
-
-
-def env_for(config: Mapping[str, object]) -> dict[str, str]:
-    """Dask config as the ``DASK_*`` environment variables a child process reads.
-
-    >>> env_for({"distributed.comm.timeouts.connect": "5s"})
-    {'DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT': '5s'}
-    """
-    return {"DASK_" + k.upper().replace(".", "__").replace("-", "_"): str(v) for k, v in config.items()}
-
-
-def cleanup_stale() -> list[str]:
-    """Delete namespaces (and kill their processes) left by harness runs whose process is gone."""
-    removed = []
-    for line in _ip("netns", "list", check=False).stdout.splitlines():
-        name = line.split()[0] if line.split() else ""
-        if not name.startswith(PREFIX) or "x" not in name:
-            continue
-        pid = name[len(PREFIX) :].split("x")[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        _kill_namespace(name)
-        removed.append(name)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _kill_namespace(ns: str) -> None:
-    for pid in _ip("netns", "pids", ns, check=False).stdout.split():
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid), signal.SIGKILL)
-    _ip("netns", "del", ns, check=False)
 
 
 @dataclass
@@ -158,7 +85,12 @@ class Hosts:
     config
         Dask config for the scheduler and worker processes (as environment variables).
     worker_args, scheduler_args
-        Extra command-line arguments for every worker / the scheduler (TLS options, ...).
+        Extra command-line arguments for every worker / the scheduler.
+    tls
+        Speak TLS everywhere (``tls://`` addresses, encryption required): a throwaway CA
+        and a certificate it signed for every host (:mod:`~dask_kvstate.testing.tls`),
+        passed to each process as ``--tls-ca-file``, ``--tls-cert`` and ``--tls-key`` and
+        to :meth:`client` as its ``security``; deleted on :meth:`close`.
     start_timeout
         Seconds for the scheduler to listen and every worker to register.
     """
@@ -168,14 +100,16 @@ class Hosts:
     config: Mapping[str, object] = field(default_factory=dict)
     worker_args: tuple[str, ...] = ()
     scheduler_args: tuple[str, ...] = ()
-    scheme: str = "tcp"
+    tls: bool = False
     start_timeout: float = 60.0
     hosts: dict[str, Host] = field(default_factory=dict, init=False)
+    tls_files: TLSFiles | None = field(default=None, init=False)
 
     def __post_init__(self):
         self.run = f"{PREFIX}{os.getpid()}x{next(_COUNTER)}"
         self.hub = f"{self.run}hub"
         self.logdir = tempfile.mkdtemp(prefix=f"{self.run}-")
+        self.scheme = "tls" if self.tls else "tcp"
         self._up = False
 
     # --- building and tearing down -------------------------------------------------------
@@ -186,8 +120,12 @@ class Hosts:
             raise RuntimeError(f"cannot build hosts: {reason}")
         cleanup_stale()
         atexit.register(self.close)
+        self._on_sigterm()
         try:
             self._build_network()
+            if self.tls:
+                folder = os.path.join(self.logdir, "tls")
+                self.tls_files = throwaway_ca(folder, [h.addr for h in self.hosts.values()] + [self._root_addr])
             self._start_processes()
         except BaseException:
             self.close()
@@ -196,6 +134,16 @@ class Hosts:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _on_sigterm(self) -> None:
+        """Make SIGTERM (``timeout``, a CI runner giving up) unwind, so teardown runs: its
+        default ends the interpreter without ``finally`` blocks or atexit handlers."""
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+
+            def stop(signum, frame):
+                raise SystemExit(128 + signum)
+
+            signal.signal(signal.SIGTERM, stop)
 
     @property
     def scheduler_address(self) -> str:
@@ -209,7 +157,7 @@ class Hosts:
 
     def _subnet(self) -> str:
         """A /24 of 198.18.0.0/15 that no route of the root namespace uses yet."""
-        taken = _ip("route", "show", check=False).stdout
+        taken = ip("route", "show", check=False).stdout
         start = os.getpid() * 7 + next(_COUNTER)
         for k in range(512):
             idx = (start + k) % 510 + 1
@@ -220,37 +168,38 @@ class Hosts:
 
     def _build_network(self) -> None:
         net = self._subnet()
-        _ip("netns", "add", self.hub)
+        ip("netns", "add", self.hub)
         self._up = True
-        _ip("-n", self.hub, "link", "set", "lo", "up")
-        _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.hub, "link", "set", "br0", "up")
+        ip("-n", self.hub, "link", "set", "lo", "up")
+        ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+        ip("-n", self.hub, "link", "set", "br0", "up")
         # the root namespace's way in: an unshaped link to the hub, for the test's client
         root_end = f"{self.run}r"[-15:]
-        _ip("link", "add", root_end, "type", "veth", "peer", "name", "root", "netns", self.hub)
-        _ip("addr", "add", f"{net}.1/24", "dev", root_end)
-        _ip("link", "set", root_end, "up")
+        ip("link", "add", root_end, "type", "veth", "peer", "name", "root", "netns", self.hub)
+        self._root_addr = f"{net}.1"
+        ip("addr", "add", f"{self._root_addr}/24", "dev", root_end)
+        ip("link", "set", root_end, "up")
         self._attach("root")
         names = ["s"] + [f"w{i}" for i in range(self.n_workers)]
         for i, name in enumerate(names):
             host = Host(name, f"{self.run}{name}", f"{net}.{i + 2}", f"h{name}", self.rates.get(name))
-            _ip("netns", "add", host.ns)
-            _ip("-n", host.ns, "link", "set", "lo", "up")
-            _ip("-n", self.hub, "link", "add", host.hub_end, "type", "veth", "peer", "name", "eth0", "netns", host.ns)
-            _ip("-n", host.ns, "addr", "add", f"{host.addr}/24", "dev", "eth0")
-            _ip("-n", host.ns, "link", "set", "eth0", "up")
+            ip("netns", "add", host.ns)
+            ip("-n", host.ns, "link", "set", "lo", "up")
+            ip("-n", self.hub, "link", "add", host.hub_end, "type", "veth", "peer", "name", "eth0", "netns", host.ns)
+            ip("-n", host.ns, "addr", "add", f"{host.addr}/24", "dev", "eth0")
+            ip("-n", host.ns, "link", "set", "eth0", "up")
             self._attach(host.hub_end)
             self.hosts[name] = host
             self.set_rate(name, host.rate)
 
     def _attach(self, end: str) -> None:
-        _ip("-n", self.hub, "link", "set", end, "master", "br0")
-        _ip("-n", self.hub, "link", "set", end, "up")
+        ip("-n", self.hub, "link", "set", end, "master", "br0")
+        ip("-n", self.hub, "link", "set", end, "up")
 
     def _spawn(self, host: Host, args: list[str]) -> None:
         env = {**os.environ, **env_for(self.config), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         host.log = os.path.join(self.logdir, f"{host.name}.log")
-        with open(host.log, "wb") as out:
+        with open(host.log, "ab") as out:  # a restarted process's output follows its predecessor's
             host.proc = subprocess.Popen(
                 ["ip", "netns", "exec", host.ns, sys.executable, "-m", "dask", *args],
                 stdout=out,
@@ -271,6 +220,7 @@ class Hosts:
                 str(s.port),
                 "--no-dashboard",
                 *self._preload,
+                *self._tls_args,
                 *self.scheduler_args,
             ],
         )
@@ -294,10 +244,15 @@ class Hosts:
             "--name",
             host.name,
             *self._preload,
+            *self._tls_args,
             *self.worker_args,
         ]
 
     _preload = ("--preload", "dask_kvstate.plugins")
+
+    @property
+    def _tls_args(self) -> tuple[str, ...]:
+        return self.tls_files.cli_args() if self.tls_files is not None else ()
 
     def _wait_listening(self, host: Host) -> None:
         deadline = time.monotonic() + self.start_timeout
@@ -315,9 +270,12 @@ class Hosts:
             self._stop(host)
         if self._up:
             for host in self.hosts.values():
-                _kill_namespace(host.ns)
-            _kill_namespace(self.hub)  # takes the root namespace's end of its link with it
+                kill_namespace(host.ns)
+            kill_namespace(self.hub)  # takes the root namespace's end of its link with it
             self._up = False
+        if self.tls_files is not None:  # the key of a throwaway CA's certificate: never left behind
+            shutil.rmtree(os.path.dirname(self.tls_files.key), ignore_errors=True)
+            self.tls_files = None
         atexit.unregister(self.close)
 
     def _stop(self, host: Host) -> None:
@@ -333,29 +291,30 @@ class Hosts:
         """Shape host ``name``'s link to ``rate`` both ways (``None``: unshaped)."""
         host = self.hosts[name]
         host.rate = rate
-        arg = rate_arg(rate)
         for ns, dev in ((host.ns, "eth0"), (self.hub, host.hub_end)):
-            if arg is None:
-                _tc(ns, "qdisc", "del", "dev", dev, "root", check=False)
-                continue
-            # a burst of ~5 ms of the rate (at least 16 KiB): tbf needs a few packets of
-            # bucket to reach its rate, and a small one keeps short probes honest
-            burst = max(int(parse_bandwidth(rate) if isinstance(rate, str) else rate or 0) // 200, 16384)  # type: ignore[arg-type]
-            _tc(ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", arg, "burst", str(burst), "latency", "50ms")
+            shape(ns, dev, rate_arg(rate))
 
     def link_down(self, name: str) -> None:
         """Cut host ``name`` off (its veth's hub end down): its packets are dropped, its sockets hang."""
-        _ip("-n", self.hub, "link", "set", self.hosts[name].hub_end, "down")
+        ip("-n", self.hub, "link", "set", self.hosts[name].hub_end, "down")
 
     def link_up(self, name: str) -> None:
         """Reconnect host ``name``."""
-        _ip("-n", self.hub, "link", "set", self.hosts[name].hub_end, "up")
+        ip("-n", self.hub, "link", "set", self.hosts[name].hub_end, "up")
 
     def restart_worker(self, name: str) -> None:
         """Kill host ``name``'s worker process and start a fresh one (same address)."""
         host = self.hosts[name]
         self._stop(host)
         self._spawn(host, self._worker_command(host))
+
+    def wait_exit(self, name: str, timeout: float) -> int | None:
+        """Wait up to ``timeout`` s for host ``name``'s process to end: its exit code, or None while it runs."""
+        proc = self.hosts[name].proc
+        assert proc is not None, f"{name} was never started"
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return proc.wait(timeout=timeout)
+        return None
 
     def log_tail(self, name: str, chars: int = 4000) -> str:
         """The end of host ``name``'s process output."""
@@ -369,6 +328,8 @@ class Hosts:
         """A ``distributed.Client`` of this run's scheduler (in the root namespace), once every worker joined."""
         from distributed import Client
 
+        if self.tls_files is not None:
+            kwargs.setdefault("security", self.tls_files.security())
         client = Client(self.scheduler_address, **{"timeout": self.start_timeout, **kwargs})
         try:
             client.wait_for_workers(self.n_workers, timeout=self.start_timeout)

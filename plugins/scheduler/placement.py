@@ -35,11 +35,12 @@ if TYPE_CHECKING:
     from distributed import Scheduler
 
 from dask_kvstate import config
-from dask_kvstate.cost import transfer_or_recompute
+from dask_kvstate.cost import transfer_or_recompute, transfer_seconds
 from dask_kvstate.plugins.scheduler.handshake import serve_hello
 from dask_kvstate.protocol import (
     BLOCKS,
     ERROR_TOPIC,
+    HOLDERS,
     IDLE_THREADS,
     METRICS,
     OUTCOME,
@@ -103,6 +104,7 @@ class KVPlacement(SchedulerPlugin):
         self.scheduler = scheduler
         serve_hello(scheduler)
         scheduler.handlers[IDLE_THREADS] = self._idle_threads
+        scheduler.handlers[HOLDERS] = self._holders
         scheduler.stream_handlers.update(
             {REF: self._on_ref, BLOCKS: self._on_blocks, METRICS: self._on_metrics, OUTCOME: self._on_outcome}
         )
@@ -120,6 +122,13 @@ class KVPlacement(SchedulerPlugin):
             max(0, o.nthreads - len(o.processing))
             for o in self.scheduler.workers.values()
             if o.host == ws.host and o is not ws
+        )
+
+    def _holders(self, comm=None, blocks=(), worker=None) -> list[str]:
+        """Running workers but ``worker`` holding every one of ``blocks`` (by their block reports)."""
+        running = {ws.address for ws in self.scheduler.running}
+        return sorted(
+            w for w, have in self.blocks_on.items() if w in running and w != worker and all(h in have for h in blocks)
         )
 
     # -- reports from workers ------------------------------------------------------
@@ -151,7 +160,9 @@ class KVPlacement(SchedulerPlugin):
         held.difference_update(removed)
 
     @_guarded("a metrics report")
-    def _on_metrics(self, worker=None, prefill=None, bandwidth=None, seed_bandwidth=None, latency=None, **_) -> None:
+    def _on_metrics(
+        self, worker=None, prefill=None, bandwidth=None, seed_bandwidth=None, latency=None, latencies=None, **_
+    ) -> None:
         m = self.metrics.setdefault(worker, {})
         m.update(
             {
@@ -159,6 +170,7 @@ class KVPlacement(SchedulerPlugin):
                 "bandwidth": bandwidth or {},
                 "seed_bandwidth": seed_bandwidth,
                 "latency": latency,
+                "latencies": latencies or {},
             }
         )
 
@@ -229,8 +241,9 @@ class KVPlacement(SchedulerPlugin):
             self.counters[f"chose_{best['action']}"] += 1
             self.scheduler.log_event(PLACEMENT_TOPIC, {"kind": "decision", "key": str(dts.key), **best})
 
-    def estimate(self, ref: dict, worker: str) -> dict | None:
-        """Both estimates for serving ``ref`` on ``worker``; None without its measurements yet."""
+    def estimate(self, ref: dict, worker: str, copies: set[str] | None = None) -> dict | None:
+        """Both estimates for serving ``ref`` on ``worker``, pulling from the copy (of
+        ``copies``, default :meth:`holders`) it reaches fastest; None without its measurements yet."""
         m = self.metrics.get(worker)
         coeffs = None if m is None else m.get("prefill", {}).get(ref["model"])
         if m is None or coeffs is None:
@@ -239,17 +252,34 @@ class KVPlacement(SchedulerPlugin):
         blocks, bt = ref["blocks"], ref["block_tokens"]
         first = next((i for i, h in enumerate(blocks) if h not in held), len(blocks))
         missing_tokens = max(ref["num_tokens"] - first * bt, 0)
-        bandwidth = m["bandwidth"].get(ref["holder"]) or m.get("seed_bandwidth") or 1e8
+        missing_bytes = missing_tokens * ref["bytes_per_token"]
+
+        def link(holder: str) -> tuple[float, float]:  # what ``worker`` measured of its link to ``holder``
+            bw = m["bandwidth"].get(holder) or m.get("seed_bandwidth") or 1e8
+            return bw, m.get("latencies", {}).get(holder) or m.get("latency") or 1e-3
+
+        # the pull comes from the copy ``worker`` reaches fastest by its own measurements
+        # (on a tie, the state's own holder)
+        copies = self.holders(ref) if copies is None else copies
+        sources = sorted(copies - {worker}, key=lambda h: (h != ref["holder"], h)) or [ref["holder"]]
+        holder = min(sources, key=lambda h: transfer_seconds(missing_bytes, *link(h)))
+        bandwidth, latency = link(holder)
         action, tt, tr = transfer_or_recompute(
-            missing_tokens * ref["bytes_per_token"],
+            missing_bytes,
             missing_tokens,
             first * bt,
             bandwidth=bandwidth,
-            latency=m.get("latency") or 1e-3,
+            latency=latency,
             per_token_s=coeffs[0],
             per_pair_s=coeffs[1],
         )
-        return {"action": action, "t_transfer": tt, "t_recompute": tr, "missing_tokens": missing_tokens}
+        return {
+            "action": action,
+            "t_transfer": tt,
+            "t_recompute": tr,
+            "missing_tokens": missing_tokens,
+            "holder": holder,
+        }
 
     def holders(self, ref: dict) -> set[str]:
         """Running workers that hold every block of ``ref`` (its holder at least, while it runs)."""
@@ -267,22 +297,18 @@ class KVPlacement(SchedulerPlugin):
         """
         planned = planned if planned is not None else {}
         best = None
+        copies: set[str] | None = None  # the state's copies: the first estimate finds them itself, the rest reuse
         for ws in self.scheduler.running:
             if among is not None and ws.address not in among:
                 continue
-            est = self.estimate(ref, ws.address)
+            est = self.estimate(ref, ws.address, copies)
+            copies = self.holders(ref) if copies is None else copies
             if est is None:
                 continue
             wait = ws.occupancy / max(ws.nthreads, 1) + planned.get(ws.address, 0.0)
             start = wait + min(est["t_transfer"], est["t_recompute"])
             if best is None or start < best["expected_start"]:
-                best = {
-                    "worker": ws.address,
-                    "holder": ref["holder"],
-                    "expected_start": start,
-                    "occupancy": wait,
-                    **est,
-                }
+                best = {"worker": ws.address, "expected_start": start, "occupancy": wait, **est}
         if best is not None and best["action"] == "local":
             best["action"] = "pull"  # nothing missing there: the worker finds every block local
         return best

@@ -11,6 +11,7 @@ cut KV into blocks and store them, and name the new state.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -23,7 +24,7 @@ from dask_kvstate.blocks import block_hashes
 from dask_kvstate.plugins.worker import scheduler_link
 from dask_kvstate.plugins.worker.accounting import LiveKV
 from dask_kvstate.plugins.worker.arena import split_blocks
-from dask_kvstate.plugins.worker.measure import LinkMeter, PrefillMeter
+from dask_kvstate.plugins.worker.measure import LinkMeter, PrefillMeter, dask_bandwidth
 from dask_kvstate.plugins.worker.settings import WorkerSettings
 from dask_kvstate.state import KVStateRef, Lineage, Placement, new_state_id
 
@@ -46,12 +47,15 @@ class KVEngine:
         self.settings = settings if settings is not None else WorkerSettings.from_config()
         self.block_tokens = self.settings.block_tokens
         self.prefill_meter = PrefillMeter()
-        # Seeded with Dask's own estimate (or the emulated link, when one is configured)
-        # until real pulls are measured.
+        # Seeded with Dask's own estimates (or the emulated link, when one is configured)
+        # until real pulls are measured: its measurement of a peer's link where it made
+        # one, its global bandwidth estimate otherwise.
         seed = getattr(worker, "bandwidth", None) or 1e8
+        emulated = self.settings.emulated_bandwidth
         self.links = LinkMeter(
-            seed_bandwidth=min(seed, self.settings.emulated_bandwidth or seed),
+            seed_bandwidth=min(seed, emulated or seed),
             latency=max(getattr(worker, "latency", 0.0) or 0.0, 1e-3),
+            seeds=None if worker is None or emulated else functools.partial(dask_bandwidth, worker),
         )
         self.counters: Counter[str] = Counter() if counters is None else counters
         self.live = LiveKV(store, self.counters)

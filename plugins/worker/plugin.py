@@ -214,6 +214,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
             "bandwidth": dict(rt.links.per_peer),
             "seed_bandwidth": rt.links.seed,
             "latency": rt.links.latency,
+            "latencies": dict(rt.links.latencies),
         }
         if metrics != self._sent_metrics:
             self.worker.batched_stream.send({"op": METRICS, **metrics})

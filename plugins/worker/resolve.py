@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from dask_kvstate.plugins.worker.checksum import ChecksumError
 from dask_kvstate.plugins.worker.engine import KVEngine
 from dask_kvstate.plugins.worker.events import worker_event
 from dask_kvstate.plugins.worker.pull_plan import pull_missing
-from dask_kvstate.plugins.worker.transport import PullResult, pull_blocks, pull_within
+from dask_kvstate.plugins.worker.transport import PullResult, pull_beside, pull_blocks, pull_within, wait_pull
 from dask_kvstate.protocol import COMPATIBILITY_TOPIC
 from dask_kvstate.state import KVState, KVStateRef, incompatibility
 
@@ -113,10 +114,12 @@ class Resolver:
         kv.counters["block_hits"] += len(tensors) - len(missing)
         holder = ref.placement.worker
         decision = None
+        t0 = time.perf_counter()
         if missing and kv.worker is not None and holder not in (None, kv.address):
             first = next(i for i, t in enumerate(tensors) if t is None)
             decision = decide.choose(kv, ref, first, holder)
-        t0 = time.perf_counter()
+            decision["decide_s"] = time.perf_counter() - t0  # the rule, and asking for other copies
+            t0 = time.perf_counter()
         if decision is not None and decision["action"] == "pull":
             tensors = pull_missing(self, ref, tensors, decision["holder"], decision)
         first_missing = next((i for i, t in enumerate(tensors) if t is None), None)
@@ -142,6 +145,14 @@ class Resolver:
             for i, h in enumerate(ref.blocks)
         }
 
+    def _options(self) -> dict:
+        kv = self.kv
+        return {
+            "connect_timeout": kv.settings.connect_timeout,
+            "timeout": kv.settings.pull_timeout,
+            "emulated_bandwidth": kv.settings.emulated_bandwidth,
+        }
+
     def pull(
         self, holder: str, hashes: list[bytes], shapes: Mapping[bytes, tuple[int, ...]], patience: float | None = None
     ) -> dict[bytes, Any]:
@@ -158,34 +169,76 @@ class Resolver:
         from distributed.utils import sync
 
         kv = self.kv
-        options = {
-            "connect_timeout": kv.settings.connect_timeout,
-            "timeout": kv.settings.pull_timeout,
-            "emulated_bandwidth": kv.settings.emulated_bandwidth,
-        }
         try:
             res: PullResult | None
             if patience is None:
-                res = sync(kv.worker.loop, pull_blocks, kv.worker.rpc, holder, hashes, **options)
+                res = sync(kv.worker.loop, pull_blocks, kv.worker.rpc, holder, hashes, **self._options())
             else:
                 late = functools.partial(timed_late, kv, holder)
-                res = sync(kv.worker.loop, pull_within, patience, late, kv.worker.rpc, holder, hashes, **options)
-            if res is None:
-                kv.counters["pulls_cut_off"] += 1
-                return {}
-            got = res.blocks()  # in this thread: checking the checksums reads every byte
+                res = sync(
+                    kv.worker.loop, pull_within, patience, late, kv.worker.rpc, holder, hashes, **self._options()
+                )
+            return self._receive(holder, res, hashes, shapes)
         except Exception as e:
-            kv.counters["transfer_failures"] += 1
-            if isinstance(e, ChecksumError):
-                kv.counters["pull_checksum_failures"] += 1
-            logger.warning(
-                "kvstate: pulling %d blocks from %s failed (%s: %s); recomputing",
-                len(hashes),
-                holder,
-                type(e).__name__,
-                e,
+            return self._failed(holder, hashes, e)
+
+    def pull_beside(
+        self, holder: str, hashes: list[bytes], ahead: list[bytes], shapes: Mapping, patience: float
+    ) -> tuple[dict[bytes, Any], Ahead | None]:
+        """:meth:`pull` of ``hashes`` with ``patience``, and a pull of ``ahead`` asked for
+        at once beside it; the second as an :class:`Ahead` for :meth:`take` or
+        :meth:`drop` (None when the first came to nothing: then it is cancelled)."""
+        from distributed.utils import sync
+
+        kv = self.kv
+        late = functools.partial(timed_late, kv, holder)
+        try:
+            res, task = sync(
+                kv.worker.loop, pull_beside, patience, late, kv.worker.rpc, holder, hashes, ahead, **self._options()
             )
+        except Exception as e:
+            return self._failed(holder, hashes, e), None
+        got = self._receive(holder, res, hashes, shapes)
+        if not got:
+            kv.worker.loop.add_callback(task.cancel)
+            return got, None
+        return got, Ahead(task, ahead, sum(tensor_bytes(t) for t in got.values()))
+
+    def take(self, holder: str, ahead: Ahead, shapes: Mapping, patience: float) -> dict[bytes, Any]:
+        """The blocks of a pull asked for beside another (:meth:`pull_beside`), waited for
+        ``patience`` more seconds at most, stored; ``{}`` when it failed or was cut off.
+        Timed with the pull beside it: both bytes, in its time from the start of both."""
+        from distributed.utils import sync
+
+        try:
+            res = sync(self.kv.worker.loop, wait_pull, ahead.task, patience)
+            return self._receive(holder, res, ahead.hashes, shapes, beside_bytes=ahead.beside_bytes)
+        except Exception as e:
+            return self._failed(holder, ahead.hashes, e)
+
+    def drop(self, ahead: Ahead) -> None:
+        """Cancel a pull asked for beside another (its comm is aborted: the link is free at once)."""
+        self.kv.worker.loop.add_callback(ahead.task.cancel)
+
+    def _failed(self, holder: str, hashes: list[bytes], e: Exception) -> dict:
+        kv = self.kv
+        kv.counters["transfer_failures"] += 1
+        if isinstance(e, ChecksumError):
+            kv.counters["pull_checksum_failures"] += 1
+        logger.warning(
+            "kvstate: pulling %d blocks from %s failed (%s: %s); recomputing", len(hashes), holder, type(e).__name__, e
+        )
+        return {}
+
+    def _receive(
+        self, holder: str, res: PullResult | None, hashes: list[bytes], shapes: Mapping, beside_bytes: int = 0
+    ) -> dict[bytes, Any]:
+        """The accepted blocks of a reply, stored and counted, and its time metered (``{}`` when cut off)."""
+        kv = self.kv
+        if res is None:
+            kv.counters["pulls_cut_off"] += 1
             return {}
+        got = res.blocks()  # in this thread: checking the checksums reads every byte
         blocks, rejected = accepted(got, {h: shapes[h] for h in hashes}, kv.backend.dtype)
         if rejected:
             kv.counters["rejected_blocks"] += len(rejected)
@@ -201,7 +254,7 @@ class Resolver:
         kv.counters["pulls_zero_copy" if res.zero_copy else "pulls_packed"] += 1
         kv.counters["transfer_bytes"] += nbytes
         kv.counters["transfer_seconds"] += res.seconds  # type: ignore[assignment]  # a float counter
-        kv.links.add(holder, nbytes, res.seconds)
+        kv.links.add(holder, nbytes + beside_bytes, res.seconds)
         return blocks
 
     def recompute(self, ids, hashes, tensors, first: int) -> list[torch.Tensor]:
@@ -212,6 +265,15 @@ class Resolver:
         kv.counters["recomputes"] += len(hashes) - first
         kv.counters["recompute_tokens"] += len(ids) - first * kv.block_tokens
         return tensors[:first] + rebuilt
+
+
+@dataclass
+class Ahead:
+    """A pull asked for beside another (:meth:`Resolver.pull_beside`), still on its way."""
+
+    task: Any  # the asyncio task of its reply, on the worker's event loop
+    hashes: list[bytes]
+    beside_bytes: int  # bytes the pull beside it brought over the same link meanwhile
 
 
 def accepted(blocks: dict, shapes: Mapping[bytes, tuple[int, ...]], dtype) -> tuple[dict, list[bytes]]:

@@ -3,7 +3,8 @@
 Every exchange with the scheduler that the operators make sits here, so the runtime's
 other modules are plain computation: the idle threads a long prefill may borrow (an
 RPC to the placement extension), the placement extension's choice for the running
-task (its annotation), and the outcome of a transfer-or-recompute choice (a stream
+task (its annotation), the other workers holding a state's blocks (an RPC to the
+placement extension), and the outcome of a transfer-or-recompute choice (a stream
 message, only to a scheduler that runs the extension). Every function here is a no-op
 or a neutral answer without a worker (the runtime used directly, as benchmarks do).
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Hashable
 
-from dask_kvstate.protocol import IDLE_THREADS, OUTCOME, PLACEMENT_ANNOTATION, WORKER_PLUGIN
+from dask_kvstate.protocol import HOLDERS, IDLE_THREADS, OUTCOME, PLACEMENT_ANNOTATION, WORKER_PLUGIN
 
 logger = logging.getLogger("dask_kvstate")
 
@@ -48,6 +49,29 @@ def idle_threads(worker, timeout: float) -> int:
     except Exception as e:  # no placement extension, a scheduler away: just don't borrow
         logger.debug("kvstate: not borrowing threads (%s)", e)
         return 0
+
+
+def holders(worker, blocks: list[bytes], timeout: float) -> list[str]:
+    """Running workers other than this one that the placement extension knows to hold every
+    one of ``blocks``; ``[]`` if it cannot say.
+
+    Costs one scheduler round trip. Never raises: without the extension, or with the
+    scheduler away, there are no other holders to choose from.
+    """
+    from distributed.utils import sync
+
+    try:
+        found = sync(
+            worker.loop,
+            getattr(worker.scheduler, HOLDERS),
+            blocks=list(blocks),
+            worker=worker.address,
+            callback_timeout=timeout,
+        )
+    except Exception as e:  # no placement extension, a scheduler away: the named holder only
+        logger.debug("kvstate: no other holders asked (%s)", e)
+        return []
+    return [w for w in found if isinstance(w, str)] if isinstance(found, (list, tuple)) else []
 
 
 def placement_choice(worker, key: Hashable | None) -> dict:

@@ -232,3 +232,41 @@ async def pull_within(
         return task.result()
     task.add_done_callback(on_late)
     return None
+
+
+async def pull_beside(
+    patience: float, on_late, pool, address: str, hashes: Sequence[bytes], ahead: Sequence[bytes], **kwargs
+) -> tuple[PullResult | None, asyncio.Task]:
+    """:func:`pull_within` of ``hashes``, with a pull of ``ahead`` asked for at once beside it.
+
+    The two share the link, so the second costs no round trip of its own once the
+    first says to go on (:func:`wait_pull`); it is cancelled here when the first was
+    cut off or failed, and by the caller when the first says not to go on.
+    """
+    first = asyncio.ensure_future(pull_blocks(pool, address, hashes, **kwargs))
+    second = asyncio.ensure_future(pull_blocks(pool, address, ahead, **kwargs))
+    second.add_done_callback(_retrieved)
+    done, _ = await asyncio.wait({first}, timeout=max(patience, 0.0))
+    if first not in done:
+        first.add_done_callback(on_late)
+        second.cancel()
+        return None, second
+    if first.exception() is not None:
+        second.cancel()
+    return first.result(), second
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    """Read a dropped pull's outcome, so asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def wait_pull(task: asyncio.Task, patience: float) -> PullResult | None:
+    """A pull started before (:func:`pull_beside`), waited for ``patience`` more seconds
+    at most; ``None`` when cut off (then it is cancelled: its comm is aborted)."""
+    done, _ = await asyncio.wait({task}, timeout=max(patience, 0.0))
+    if task in done:
+        return task.result()
+    task.cancel()
+    return None
