@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections import Counter
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -74,7 +74,7 @@ class Exchange:
     def __init__(self):
         self.orders: dict[str, Order] = {}
         self.lock = threading.Lock()
-        self.counters: Counter[str] = Counter()  # tokens, and seconds spent copying (load_s, capture_s)
+        self.counters: defaultdict[str, float] = defaultdict(float)  # tokens, and seconds copying (load_s, capture_s)
 
     def put(self, key: str, order: Order) -> None:
         with self.lock:
