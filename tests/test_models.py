@@ -48,8 +48,10 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"model.embed_tokens.weight": "token_embd", "lm_head.weight": "output", "model.norm.weight": "output_norm"}
 
 
-def write_llama_gguf(model, tokenizer, path, scale: float = 1.0) -> None:
-    """Write a transformers Llama and its byte-level BPE tokenizer as a float32 GGUF, as llama.cpp lays it out."""
+def write_llama_gguf(model, tokenizer, path, scale: float = 1.0, add_bos: bool | None = None) -> None:
+    """Write a transformers Llama and its byte-level BPE tokenizer as a float32 GGUF, as llama.cpp lays it out.
+
+    ``add_bos``: the file's ``tokenizer.ggml.add_bos_token`` flag (None: no flag)."""
     import gguf as gguf_lib
 
     c = model.config
@@ -74,6 +76,8 @@ def write_llama_gguf(model, tokenizer, path, scale: float = 1.0) -> None:
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
     w.add_bos_token_id(tokenizer.bos_token_id)
     w.add_eos_token_id(tokenizer.eos_token_id)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     for name, t in model.state_dict().items():
         a = t.detach().float().numpy() * scale
         if name in _TOP_NAMES:
@@ -212,6 +216,22 @@ def test_another_gguf_file_gets_its_own_folder(tiny, tiny_gguf, tmp_path):
     assert a.model_fingerprint != b.model_fingerprint
     assert a.config_fingerprint == b.config_fingerprint
     assert len([p for p in cache.iterdir() if p.is_dir()]) == 2
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_a_gguf_files_bos_flag_holds_in_every_transformers_release(tiny, tmp_path, monkeypatch, add_bos):
+    """Some releases ignore the file's flag (a Gemma GGUF would lose its BOS); the converted tokenizer follows the file."""
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(*tiny, path, add_bos=add_bos)
+    _, tok = models.load(str(path), str(tmp_path / "cache"))
+    ids = tok(TEXT)["input_ids"]
+    assert (ids[0] == tok.bos_token_id) is add_bos
+    assert ids[int(add_bos) :] == tiny[1](TEXT, add_special_tokens=False)["input_ids"]
+    # What a release that reads no flags gets passed (this one may read them itself).
+    from transformers.integrations.gguf import gguf_tokenizer_mapping
+
+    monkeypatch.setitem(gguf_tokenizer_mapping.GGUF_TOKENIZER_MAPPING, "tokenizer_config", {})
+    assert gguf.tokenizer_flags(path) == {"add_bos_token": add_bos}
 
 
 def test_cached_folder_is_made_once_under_the_lock_and_never_half_written(tmp_path):

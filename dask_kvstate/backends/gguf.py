@@ -107,7 +107,9 @@ def convert(gguf: Path, dest: Path, label: str) -> None:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
         bar.update()
         bar.set_postfix_str("tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, local_files_only=True, **tokenizer_flags(gguf)
+        )
         bar.update()
         # The weights are already dequantized to float32; drop the GGUF quantizer so
         # transformers agrees to save them as plain safetensors.
@@ -120,3 +122,40 @@ def convert(gguf: Path, dest: Path, label: str) -> None:
         source = {"gguf": str(gguf), "size": gguf.stat().st_size, "tag": file_tag(gguf)}
         (dest / "kvstate-source.json").write_text(json.dumps(source))
         bar.update()
+
+
+def tokenizer_flags(gguf: Path) -> dict[str, bool]:
+    """``add_bos_token`` / ``add_eos_token`` as the file says, for a transformers that does not read them itself.
+
+    Some transformers releases ignore the file's flags, so Gemma's tokenizer loses the
+    BOS every prompt of it starts with (and the model drifts without); newer ones read
+    them, and also apply llama.cpp's default (a sentencepiece ``llama`` vocabulary adds
+    BOS unless it says otherwise) and their own per-family rules, which are left to them.
+    So the flags are passed only where transformers' GGUF tokenizer mapping lacks them,
+    and the same file gives the same tokenizer (and the same fingerprint) in every release.
+    """
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
+    except ImportError:
+        mapped: dict = {}
+    else:
+        mapped = GGUF_TOKENIZER_MAPPING.get("tokenizer_config", {})
+    if "ggml.add_bos_token" in mapped:
+        return {}
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+
+    def scalar(key: str):
+        field = fields.get(key)
+        return None if field is None or not field.data else field.parts[field.data[0]]
+
+    flags: dict[str, bool] = {}
+    for name in ("add_bos_token", "add_eos_token"):
+        value = scalar(f"tokenizer.ggml.{name}")
+        if value is not None:
+            flags[name] = bool(value[0])
+    model = scalar("tokenizer.ggml.model")
+    if "add_bos_token" not in flags and model is not None and bytes(model).decode() == "llama":
+        flags["add_bos_token"] = True
+    return flags
