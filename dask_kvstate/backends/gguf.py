@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -124,24 +125,35 @@ def convert(gguf: Path, dest: Path, label: str) -> None:
         bar.update()
 
 
-def tokenizer_flags(gguf: Path) -> dict[str, bool]:
-    """``add_bos_token`` / ``add_eos_token`` as the file says, for a transformers that does not read them itself.
+# Where transformers keeps its GGUF tokenizer mapping, newest layout first.
+_TOKENIZER_MAPPING_MODULES = ("transformers.integrations.gguf.gguf_tokenizer_mapping", "transformers.integrations.ggml")
 
-    Some transformers releases ignore the file's flags, so Gemma's tokenizer loses the
-    BOS every prompt of it starts with (and the model drifts without); newer ones read
-    them, and also apply llama.cpp's default (a sentencepiece ``llama`` vocabulary adds
-    BOS unless it says otherwise) and their own per-family rules, which are left to them.
-    So the flags are passed only where transformers' GGUF tokenizer mapping lacks them,
-    and the same file gives the same tokenizer (and the same fingerprint) in every release.
+
+def tokenizer_flags(gguf: Path) -> dict[str, bool]:
+    """The file's :func:`file_tokenizer_flags` where transformers does not read them itself, else ``{}``.
+
+    Some transformers releases ignore the flags, so Gemma's tokenizer loses the BOS every
+    prompt of it starts with (and the model drifts without); newer ones read them, and also
+    apply llama.cpp's default and their own per-family rules, which are left to them. So
+    the flags are passed only where transformers' GGUF tokenizer mapping lacks them, and
+    the same file gives the same tokenizer (and the same fingerprint) in every release.
     """
-    try:
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
-    except ImportError:
-        mapped: dict = {}
-    else:
-        mapped = GGUF_TOKENIZER_MAPPING.get("tokenizer_config", {})
-    if "ggml.add_bos_token" in mapped:
-        return {}
+    for name in _TOKENIZER_MAPPING_MODULES:
+        try:
+            mapping = importlib.import_module(name).GGUF_TOKENIZER_MAPPING
+        except (ImportError, AttributeError):
+            continue
+        if "ggml.add_bos_token" in mapping.get("tokenizer_config", {}):
+            return {}
+        break
+    return file_tokenizer_flags(gguf)
+
+
+def file_tokenizer_flags(gguf: Path) -> dict[str, bool]:
+    """``add_bos_token`` / ``add_eos_token`` for ``AutoTokenizer`` as GGUF file ``gguf`` says.
+
+    A sentencepiece (``llama``) vocabulary without a BOS flag adds BOS, as llama.cpp does.
+    """
     from gguf import GGUFReader
 
     fields = GGUFReader(str(gguf)).fields
