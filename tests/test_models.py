@@ -231,6 +231,17 @@ def test_a_gguf_files_bos_flag_holds_in_every_transformers_release(tiny, tmp_pat
     assert gguf.file_tokenizer_flags(path) == {"add_bos_token": add_bos}
 
 
+def test_a_tokenizer_built_with_another_algorithm_than_the_files_is_refused(tiny, tiny_gguf):
+    from tokenizers import Tokenizer
+    from tokenizers.models import Unigram
+    from transformers import PreTrainedTokenizerFast
+
+    gguf.check_tokenizer(tiny_gguf, tiny[1])  # byte-level BPE, built as BPE
+    unigram = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(Unigram([("a", -1.0), ("b", -2.0)], 0)))
+    with pytest.raises(ValueError, match=r"builds its 'gpt2' \(BPE\) vocabulary as a Unigram tokenizer"):
+        gguf.check_tokenizer(tiny_gguf, unigram)
+
+
 def test_cached_folder_is_made_once_under_the_lock_and_never_half_written(tmp_path):
     made = []
 
@@ -305,7 +316,12 @@ def test_gemma3_every_backend_path_equals_model_generate():
     from dask_kvstate.backends.batch import Row, generate_batch
     from dask_kvstate.bench.workload import context_text, suffix
 
-    backend = load_backend("gemma3-270m")
+    try:
+        backend = load_backend("gemma3-270m")
+    except ValueError as e:  # a first conversion, on a transformers that mis-builds Gemma's tokenizer
+        if "vocabulary as a" not in str(e):
+            raise
+        pytest.skip(f"this transformers cannot convert Gemma 3's GGUF: {e}")
     c = backend.config
     assert c.model_type == "gemma3_text" and c.sliding_window == 512
     assert (backend.num_layers, backend.kv_heads, backend.head_dim) == (18, 1, 256)

@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 #: bytes read from each end of a GGUF file for its identity (see :func:`file_tag`)
 SAMPLE_BYTES = 1 << 20
@@ -104,13 +105,16 @@ def convert(gguf: Path, dest: Path, label: str) -> None:
         progress.bar(total=3, desc=f"{label}: GGUF -> safetensors (once)", unit="step") as bar,
         progress.quiet_transformers_unless_enabled(),
     ):
-        bar.set_postfix_str("dequantizing weights")
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-        bar.update()
+        # The tokenizer first: it is quick, and a file whose tokenizer is refused is refused
+        # before its weights are dequantized.
         bar.set_postfix_str("tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(
             gguf.parent, gguf_file=gguf.name, local_files_only=True, **tokenizer_flags(gguf)
         )
+        check_tokenizer(gguf, tokenizer)
+        bar.update()
+        bar.set_postfix_str("dequantizing weights")
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
         bar.update()
         # The weights are already dequantized to float32; drop the GGUF quantizer so
         # transformers agrees to save them as plain safetensors.
@@ -154,20 +158,47 @@ def file_tokenizer_flags(gguf: Path) -> dict[str, bool]:
 
     A sentencepiece (``llama``) vocabulary without a BOS flag adds BOS, as llama.cpp does.
     """
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(gguf)).fields
-
-    def scalar(key: str):
-        field = fields.get(key)
-        return None if field is None or not field.data else field.parts[field.data[0]]
-
-    flags: dict[str, bool] = {}
-    for name in ("add_bos_token", "add_eos_token"):
-        value = scalar(f"tokenizer.ggml.{name}")
-        if value is not None:
-            flags[name] = bool(value[0])
-    model = scalar("tokenizer.ggml.model")
-    if "add_bos_token" not in flags and model is not None and bytes(model).decode() == "llama":
+    meta = _tokenizer_metadata(gguf)
+    flags: dict[str, bool] = {n: bool(meta[n]) for n in ("add_bos_token", "add_eos_token") if n in meta}
+    if "add_bos_token" not in flags and meta.get("model") == "llama":
         flags["add_bos_token"] = True
     return flags
+
+
+#: llama.cpp's vocabulary kinds (``tokenizer.ggml.model``) that are BPE: sentencepiece BPE and byte-level BPE
+_BPE_VOCABULARIES = ("llama", "gpt2")
+
+
+def check_tokenizer(gguf: Path, tokenizer) -> None:
+    """Raise ValueError if transformers built ``gguf``'s tokenizer with another algorithm than its vocabulary's.
+
+    Some transformers releases build a Gemma file's sentencepiece BPE vocabulary as a
+    Unigram model, which cuts text into other tokens than the model was trained on
+    ("world" as "w", "or", "ld"): its outputs would drift, and the converted folder is
+    kept, so it is refused before anything is written.
+    """
+    vocabulary = _tokenizer_metadata(gguf).get("model")
+    built = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["type"]
+    if vocabulary in _BPE_VOCABULARIES and built != "BPE":
+        import transformers
+
+        raise ValueError(
+            f"{gguf}: transformers {transformers.__version__} builds its {vocabulary!r} (BPE) vocabulary as a "
+            f"{built} tokenizer, which splits text differently from the model's own; convert it with a "
+            "transformers release that builds it as BPE (5.19 does), or load a model folder with its tokenizer.json"
+        )
+
+
+def _tokenizer_metadata(gguf: Path) -> dict[str, Any]:
+    """The scalar ``tokenizer.ggml.*`` fields of ``gguf`` (``model``, ``add_bos_token``, ...), by short name."""
+    from gguf import GGUFReader, GGUFValueType
+
+    out: dict[str, Any] = {}
+    for key, field in GGUFReader(str(gguf)).fields.items():
+        if not key.startswith("tokenizer.ggml.") or not field.data or field.types[0] == GGUFValueType.ARRAY:
+            continue
+        value = field.parts[field.data[0]]
+        out[key.removeprefix("tokenizer.ggml.")] = (
+            bytes(value).decode() if field.types[0] == GGUFValueType.STRING else value[0].item()
+        )
+    return out
