@@ -219,12 +219,14 @@ def test_another_gguf_file_gets_its_own_folder(tiny, tiny_gguf, tmp_path):
 
 
 @pytest.mark.parametrize("add_bos", [True, False])
-def test_a_gguf_files_bos_flag_holds_in_every_transformers_release(tiny, tmp_path, add_bos):
-    """Some releases ignore the file's flag (a Gemma GGUF would lose its BOS); the converted tokenizer follows the file."""
+def test_a_gguf_files_special_tokens_hold_in_every_transformers_release(tiny, tmp_path, add_bos):
+    """Some releases ignore the file's BOS flag (a Gemma GGUF would lose its BOS) or take its BOS for its EOS;
+    the converted tokenizer follows the file."""
     path = tmp_path / "tiny.gguf"
     write_llama_gguf(*tiny, path, add_bos=add_bos)
     _, tok = models.load(str(path), str(tmp_path / "cache"))
     ids = tok(TEXT)["input_ids"]
+    assert (tok.bos_token_id, tok.eos_token_id) == (tiny[1].bos_token_id, tiny[1].eos_token_id)  # as the file says
     assert (ids[0] == tok.bos_token_id) is add_bos
     assert ids[int(add_bos) :] == tiny[1](TEXT, add_special_tokens=False)["input_ids"]
     # What a release that reads no flags gets passed (this one may read them itself).

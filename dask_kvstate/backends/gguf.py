@@ -112,6 +112,7 @@ def convert(gguf: Path, dest: Path, label: str) -> None:
             gguf.parent, gguf_file=gguf.name, local_files_only=True, **tokenizer_flags(gguf)
         )
         check_tokenizer(gguf, tokenizer)
+        align_special_tokens(gguf, tokenizer)
         bar.update()
         bar.set_postfix_str("dequantizing weights")
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
@@ -187,6 +188,29 @@ def check_tokenizer(gguf: Path, tokenizer) -> None:
             f"{built} tokenizer, which splits text differently from the model's own; convert it with a "
             "transformers release that builds it as BPE (5.19 does), or load a model folder with its tokenizer.json"
         )
+
+
+#: the tokenizer's special tokens and the GGUF fields naming their ids
+_SPECIAL_TOKENS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
+
+
+def align_special_tokens(gguf: Path, tokenizer) -> None:
+    """Make ``tokenizer``'s BOS, EOS, UNK and pad tokens the ones ``gguf`` names, where transformers set others.
+
+    Some transformers releases give a GGUF tokenizer its BOS as EOS too (SmolLM2's EOS
+    became ``<|im_start|>``) and no pad token; the file's ids are what the model was
+    trained with, so they win. A tokenizer that already agrees is left as it is.
+    """
+    meta = _tokenizer_metadata(gguf)
+    for name, field in _SPECIAL_TOKENS.items():
+        want = meta.get(field)
+        if want is not None and getattr(tokenizer, f"{name}_id") != want:
+            setattr(tokenizer, name, tokenizer.convert_ids_to_tokens(int(want)))
 
 
 def _tokenizer_metadata(gguf: Path) -> dict[str, Any]:
