@@ -48,8 +48,10 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"model.embed_tokens.weight": "token_embd", "lm_head.weight": "output", "model.norm.weight": "output_norm"}
 
 
-def write_llama_gguf(model, tokenizer, path, scale: float = 1.0) -> None:
-    """Write a transformers Llama and its byte-level BPE tokenizer as a float32 GGUF, as llama.cpp lays it out."""
+def write_llama_gguf(model, tokenizer, path, scale: float = 1.0, add_bos: bool | None = None) -> None:
+    """Write a transformers Llama and its byte-level BPE tokenizer as a float32 GGUF, as llama.cpp lays it out.
+
+    ``add_bos``: the file's ``tokenizer.ggml.add_bos_token`` flag (None: no flag)."""
     import gguf as gguf_lib
 
     c = model.config
@@ -74,6 +76,8 @@ def write_llama_gguf(model, tokenizer, path, scale: float = 1.0) -> None:
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
     w.add_bos_token_id(tokenizer.bos_token_id)
     w.add_eos_token_id(tokenizer.eos_token_id)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     for name, t in model.state_dict().items():
         a = t.detach().float().numpy() * scale
         if name in _TOP_NAMES:
@@ -214,6 +218,32 @@ def test_another_gguf_file_gets_its_own_folder(tiny, tiny_gguf, tmp_path):
     assert len([p for p in cache.iterdir() if p.is_dir()]) == 2
 
 
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_a_gguf_files_special_tokens_hold_in_every_transformers_release(tiny, tmp_path, add_bos):
+    """Some releases ignore the file's BOS flag (a Gemma GGUF would lose its BOS) or take its BOS for its EOS;
+    the converted tokenizer follows the file."""
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(*tiny, path, add_bos=add_bos)
+    _, tok = models.load(str(path), str(tmp_path / "cache"))
+    ids = tok(TEXT)["input_ids"]
+    assert (tok.bos_token_id, tok.eos_token_id) == (tiny[1].bos_token_id, tiny[1].eos_token_id)  # as the file says
+    assert (ids[0] == tok.bos_token_id) is add_bos
+    assert ids[int(add_bos) :] == tiny[1](TEXT, add_special_tokens=False)["input_ids"]
+    # What a release that reads no flags gets passed (this one may read them itself).
+    assert gguf.file_tokenizer_flags(path) == {"add_bos_token": add_bos}
+
+
+def test_a_tokenizer_built_with_another_algorithm_than_the_files_is_refused(tiny, tiny_gguf):
+    from tokenizers import Tokenizer
+    from tokenizers.models import Unigram
+    from transformers import PreTrainedTokenizerFast
+
+    gguf.check_tokenizer(tiny_gguf, tiny[1])  # byte-level BPE, built as BPE
+    unigram = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(Unigram([("a", -1.0), ("b", -2.0)], 0)))
+    with pytest.raises(ValueError, match=r"builds its 'gpt2' \(BPE\) vocabulary as a Unigram tokenizer"):
+        gguf.check_tokenizer(tiny_gguf, unigram)
+
+
 def test_cached_folder_is_made_once_under_the_lock_and_never_half_written(tmp_path):
     made = []
 
@@ -288,7 +318,12 @@ def test_gemma3_every_backend_path_equals_model_generate():
     from dask_kvstate.backends.batch import Row, generate_batch
     from dask_kvstate.bench.workload import context_text, suffix
 
-    backend = load_backend("gemma3-270m")
+    try:
+        backend = load_backend("gemma3-270m")
+    except ValueError as e:  # a first conversion, on a transformers that mis-builds Gemma's tokenizer
+        if "vocabulary as a" not in str(e):
+            raise
+        pytest.skip(f"this transformers cannot convert Gemma 3's GGUF: {e}")
     c = backend.config
     assert c.model_type == "gemma3_text" and c.sliding_window == 512
     assert (backend.num_layers, backend.kv_heads, backend.head_dim) == (18, 1, 256)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from dask_kvstate.backends import compat
 from dask_kvstate.backends.cascade import CascadeUnsupported, SharedPrefixKV, unsupported_layout
 from dask_kvstate.backends.hf import GenerationResult, generator, pick_token
 from dask_kvstate.generation import Sampling
@@ -130,12 +131,12 @@ def _cascade(backend, rows: list[Row], prefix, sampling: Sampling, t0: float) ->
     res = backend.model(
         input_ids=x,
         position_ids=kv.position_ids(x.shape[1]),
-        cache=None,
+        **compat.cache_kwargs(backend.model, None),
         use_cache=False,
         logits_to_keep=last,
         kvstate_cascade=kv,
     )
-    logits = res.logits[:, -1].float()
+    logits = compat.rows_logits(res.logits).float()
     kv.advance(own)
     live = []
     if sampling.max_new_tokens > 0:
@@ -151,7 +152,11 @@ def _cascade(backend, rows: list[Row], prefix, sampling: Sampling, t0: float) ->
         x = torch.tensor([[outs[b][-1]] for b in live], dtype=torch.long, device=device)
         kv.begin(1)
         res = backend.model(
-            input_ids=x, position_ids=kv.position_ids(1), cache=None, use_cache=False, kvstate_cascade=kv
+            input_ids=x,
+            position_ids=kv.position_ids(1),
+            **compat.cache_kwargs(backend.model, None),
+            use_cache=False,
+            kvstate_cascade=kv,
         )
         logits = res.logits[:, -1].float()
         kv.advance([1] * len(live))

@@ -15,9 +15,9 @@ keyword ``kvstate_cascade=<SharedPrefixKV>`` (transformers passes unknown keywor
 to the attention function) runs :meth:`SharedPrefixKV.attend`; any other call goes to
 the implementation the model had (sdpa or eager), with the same arguments, so text
 replay and the block-store paths compute exactly what they did. Such a forward runs
-with ``cache=None``: the rows' KV lives in the :class:`SharedPrefixKV`, which writes
-each layer's new keys and values into preallocated per-row buffers (no ``torch.cat``
-per step) and never copies the prefix.
+with no cache (:mod:`~dask_kvstate.backends.compat` names the keyword): the rows' KV
+lives in the :class:`SharedPrefixKV`, which writes each layer's new keys and values
+into preallocated per-row buffers (no ``torch.cat`` per step) and never copies the prefix.
 
 Two partial attentions and a merge (FlashInfer's cascade recipe): for every layer,
 (1) all rows' queries, folded into one query batch per kv head, attend to the single
@@ -35,8 +35,8 @@ computed with matmuls and ``torch.logsumexp``; same contract, same merge.
 What the model's own attention does, the cascade does too: per-layer sliding windows
 (each layer's window from :mod:`~dask_kvstate.backends.layout`, also hiding prefix
 tokens that slid out, and reading only the part of the prefix some row can still
-see), attention logit softcapping (Gemma2; computed in the matmul form, which the
-fused kernel lacks), attention sinks (``s_aux``, gpt-oss: one more term in the
+see), attention logit softcapping (Gemma2 on eager; computed in the matmul form, which
+the fused kernel lacks; sdpa applies none), attention sinks (``s_aux``, gpt-oss: one more term in the
 softmax's denominator, applied to the merged output), and the module's ``scaling``.
 The model's attention mask is not used: the masks here encode causality, windows and
 each row's prefix length, which is all a text-only causal LM's mask holds. A feature
@@ -82,13 +82,17 @@ def _dispatch(module, query, key, value, attention_mask, *, kvstate_cascade=None
     if kvstate_cascade is not None:
         if kwargs.get("dropout"):
             raise CascadeUnsupported("attention dropout")
+        # sdpa has no logit softcap: some transformers releases run Gemma2 on sdpa and drop
+        # its softcap there, others refuse sdpa for it; either way the model's own attention
+        # applies none, so neither does the cascade.
+        softcap = None if module.config._kvstate_base_attn == "sdpa" else kwargs.get("softcap")
         out = kvstate_cascade.attend(
             module.layer_idx,
             query,
             key,
             value,
             kwargs.get("scaling"),
-            softcap=kwargs.get("softcap"),
+            softcap=softcap,
             sinks=kwargs.get("s_aux"),
             window=kwargs.get("sliding_window"),
         )

@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib
 import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 #: bytes read from each end of a GGUF file for its identity (see :func:`file_tag`)
 SAMPLE_BYTES = 1 << 20
@@ -103,11 +105,17 @@ def convert(gguf: Path, dest: Path, label: str) -> None:
         progress.bar(total=3, desc=f"{label}: GGUF -> safetensors (once)", unit="step") as bar,
         progress.quiet_transformers_unless_enabled(),
     ):
+        # The tokenizer first: it is quick, and a file whose tokenizer is refused is refused
+        # before its weights are dequantized.
+        bar.set_postfix_str("tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, local_files_only=True, **tokenizer_flags(gguf)
+        )
+        check_tokenizer(gguf, tokenizer)
+        align_special_tokens(gguf, tokenizer)
+        bar.update()
         bar.set_postfix_str("dequantizing weights")
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-        bar.update()
-        bar.set_postfix_str("tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
         bar.update()
         # The weights are already dequantized to float32; drop the GGUF quantizer so
         # transformers agrees to save them as plain safetensors.
@@ -120,3 +128,101 @@ def convert(gguf: Path, dest: Path, label: str) -> None:
         source = {"gguf": str(gguf), "size": gguf.stat().st_size, "tag": file_tag(gguf)}
         (dest / "kvstate-source.json").write_text(json.dumps(source))
         bar.update()
+
+
+# Where transformers keeps its GGUF tokenizer mapping, newest layout first.
+_TOKENIZER_MAPPING_MODULES = ("transformers.integrations.gguf.gguf_tokenizer_mapping", "transformers.integrations.ggml")
+
+
+def tokenizer_flags(gguf: Path) -> dict[str, bool]:
+    """The file's :func:`file_tokenizer_flags` where transformers does not read them itself, else ``{}``.
+
+    Some transformers releases ignore the flags, so Gemma's tokenizer loses the BOS every
+    prompt of it starts with (and the model drifts without); newer ones read them, and also
+    apply llama.cpp's default and their own per-family rules, which are left to them. So
+    the flags are passed only where transformers' GGUF tokenizer mapping lacks them, and
+    the same file gives the same tokenizer (and the same fingerprint) in every release.
+    """
+    for name in _TOKENIZER_MAPPING_MODULES:
+        try:
+            mapping = importlib.import_module(name).GGUF_TOKENIZER_MAPPING
+        except (ImportError, AttributeError):
+            continue
+        if "ggml.add_bos_token" in mapping.get("tokenizer_config", {}):
+            return {}
+        break
+    return file_tokenizer_flags(gguf)
+
+
+def file_tokenizer_flags(gguf: Path) -> dict[str, bool]:
+    """``add_bos_token`` / ``add_eos_token`` for ``AutoTokenizer`` as GGUF file ``gguf`` says.
+
+    A sentencepiece (``llama``) vocabulary without a BOS flag adds BOS, as llama.cpp does.
+    """
+    meta = _tokenizer_metadata(gguf)
+    flags: dict[str, bool] = {n: bool(meta[n]) for n in ("add_bos_token", "add_eos_token") if n in meta}
+    if "add_bos_token" not in flags and meta.get("model") == "llama":
+        flags["add_bos_token"] = True
+    return flags
+
+
+#: llama.cpp's vocabulary kinds (``tokenizer.ggml.model``) that are BPE: sentencepiece BPE and byte-level BPE
+_BPE_VOCABULARIES = ("llama", "gpt2")
+
+
+def check_tokenizer(gguf: Path, tokenizer) -> None:
+    """Raise ValueError if transformers built ``gguf``'s tokenizer with another algorithm than its vocabulary's.
+
+    Some transformers releases build a Gemma file's sentencepiece BPE vocabulary as a
+    Unigram model, which cuts text into other tokens than the model was trained on
+    ("world" as "w", "or", "ld"): its outputs would drift, and the converted folder is
+    kept, so it is refused before anything is written.
+    """
+    vocabulary = _tokenizer_metadata(gguf).get("model")
+    built = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["type"]
+    if vocabulary in _BPE_VOCABULARIES and built != "BPE":
+        import transformers
+
+        raise ValueError(
+            f"{gguf}: transformers {transformers.__version__} builds its {vocabulary!r} (BPE) vocabulary as a "
+            f"{built} tokenizer, which splits text differently from the model's own; convert it with a "
+            "transformers release that builds it as BPE (5.19 does), or load a model folder with its tokenizer.json"
+        )
+
+
+#: the tokenizer's special tokens and the GGUF fields naming their ids
+_SPECIAL_TOKENS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
+
+
+def align_special_tokens(gguf: Path, tokenizer) -> None:
+    """Make ``tokenizer``'s BOS, EOS, UNK and pad tokens the ones ``gguf`` names, where transformers set others.
+
+    Some transformers releases give a GGUF tokenizer its BOS as EOS too (SmolLM2's EOS
+    became ``<|im_start|>``) and no pad token; the file's ids are what the model was
+    trained with, so they win. A tokenizer that already agrees is left as it is.
+    """
+    meta = _tokenizer_metadata(gguf)
+    for name, field in _SPECIAL_TOKENS.items():
+        want = meta.get(field)
+        if want is not None and getattr(tokenizer, f"{name}_id") != want:
+            setattr(tokenizer, name, tokenizer.convert_ids_to_tokens(int(want)))
+
+
+def _tokenizer_metadata(gguf: Path) -> dict[str, Any]:
+    """The scalar ``tokenizer.ggml.*`` fields of ``gguf`` (``model``, ``add_bos_token``, ...), by short name."""
+    from gguf import GGUFReader, GGUFValueType
+
+    out: dict[str, Any] = {}
+    for key, field in GGUFReader(str(gguf)).fields.items():
+        if not key.startswith("tokenizer.ggml.") or not field.data or field.types[0] == GGUFValueType.ARRAY:
+            continue
+        value = field.parts[field.data[0]]
+        out[key.removeprefix("tokenizer.ggml.")] = (
+            bytes(value).decode() if field.types[0] == GGUFValueType.STRING else value[0].item()
+        )
+    return out

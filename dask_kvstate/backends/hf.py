@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dask_kvstate.backends import cascade, identity, layout, models
+from dask_kvstate.backends import cascade, compat, identity, layout, models
 from dask_kvstate.blocks import kv_identity
 from dask_kvstate.generation import Sampling
 
@@ -158,8 +158,8 @@ class HFBackend:
         assert past_len < len(ids), f"prefill needs at least one new token ({past_len} cached of {len(ids)})"
         cache = self.cache_from_kv(past_kv)
         x = torch.tensor([ids[past_len:]], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
-        return out.cache, out.logits[0, -1].float()
+        out = self.model(input_ids=x, **compat.cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)
+        return compat.output_cache(out), out.logits[0, -1].float()
 
     @torch.inference_mode()
     def decode(self, cache, logits: torch.Tensor, sampling: Sampling) -> tuple[list[int], float]:
@@ -176,8 +176,8 @@ class HFBackend:
             if tok in self.eos_ids or step == sampling.max_new_tokens - 1:
                 break
             x = torch.tensor([[tok]], dtype=torch.long, device=self.device)
-            res = self.model(input_ids=x, cache=cache, use_cache=True)
-            cache, logits = res.cache, res.logits[0, -1].float()
+            res = self.model(input_ids=x, **compat.cache_kwargs(self.model, cache), use_cache=True)
+            cache, logits = compat.output_cache(res), res.logits[0, -1].float()
         return out, first_at
 
     def generate(
