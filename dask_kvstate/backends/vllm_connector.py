@@ -180,7 +180,7 @@ def _layer_index(name: str) -> int:
 class KVStateConnector(KVConnectorBase_V1):
     """Loads our blocks into vLLM's paged cache and captures a prompt's KV out of it."""
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.block_size = int(vllm_config.cache_config.block_size)
         name = self._kv_transfer_config.get_from_extra_config(EXCHANGE_KEY, "default")

@@ -25,6 +25,7 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dask_kvstate.backends import vllm_connector
 
@@ -89,17 +90,19 @@ def start_engine(options: EngineOptions):
         kv_role="kv_both",
         kv_connector_extra_config={vllm_connector.EXCHANGE_KEY: options.exchange},
     )
-    args = EngineArgs(
-        model=str(options.folder),
-        dtype=options.dtype,
-        block_size=options.block_tokens,
-        max_model_len=options.max_model_len,
-        enable_prefix_caching=True,  # the engine's own cache stays on; stats count its hits apart
-        distributed_executor_backend="uni",
-        enforce_eager=not options.compile,
-        kv_transfer_config=transfer,
-        seed=0,
-    )
+    settings: dict[str, Any] = {
+        "model": str(options.folder),
+        "dtype": options.dtype,
+        "block_size": options.block_tokens,
+        "enable_prefix_caching": True,  # the engine's own cache stays on; stats count its hits apart
+        "distributed_executor_backend": "uni",
+        "enforce_eager": not options.compile,
+        "kv_transfer_config": transfer,
+        "seed": 0,
+    }
+    if options.max_model_len is not None:  # else the model's own maximum
+        settings["max_model_len"] = options.max_model_len
+    args = EngineArgs(**settings)
     logger.info(
         "kvstate: starting a vLLM engine for %s (block size %d, cores %s); this takes up to a minute or two",
         options.folder.name,
