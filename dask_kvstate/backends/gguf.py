@@ -113,7 +113,7 @@ def convert(gguf: Path, dest: Path, label: str) -> None:
         tokenizer = AutoTokenizer.from_pretrained(
             gguf.parent, gguf_file=gguf.name, local_files_only=True, **tokenizer_flags(gguf)
         )
-        check_tokenizer(gguf, tokenizer)
+        check_tokenizer(gguf, tokenizer, label)
         align_special_tokens(gguf, tokenizer)
         bar.update()
         bar.set_postfix_str("dequantizing weights")
@@ -172,8 +172,9 @@ def file_tokenizer_flags(gguf: Path) -> dict[str, bool]:
 _BPE_VOCABULARIES = ("llama", "gpt2")
 
 
-def check_tokenizer(gguf: Path, tokenizer) -> None:
-    """Raise ValueError if transformers built ``gguf``'s tokenizer with another algorithm than its vocabulary's.
+def check_tokenizer(gguf: Path, tokenizer, label: str | None = None) -> None:
+    """Raise ValueError, naming ``label`` (default: the file), if transformers built ``gguf``'s tokenizer with
+    another algorithm than its vocabulary's.
 
     Some transformers releases build a Gemma file's sentencepiece BPE vocabulary as a
     Unigram model, which cuts text into other tokens than the model was trained on
@@ -186,7 +187,7 @@ def check_tokenizer(gguf: Path, tokenizer) -> None:
         import transformers
 
         raise ValueError(
-            f"{gguf}: transformers {transformers.__version__} builds its {vocabulary!r} (BPE) vocabulary as a "
+            f"{label or gguf}: transformers {transformers.__version__} builds its {vocabulary!r} (BPE) vocabulary as a "
             f"{built} tokenizer, which splits text differently from the model's own; convert it with a "
             "transformers release that builds it as BPE (5.19 does), or load a model folder with its tokenizer.json"
         )
