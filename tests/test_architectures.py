@@ -54,7 +54,7 @@ def kv_cluster_client(folders):
     """Two worker processes serving every family at once, as one install of several models does.
 
     One block store holds every model's blocks (kept apart by model fingerprint), and models
-    of different attention implementations (Gemma2 and GPT-OSS run eager, the others sdpa) share each
+    of different attention implementations (GPT-OSS runs eager, Gemma2 too on newer transformers, the others sdpa) share each
     worker process: what one model's setup registers with transformers must not change another's.
     """
     with kv_cluster(CONFIG, model=list(folders.values())) as client:
