@@ -103,7 +103,8 @@ def test_a_bad_load_fails_its_call_and_the_engine_goes_on(backend):
 
 def test_every_path_on_two_engines_is_token_identical_to_replay():
     """Worker A's engine makes the state; worker B's engine, which never saw it, resumes it."""
-    pull = dask.config.set({"kvstate.placement.rule": "pull"})  # short prompts: the rule could recompute
+    # Short prompts: the rule could recompute; 64-token blocks whatever an earlier test left set.
+    pull = dask.config.set({"kvstate.placement.rule": "pull", "kvstate.block-tokens": 64})
     with pull, LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0") as cluster:
         with Client(cluster) as client:
             kvs.install(client, "smollm2-135m", backend="vllm")
@@ -139,7 +140,8 @@ def test_the_compiler_on_vllm_is_token_identical():
     def graph():
         return [kvs.generate(PREFIX, suffix, max_new_tokens=16) for _, suffix in PARTS]
 
-    with LocalCluster(n_workers=1, threads_per_worker=4, processes=True, dashboard_address=":0") as cluster:
+    blocks = dask.config.set({"kvstate.block-tokens": 64})
+    with blocks, LocalCluster(n_workers=1, threads_per_worker=4, processes=True, dashboard_address=":0") as cluster:
         with Client(cluster) as client:
             kvs.install(client, "smollm2-135m", backend="vllm")
             off = dask.compute(*graph())

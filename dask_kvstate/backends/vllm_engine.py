@@ -46,10 +46,10 @@ class EngineOptions:
     exchange: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
-def _cores_of_this_process(limit: int) -> str:
-    """The first ``limit`` cores this process may run on, as vLLM's binding spec ("0,1")."""
+def _cores_of_this_process() -> str:
+    """Every core this process may run on, as vLLM's binding spec ("0,1")."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    return ",".join(str(c) for c in list(cores)[: max(1, limit)])
+    return ",".join(str(c) for c in cores)
 
 
 def count_cores(spec: str) -> int:
@@ -74,9 +74,9 @@ def start_engine(options: EngineOptions):
 
     # vLLM's CPU attention plans its work for the bound cores and runs it on torch's
     # threads: the two counts must agree, or its kernels abort the process. Unbound, the
-    # engine takes as many of this process's cores as torch has threads (the worker's own
-    # setting, kvstate.worker.torch-threads); bound by hand, torch follows the binding.
-    cores = options.cpu_cores or _cores_of_this_process(torch.get_num_threads())
+    # engine takes every core this process may run on (a nanny starts workers with
+    # OMP_NUM_THREADS=1, which would leave one core to an engine given several).
+    cores = options.cpu_cores or _cores_of_this_process()
     if count_cores(cores) != torch.get_num_threads():
         torch.set_num_threads(count_cores(cores))
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores

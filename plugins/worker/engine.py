@@ -136,7 +136,13 @@ class KVEngine:
             yield 0  # another prefill has the process's thread count raised right now
             return
         least = self.settings.borrow_min_tokens
-        if self.worker is None or not least or tokens < least or not self.backend.elastic_threads or not self._alone():
+        if (
+            self.worker is None
+            or not least
+            or tokens < least
+            or not getattr(self.backend, "elastic_threads", True)
+            or not self._alone()
+        ):
             yield torch.get_num_threads()
             return
         if not _BORROWING.acquire(blocking=False):
