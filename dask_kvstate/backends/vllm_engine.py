@@ -182,6 +182,11 @@ class EngineLoop:
         self.engine = started.result()  # the engine's start error, raised in the caller
 
     def _main(self, options: EngineOptions, started: Future) -> None:
+        import torch
+
+        # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op once it
+        # binds its threads; close() puts it back, so the rest of the process keeps it.
+        self._set_num_threads = torch.set_num_threads
         try:
             engine = start_engine(options)
         except BaseException as e:
@@ -219,6 +224,9 @@ class EngineLoop:
 
         self.engine.engine_core.shutdown()
         ensure_kv_transfer_shutdown()
+        import torch
+
+        torch.set_num_threads = self._set_num_threads
 
     # -- the driver thread ---------------------------------------------------------
     def _add(self, job: Job) -> None:
