@@ -100,6 +100,7 @@ class VLLMBackend:
         self.cascade_fallbacks: Counter[str] = Counter()  # no fused path to fall back from
         self.counters: Counter[str] = Counter()
         self._tok_lock = threading.Lock()
+        self._exchange_name = options.exchange
         self.exchange = vllm_connector.exchange(options.exchange)
         with _LIVE_LOCK:
             # vLLM keeps one KV connector per process (its worker half is a module global), so a
@@ -132,6 +133,7 @@ class VLLMBackend:
     def close(self) -> None:
         with _LIVE_LOCK:
             self.loop.close()
+            vllm_connector.forget(self._exchange_name)
             if self in _LIVE:
                 _LIVE.remove(self)
 

@@ -95,6 +95,11 @@ class Exchange:
 _EXCHANGES: dict[str, Exchange] = {}
 
 
+def forget(name: str) -> None:
+    """Drop exchange ``name`` once its engine is closed."""
+    _EXCHANGES.pop(name, None)
+
+
 def exchange(name: str) -> Exchange:
     """The exchange named ``name`` in this process (made on first use)."""
     return _EXCHANGES.setdefault(name, Exchange())
