@@ -117,8 +117,8 @@ def test_stats_is_a_dict_with_table_and_html_reprs(client, workers):
     # The whole object: the worker table, then a line per scheduler extension; the same in HTML.
     assert isinstance(full, kvs.Stats) and repr(full) == str(full) and str(full).startswith(text)
     extensions = dict(line.split(None, 1) for line in str(full).split("\n\n")[1].splitlines()[2:])
-    assert "workers 2" in extensions["placement"] and extensions["lifecycle"] == "off"
-    assert full._repr_html_().startswith(html) and "<td>lifecycle</td><td>off</td>" in full._repr_html_()
+    assert "workers 2" in extensions["placement"] and extensions["lifecycle"].startswith("on")  # on by default
+    assert full._repr_html_().startswith(html) and "<td>hints</td><td>off</td>" in full._repr_html_()
 
 
 def test_explain_renders_html():
@@ -356,4 +356,4 @@ def test_stats_under_an_asynchronous_client(client, workers):
     full = asyncio.run(go())
     s = full.workers
     assert isinstance(s, ClusterStats) and sorted(s) == workers and "total" in str(s)
-    assert full.placement["installed"] and full.lifecycle == {"installed": False}
+    assert full.placement["installed"] and full.lifecycle["installed"]

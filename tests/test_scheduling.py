@@ -16,7 +16,7 @@ from distributed import Event, worker_client
 from distributed.utils_test import async_poll_for, gen_cluster, poll_for
 
 import dask_kvstate as kvs
-from dask_kvstate.plugins.scheduler.capacity import CapacityController, best_move
+from dask_kvstate.plugins.scheduler.capacity import CapacityController, peak_utilisation, target_split
 from dask_kvstate.plugins.scheduler.priority import ProgressPriority, progress_priority
 from dask_kvstate.plugins.scheduler.sessions import SessionTracker
 from dask_kvstate.plugins.scheduler.stealing import LateBindingStealing, migration_benefit
@@ -60,12 +60,12 @@ async def install(c, *plugins):
 async def test_install_under_an_asynchronous_client_takes_overrides_and_is_idempotent(c, s, a, b):
     from dask_kvstate.plugins.scheduler.placement import KVPlacement
 
-    assert await kvs.install(c, model=False, scheduling={"stealing": True}) == {}
-    assert SessionTracker.name in s.plugins and LateBindingStealing.name in s.plugins
+    assert await kvs.install(c, model=False, scheduling={"priority": False}) == {}
+    assert SessionTracker.name in s.plugins and LateBindingStealing.name in s.plugins  # on by default
     assert ProgressPriority.name not in s.plugins and KVPlacement.name not in s.plugins  # no model: no KV extensions
     assert all(SchedulingWorkerPlugin.name in w.plugins for w in (a, b))
     tracker = s.plugins[SessionTracker.name]
-    await kvs.install(c, model=False, scheduling={"stealing": True})
+    await kvs.install(c, model=False, scheduling={"priority": False})
     assert s.plugins[SessionTracker.name] is tracker  # the second call reloaded nothing
     full = await kvs.stats(c)
     assert full.scheduling["stealing"]["installed"] and full.scheduling["priority"] == {"installed": False}
@@ -206,24 +206,34 @@ def test_stealing_settings_are_validated():
         LateBindingStealing(beta="soon")
 
 
-@gen_cluster(client=True, config={**FAST, "distributed.scheduler.work-stealing": False})
-async def test_late_binding_stealing_moves_queued_work_to_an_idle_worker(c, s, a, b):
+@gen_cluster(client=True, config={**FAST, "distributed.scheduler.work-stealing": True})
+async def test_plain_tasks_are_balanced_by_dasks_own_stealing(c, s, a, b):
     await install(c, LateBindingStealing())
+    stealing = s.plugins["kvstate-stealing"]
+    assert "stealing" not in s.periodic_callbacks  # its balance runs from the control pass
     # Everything lands on a (a loose restriction, as a KV placement would set); b is idle.
     fs = c.map(nap, [0.05] * 12, range(12), workers=[a.address], allow_other_workers=True)
     await c.gather(fs)
     ran_on_b = [f.key for f in fs if s.workers[b.address] in s.tasks[f.key].who_has]
     assert ran_on_b, "no task moved to the idle worker"
-    stealing = s.plugins["kvstate-stealing"]
-    assert stealing.counters["moves"] >= len(ran_on_b)
-    assert any(m["kind"] == "move" and m["thief"] == b.address for _, m in s.get_events("kvstate-stealing"))
+    assert stealing.counters["fallback_requests"] >= len(ran_on_b)
+    assert stealing.counters["moves"] == 0 and not stealing.owned  # none had KV, affinity or a cap
+
+
+@gen_cluster(client=True, config={**FAST, "distributed.scheduler.work-stealing": False})
+async def test_with_dasks_stealing_off_plain_tasks_stay_put(c, s, a, b):
+    await install(c, LateBindingStealing())
+    fs = c.map(nap, [0.02] * 8, range(8), workers=[a.address], allow_other_workers=True)
+    await c.gather(fs)
+    assert all(s.workers[a.address] in s.tasks[f.key].who_has for f in fs)
+    assert s.plugins["kvstate-stealing"].counters["fallback_requests"] == 0
 
 
 @gen_cluster(
     client=True,
     config={
         **FAST,
-        "distributed.scheduler.work-stealing": False,
+        "distributed.scheduler.work-stealing": True,
         "kvstate.scheduling.components": {"nap": {"stateful": True}},
     },
 )
@@ -236,20 +246,22 @@ async def test_stateful_component_keeps_session_affinity(c, s, a, b):
         later = [c.submit(nap, 0.01, f"turn-{i}", pure=False) for i in range(2, 8)]
         await c.gather(later)
     assert {next(iter(s.tasks[f.key].who_has)).address for f in later} == {home}
-    assert s.plugins["kvstate-stealing"].counters["affinity_routed"] == 6
+    stealing = s.plugins["kvstate-stealing"]
+    assert stealing.counters["affinity_routed"] == 6
+    assert not stealing.stock.key_stealable  # Dask's stealing, on, never saw them
 
 
 # -- capacity ------------------------------------------------------------------------------
-def test_best_move_picks_the_donor_that_lifts_the_minimum():
-    x = {"plan": 9.0, "dev": 1.0, "test": 3.0}
-    units, rates, visits = (
-        {"plan": 3, "dev": 1, "test": 2},
-        {"plan": 3.0, "dev": 2.0, "test": 3.0},
-        {"plan": 1.0, "dev": 2.0, "test": 2.0},
-    )
-    assert best_move(x, units, rates, visits, "dev", ["plan", "test"], limits={}, epsilon=0.05) == ("plan", 2.0)
-    capped = {"dev": {"max": 1}}
-    assert best_move(x, units, rates, visits, "dev", ["plan", "test"], limits=capped, epsilon=0.05) is None
+def test_target_split_evens_utilisation_within_limits():
+    demand = {"plan": 0.2, "dev": 3.0, "test": 1.0}
+    assert target_split(demand, 6, {}) == {"plan": 1, "dev": 3, "test": 2}
+    assert target_split(demand, 6, {"dev": {"max": 2}}) == {"plan": 1, "dev": 2, "test": 3}
+    assert target_split(demand, 6, {"test": {"min": 3}}) == {"plan": 1, "dev": 2, "test": 3}
+    # An even tie keeps the split it has: no move for nothing.
+    assert target_split({"a": 1.0, "b": 1.0}, 3, {}, current={"a": 1, "b": 2}) == {"a": 1, "b": 2}
+    assert target_split({"a": 1.0, "b": 1.0}, 3, {}, current={"a": 2, "b": 1}) == {"a": 2, "b": 1}
+    assert peak_utilisation(demand, {"plan": 1, "dev": 3, "test": 2}) == 1.0
+    assert peak_utilisation({"a": 1.0}, {"a": 0}) == float("inf")
 
 
 def test_capacity_limits_are_validated():
@@ -257,6 +269,8 @@ def test_capacity_limits_are_validated():
         CapacityController(limits={"role:dev": {"min": 2, "max": 1}})
     with pytest.raises(ValueError, match="roles are resources named"):
         CapacityController(limits={"dev": {"min": 1}})
+    with pytest.raises(ValueError, match="window"):
+        CapacityController(window="100ms")  # shorter than the 500ms interval
 
 
 @gen_cluster(
@@ -278,11 +292,11 @@ async def test_capacity_moves_a_unit_to_a_persistent_bottleneck(c, s, p1, p2, de
     capacity = s.plugins["kvstate-capacity"]
     await async_poll_for(lambda: capacity.counters["moves"] >= 1, timeout=10)
     move = capacity.moves[0]
-    assert move["from"] == "role:plan" and move["to"] == "role:dev" and move["predicted"] > move["before"]
+    assert move["from"] == "role:plan" and move["to"] == "role:dev" and move["predicted_peak"] < move["peak"]
     moved = next(w for w in (p1, p2) if w.address == move["worker"])
     assert s.workers[moved.address].resources == {"role:plan": 0, "role:dev": 1}
     assert moved.state.total_resources == {"role:plan": 0, "role:dev": 1}  # the worker itself knows
-    assert capacity.last["streak"] >= capacity.k
+    assert len(capacity.moves) == 1  # the target (1 planner, 2 developers) is reached in one move
     await c.gather(futures)
     # The new developer unit takes new developer work.
     more = c.map(nap, [0.02] * 6, range(6), resources=dev_role, pure=False)
@@ -312,6 +326,7 @@ def _kv_view(consumer_key, a, b, dask_scheduler):
         "kv_at_b": min(at_b["t_transfer"], at_b["t_recompute"]),
         "resident_a": ProgressPriority._resident(placement, ts, a),
         "resident_b": ProgressPriority._resident(placement, ts, b),
+        "owned": ts in stealing.owned and ts not in stealing.stock.key_stealable,
     }
 
 
@@ -354,3 +369,4 @@ def test_kv_missing_at_the_thief_is_priced_into_the_move_and_residency_into_prio
     assert view["kv_at_b"] > 0  # the blocks are on a only; b would pull or recompute them
     assert view["move_to_b"] >= view["inputs_to_b"] + view["kv_at_b"] - 1e-9
     assert view["resident_a"] and not view["resident_b"]
+    assert view["owned"]  # a KV consumer: priced by the KV-aware policy, never by Dask's stealing

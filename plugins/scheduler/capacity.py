@@ -3,35 +3,42 @@
 Agent roles are Dask worker resources named ``role:<name>`` (the prefix is
 ``kvstate.scheduling.capacity.resource-prefix``); a task asks for one with
 ``resources={"role:tester": 1}``, a worker offers units of it (``--resources
-role:tester=1``). Every capacity interval, off the critical path (on the global
-control loop), for each role ``v``:
+role:tester=1``). The extension is installed by default and does nothing until workers
+offer such resources. Every capacity interval, off the critical path (on the global
+control loop), for each role ``v`` over the last ``window``:
 
-* ``mu_v = R_v * mu_bar_v``: units ``R_v`` times the measured per-unit service rate
-  (completions over busy unit-seconds, from the compute start/stop times workers send
-  with every finished task), over a sliding window of intervals;
-* ``p_v``: visits per workflow request (role invocations per distinct session that
-  submitted work in the window);
-* ``x_v = mu_v / max(p_v, delta)``, the workflow throughput the role can sustain.
+* ``mu_bar_v``: the measured per-unit service rate (completions over busy unit-seconds,
+  from the compute start/stop times workers send with every finished task);
+* ``demand_v``: the work offered to the role, in units: role calls submitted per second
+  over ``mu_bar_v``, plus the work already waiting for it (ready tasks over
+  ``mu_bar_v``, spread over one window) so a burst is cleared, not just carried;
+* ``u_v = demand_v / R_v``: its utilisation with ``R_v`` units. Nalar's normalised
+  capacity is ``x_v = R_v * mu_bar_v / p_v = lambda / u_v`` (``p_v`` visits per request,
+  ``lambda`` requests per second), so the lowest ``x_v`` is the highest ``u_v``.
 
-The role with the smallest ``x_v`` is the candidate bottleneck. Only when it stays the
-bottleneck for ``K`` consecutive intervals and has ready work (tasks waiting behind
-busy units, or ``no-worker``) does one unit move to it from an idle role above its
-minimum, choosing the donor that maximises the predicted throughput ``min_v x_v`` and
-only if that beats the current one by ``epsilon`` (the donor must not become the
-new bottleneck). :func:`best_move` is that decision as a pure function.
+Nalar moves one unit per ``K`` intervals from a donor to the bottleneck. From an even
+split that takes many intervals (three moves of two seconds each to reach a developer-
+heavy split on the SWE workflow), during which the queue grows. Repeating that step
+converges on the split that maximises ``min_v x_v``, so this controller computes that
+split directly (:func:`target_split`, water-filling: every unit above each role's
+minimum goes to the role that would otherwise be the most utilised) and moves every
+unit it differs by at once, once the same target has held for ``K`` consecutive
+intervals and it lowers the highest utilisation by more than ``epsilon`` (relative).
+It therefore settles where every role's utilisation is as even as whole units allow,
+and re-settles within about one window plus ``K`` intervals after the mix changes.
 
-Moving a unit: the scheduler stops counting the donor unit first (no new donor work is
-sent to that worker; only a worker with no donor task on it is picked), the worker's
+Moving a unit: a worker is picked that has a free unit of the donor role (fewer donor
+tasks on it than donor units, so none gets stranded). The scheduler stops counting
+that unit first (no new donor work is sent there for it), the worker's
 ``kvstate-scheduling`` plugin updates its own resources, then the scheduler adds the
-bottleneck unit and dispatches ``no-worker`` tasks that fit it. Work already queued
-on the bottleneck's other workers reaches the new unit by stealing.
+receiver's unit and dispatches ``no-worker`` tasks that fit it. Work already queued on
+the receiver's other workers reaches the new unit by stealing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections import Counter, defaultdict, deque
 from time import perf_counter, time
 
@@ -42,58 +49,45 @@ from dask_kvstate.protocol import CAPACITY_EXTENSION, CAPACITY_TOPIC, HINTS_EXTE
 
 logger = logging.getLogger("dask_kvstate")
 
-WINDOW = 20  # capacity intervals of history behind mu and p
-DELTA = 1e-3  # numerical floor on visits per request
 
+def target_split(demand: dict, total: int, limits: dict, current: dict | None = None) -> dict | None:
+    """Whole units per role, ``total`` in all, keeping ``max_v demand_v / R_v`` lowest.
 
-def normalized_capacity(units: float, per_unit_rate: float, visits: float, delta: float = DELTA) -> float:
-    """``x_v = R_v * mu_bar_v / max(p_v, delta)``: requests per second role ``v`` can carry.
-
-    Examples
-    --------
-    >>> normalized_capacity(units=2, per_unit_rate=5.0, visits=4.0)   # 10 calls/s, 4 per request
-    2.5
-    """
-    return units * per_unit_rate / max(visits, delta)
-
-
-def best_move(
-    x: dict, units: dict, rates: dict, visits: dict, bottleneck: str, donors, *, limits: dict, epsilon: float
-) -> tuple[str, float] | None:
-    """The donor whose unit, given to ``bottleneck``, raises ``min_v x_v`` the most.
-
-    Returns ``(donor, predicted throughput)`` or None when no donor is feasible (above its
-    minimum, bottleneck below its maximum, not the bottleneck after the move) or no move
-    gains more than ``epsilon`` (relative).
+    Every role first gets its minimum (``limits[v]["min"]``, default 1); each further
+    unit goes to the role that would be the most utilised without it, within its
+    ``max``. Ties keep ``current`` where it has more. Returns None when the minimums do
+    not fit in ``total``.
 
     Examples
     --------
-    >>> x = {"dev": 1.0, "test": 4.0, "plan": 8.0}
-    >>> units, rates, visits = {"dev": 2, "test": 4, "plan": 2}, {"dev": 1.0, "test": 2.0, "plan": 4.0}, \
-        {"dev": 2.0, "test": 2.0, "plan": 1.0}
-    >>> best_move(x, units, rates, visits, "dev", ["test", "plan"], limits={}, epsilon=0.05)
-    ('test', 1.5)
-    >>> best_move(x, units, rates, visits, "dev", ["test"], limits={"test": {"min": 4}}, epsilon=0.05) is None
+    >>> target_split({"plan": 0.5, "dev": 4.6, "test": 2.7}, 12, {})   # the SWE workflow's offered work
+    {'plan': 1, 'dev': 7, 'test': 4}
+    >>> target_split({"dev": 5.0, "test": 1.0}, 8, {"test": {"min": 3}})
+    {'dev': 5, 'test': 3}
+    >>> target_split({"a": 1.0, "b": 1.0}, 1, {}) is None
     True
     """
-    lim_b = limits.get(bottleneck) or {}
-    if lim_b.get("max") is not None and units[bottleneck] + 1 > lim_b["max"]:
+    units = {v: int((limits.get(v) or {}).get("min", 1)) for v in demand}
+    left = total - sum(units.values())
+    if left < 0:
         return None
-    current = min(x.values())
-    best = None
-    for d in donors:
-        if d == bottleneck or units[d] - 1 < (limits.get(d) or {}).get("min", 1):
-            continue
-        trial = dict(x)
-        trial[bottleneck] = normalized_capacity(units[bottleneck] + 1, rates[bottleneck], visits[bottleneck])
-        # A donor never measured (no calls in the window) has nothing to lose.
-        trial[d] = normalized_capacity(units[d] - 1, rates[d], visits[d]) if rates.get(d) else math.inf
-        predicted = min(trial.values())
-        if trial[d] <= trial[bottleneck]:
-            continue  # the donor would become the new bottleneck: the next interval would move it back
-        if predicted > current * (1 + epsilon) and (best is None or predicted > best[1]):
-            best = (d, predicted)
-    return best
+    current = current or {}
+    for _ in range(left):
+        open_ = [v for v in demand if (limits.get(v) or {}).get("max") is None or units[v] < limits[v]["max"]]
+        if not open_:
+            break
+        v = max(open_, key=lambda v: (demand[v] / max(units[v], 1e-9), current.get(v, 0) > units[v], v))
+        units[v] += 1
+    return units
+
+
+def peak_utilisation(demand: dict, units: dict) -> float:
+    """``max_v demand_v / R_v`` (infinite when a role with demand has no unit).
+
+    >>> peak_utilisation({"a": 1.0, "b": 3.0}, {"a": 2, "b": 4})
+    0.75
+    """
+    return max((d / units[v] if units.get(v) else float("inf")) if d > 0 else 0.0 for v, d in demand.items())
 
 
 class CapacityController(SchedulerPlugin):
@@ -109,16 +103,18 @@ class CapacityController(SchedulerPlugin):
         epsilon: float | None = None,
         prefix: str | None = None,
         limits: dict | None = None,
+        window=None,
     ):
         self.interval_s = config.get_seconds("scheduling.capacity.interval", interval)
+        self.window_s = config.get_seconds("scheduling.capacity.window", window)
         self.k = int(config.get("scheduling.capacity.persistence") if persistence is None else persistence)
         self.epsilon = float(config.get("scheduling.capacity.epsilon") if epsilon is None else epsilon)
         self.prefix = config.get("scheduling.capacity.resource-prefix") if prefix is None else prefix
         self.limits = dict(config.get("scheduling.capacity.limits") if limits is None else limits)
-        if self.k < 1 or self.epsilon < 0 or not self.prefix:
+        if self.k < 1 or self.epsilon < 0 or not self.prefix or self.window_s < self.interval_s:
             raise ValueError(
-                f"capacity settings out of range: persistence={self.k} "
-                f"epsilon={self.epsilon} resource-prefix={self.prefix!r}"
+                f"capacity settings out of range: persistence={self.k} epsilon={self.epsilon} "
+                f"resource-prefix={self.prefix!r} window={self.window_s}s (at least interval={self.interval_s}s)"
             )
         for role, lim in self.limits.items():
             if not role.startswith(self.prefix):
@@ -133,16 +129,16 @@ class CapacityController(SchedulerPlugin):
         self.counters: Counter[str] = Counter()
         self._done: defaultdict[str, list] = defaultdict(lambda: [0, 0.0])  # role -> [completions, busy s]
         self._visits: Counter[str] = Counter()  # role -> invocations submitted this interval
-        self._sessions: set[str] = set()
         self.role_of: dict = {}  # key -> its role, for tasks the scheduler holds
-        self.history: deque = deque(maxlen=WINDOW)  # (done, visits, sessions) per interval
-        self.bottleneck: str | None = None
+        self.history: deque = deque(maxlen=max(1, round(self.window_s / self.interval_s)))  # (done, visits, t)
+        self.target: dict | None = None
         self.streak = 0
-        self.moving = False
+        self.moving: set[str] = set()  # workers with a move in flight
         self._moves: set[asyncio.Future] = set()
         self.moves: deque = deque(maxlen=100)
         self.last: dict = {}
         self.latency: deque = deque(maxlen=1000)
+        self._t_last = time()
         every = max(1, round(self.interval_s / self.tracker.loop.interval_s))
         self.tracker.loop.add("capacity", self.control, every=every)
 
@@ -161,9 +157,6 @@ class CapacityController(SchedulerPlugin):
             # One role per task is what the controller counts (the first, if a task asks several).
             self.role_of[key] = roles[0]
             self._visits[roles[0]] += 1
-            s = self.tracker.session_of(key)
-            if s is not None:
-                self._sessions.add(s.id)
 
     def transition(self, key, start, finish, *args, startstops=None, **kwargs) -> None:
         if finish == "forgotten":
@@ -188,10 +181,11 @@ class CapacityController(SchedulerPlugin):
 
     def _control(self) -> None:
         s = self.scheduler
-        self.history.append((dict(self._done), dict(self._visits), set(self._sessions)))
+        now = time()
+        self.history.append((dict(self._done), dict(self._visits), now - self._t_last))
+        self._t_last = now
         self._done.clear()
         self._visits.clear()
-        self._sessions.clear()
         units: Counter[str] = Counter()
         ready: Counter[str] = Counter()
         role_of = self.role_of
@@ -208,6 +202,8 @@ class CapacityController(SchedulerPlugin):
             for r, n in per_role.items():
                 if r not in ws.resources:
                     ready[r] += n
+        if not units:
+            return  # no worker offers a role: nothing to reallocate
         # Tasks held by max-concurrency wait for a slot, not for want of units.
         held = getattr(s.plugins.get(HINTS_EXTENSION), "held_comp", {})
         for ts in s.unrunnable:
@@ -217,66 +213,73 @@ class CapacityController(SchedulerPlugin):
         done: Counter[str] = Counter()
         busy: defaultdict[str, float] = defaultdict(float)
         visits: Counter[str] = Counter()
-        sessions: set[str] = set()
-        for d, v, ss in self.history:
+        span = 0.0
+        for d, v, dt in self.history:
             for r, (n, a) in d.items():
                 done[r] += n
                 busy[r] += a
             visits.update(v)
-            sessions |= ss
-        rates = {r: done[r] / busy[r] for r in units if busy[r] > 0}
-        p = {r: visits[r] / max(len(sessions), 1) for r in units}
-        x = {r: normalized_capacity(units[r], rates[r], p[r]) if r in rates else math.inf for r in units}
-        measured = {r: v for r, v in x.items() if r in rates and p[r] > 0}
+            span += dt
+        roles = set(units) | set(visits)
+        service = {r: busy[r] / done[r] for r in roles if done[r] and busy[r] > 0}  # mean busy s per call
+        demand = {r: (visits[r] / max(span, 1e-9) + ready[r] / max(span, 1e-9)) * service[r] for r in service}
         self.last = {
             "units": dict(units),
             "ready": dict(ready),
-            "rate": rates,
-            "visits": p,
-            "x": {r: (v if v != math.inf else None) for r, v in x.items()},
+            "service_s": service,
+            "demand": demand,
+            "utilisation": {r: demand[r] / units[r] if units[r] else None for r in demand},
         }
-        if not measured:
-            self.bottleneck, self.streak = None, 0
+        # Until every role that is called has a measured service time, the split is unknown.
+        if any(visits[r] or ready[r] for r in roles if r not in service):
+            self.target, self.streak = None, 0
             return
-        b = min(measured, key=lambda r: measured[r])
-        self.streak = self.streak + 1 if b == self.bottleneck else 1
-        self.bottleneck = b
-        self.last.update(bottleneck=b, streak=self.streak)
-        if self.streak < self.k or ready[b] <= 0 or self.moving:
+        demand = {r: demand.get(r, 0.0) for r in units}
+        total = int(sum(units.values()))
+        target = target_split(demand, total, self.limits, dict(units))
+        if target is None or target == dict(units):
+            self.target, self.streak = target, 0
+            self.last.update(target=target)
             return
-        donors = [r for r in units if r != b and ready[r] == 0 and (r in rates or p[r] == 0)]
-        full_rates = {r: rates.get(r, 0.0) for r in units}
-        choice = best_move(x, dict(units), full_rates, p, b, donors, limits=self.limits, epsilon=self.epsilon)
-        if choice is None:
-            self.counters["no_feasible_move"] += 1
+        self.streak = self.streak + 1 if target == self.target else 1
+        self.target = target
+        now_peak, then_peak = peak_utilisation(demand, units), peak_utilisation(demand, target)
+        self.last.update(target=target, streak=self.streak, peak=now_peak, predicted_peak=then_peak)
+        if self.streak < self.k or then_peak >= now_peak * (1 - self.epsilon):
             return
-        donor, predicted = choice
-        ws = self._donor_worker(donor)
-        if ws is None:
-            self.counters["no_free_unit"] += 1
-            return
-        self.moving = True
-        task = asyncio.ensure_future(self._move(ws, donor, b, predicted, min(x.values())))
-        self._moves.add(task)  # a reference until done: the loop keeps only a weak one
-        task.add_done_callback(self._moves.discard)
+        surplus = [r for r in units for _ in range(int(units[r] - target[r]))]
+        deficit = [r for r in target for _ in range(int(target[r] - units[r]))]
+        for donor, to in zip(surplus, deficit):
+            ws = self._donor_worker(donor)
+            if ws is None:
+                self.counters["no_free_unit"] += 1
+                continue
+            self.moving.add(ws.address)  # one move per worker at a time: the next pass does the rest
+            task = asyncio.ensure_future(self._move(ws, donor, to, then_peak, now_peak))
+            self._moves.add(task)  # a reference until done: the loop keeps only a weak one
+            task.add_done_callback(self._moves.discard)
 
     def _donor_worker(self, donor: str):
-        """A running worker offering a ``donor`` unit with no donor task on it (none gets stranded)."""
-        for ws in sorted(self.scheduler.running, key=lambda w: w.address):
-            if (
-                ws.resources.get(donor, 0) >= 1
-                and ws.address in self.tracker.announced
-                and not any(self.role_of.get(ts.key) == donor for ts in ws.processing)
-            ):
-                return ws
-        return None
+        """A running worker with a unit of ``donor`` that no donor task on it needs (none gets stranded)."""
+        best, free_best = None, 0.0
+        for ws in self.scheduler.running:
+            if ws.address in self.moving or ws.address not in self.tracker.announced:
+                continue
+            have = ws.resources.get(donor, 0)
+            if have < 1:
+                continue
+            used = sum(self.role_of.get(ts.key) == donor for ts in ws.processing)
+            free = have - used
+            if free >= 1 and (free > free_best or (free == free_best and ws.address < best.address)):
+                best, free_best = ws, free
+        return best
 
     def _set(self, ws, role: str, quantity: float) -> None:
         ws.resources[role] = quantity
         self.scheduler.resources.setdefault(role, {})[ws.address] = quantity
         ws.used_resources.setdefault(role, 0)
 
-    async def _move(self, ws, donor: str, to: str, predicted: float, before: float) -> None:
+    async def _move(self, ws, donor: str, to: str, predicted_peak: float, peak: float) -> None:
         s = self.scheduler
         try:
             new_d, new_b = ws.resources.get(donor, 0) - 1, ws.resources.get(to, 0) + 1
@@ -298,15 +301,15 @@ class CapacityController(SchedulerPlugin):
                 "worker": ws.address,
                 "from": donor,
                 "to": to,
-                "before": before,
-                "predicted": predicted,
+                "peak": peak,
+                "predicted_peak": predicted_peak,
                 "time": time(),
             }
             self.moves.append(move)
             self.counters["moves"] += 1
             s.log_event(CAPACITY_TOPIC, move)
         finally:
-            self.moving = False
+            self.moving.discard(ws.address)
 
     def stats(self) -> dict:
         from dask_kvstate.plugins.scheduler.control import latency_summary

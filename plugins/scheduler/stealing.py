@@ -1,33 +1,39 @@
-"""The ``stealing`` scheduler extension: late-binding load balancing (Nalar Algorithm 1).
+"""The ``stealing`` scheduler extension: KV-aware late-binding stealing (Nalar Algorithm 1) beside Dask's own.
 
-Replaces the *policy* of Dask's ``WorkStealing`` and keeps its *protocol*: the stock
-extension's ``balance`` periodic callback is stopped, and every move goes through its
-``move_task_request`` (steal-request to the victim, which gives the task up only if it
-has not started, confirmed by ``steal-response``), the safe migration Dask already has.
+Dask's ``WorkStealing`` balances plain tasks well: it prices a move by the bytes of the
+inputs missing at the thief and only ever steals to idle workers. What it cannot see is
+the KV behind a state (a ``KVStateRef`` is a few bytes to pickle, and serving it
+elsewhere costs ``min(T_transfer, T_recompute)``), a session's affinity to the worker
+holding its context, or a placement capped to a state's holders. So the work is split
+by task, and every move still goes through Dask's ``move_task_request`` (steal-request
+to the victim, which gives the task up only if it has not started, confirmed by
+``steal-response``):
 
-Each control interval, for every worker ``i`` with tasks waiting behind its threads,
-from the back of its queue (lowest priority first, they would wait longest), a task
-moves to the compatible worker ``j`` with the smallest expected wait when
-:func:`migration_benefit` says so: the ready queues differ by more than ``alpha`` and
-``W_i - W_j - C_mig > beta``. ``C_mig`` is Dask's own transfer estimate for the inputs
-missing at ``j`` (``Scheduler.get_comm_cost``: bytes over measured bandwidth) plus, for
-inputs that are KV states, the placement extension's cost of serving them at ``j``
-(``min(T_transfer, T_recompute)`` from the measured cost model) less its cost at ``i``.
-
-Kept in place on purpose:
-
-* tasks of components marked ``stateful`` in ``kvstate.scheduling.components`` keep
-  session affinity: at submission they are routed to the worker that ran the
-  session's earlier call to that component, and they are never migrated;
-* tasks with hard worker restrictions (``allow_other_workers=False``), and consumers
-  of a state the placement extension kept on its holders (``placement.max-copies``).
+* **Tasks this extension owns**: consumers of a KV state the placement extension knows,
+  tasks of a placement capped by ``placement.max-copies``, and tasks of components
+  marked ``stateful`` in ``kvstate.scheduling.components``. Dask's stealing never sees
+  them (its ``steal_time_ratio`` answers "not stealable" for them). Stateful ones keep
+  session affinity: at submission they are routed to the worker that ran the session's
+  earlier call to that component, and they are never migrated. The others move by
+  Nalar's test each control interval: for every worker ``i`` with owned tasks waiting
+  behind its threads, from the back of its queue (lowest priority first: those would
+  wait longest, and a task at the front, about to start, is never asked for), a task
+  moves to the compatible worker ``j`` with the smallest expected wait when
+  :func:`migration_benefit` says so: the ready queues differ by more than ``alpha`` and
+  ``W_i - W_j - C_mig > beta``. ``C_mig`` is Dask's transfer estimate for the inputs
+  missing at ``j`` (``Scheduler.get_comm_cost``) plus the placement extension's cost
+  of serving the KV at ``j`` (``min(T_transfer, T_recompute)``) less its cost at ``i``.
+* **Everything else**: Dask's own ``WorkStealing.balance``, run from the same control
+  pass right after (its periodic callback is stopped so the two never race). Where the
+  KV-aware policy has nothing to add, stealing is exactly Dask's. With
+  ``distributed.scheduler.work-stealing: false`` the user asked for no stealing of
+  plain tasks, and only owned tasks move (the stock protocol is borrowed for them).
 
 Queued root-ish tasks (``distributed.scheduler.worker-saturation``) sit in the
-scheduler's ``queued`` heap, not on a worker, so no stealer can take them from one (the
-stock WorkStealing never sees them). They are late-bound by construction: Dask hands
-each to the first worker with a free thread, in priority order (which the priority
-extension keeps current). This extension counts them each pass (``queued`` in its
-stats, and in the ``kvstate-stealing`` events) and leaves their dispatch to that queue.
+scheduler's ``queued`` heap, not on a worker, so no stealer can take them from one.
+They are late-bound by construction: Dask hands each to the first worker with a free
+thread, in priority order (which the priority extension keeps current). This extension
+counts them each pass (``queued_seen`` in its stats) and leaves their dispatch to that queue.
 """
 
 from __future__ import annotations
@@ -50,6 +56,11 @@ from dask_kvstate.session import component_of
 
 def _priority(ts):
     return ts.priority
+
+
+def _capped(ts) -> bool:
+    """A placement capped by ``placement.max-copies``: the task stays on a copy's holder."""
+    return bool(((ts.annotations or {}).get(PLACEMENT_ANNOTATION) or {}).get("capped"))
 
 
 def migration_benefit(
@@ -111,19 +122,41 @@ class LateBindingStealing(SchedulerPlugin):
         assert self.tracker is not None, "the stealing extension needs the sessions extension registered first"
         self.counters: Counter[str] = Counter()
         self.affinity: dict[tuple[str, str], str] = {}  # (session, stateful component) -> worker
+        self.owned: set = set()  # processing tasks Dask's stealing was told to leave alone
         self.stock = scheduler.extensions.get("stealing")
-        if self.stock is None:  # distributed.scheduler.work-stealing is off: borrow its protocol anyway
+        self.fallback = self.stock is not None  # distributed.scheduler.work-stealing is on
+        if self.stock is None:  # only its protocol is borrowed, for owned tasks
             self.stock = scheduler.extensions["stealing"] = WorkStealing(scheduler)
-        # Stop the stock policy only; its steal-request/steal-response protocol stays.
+        # Its balance runs from the control pass, after ours: stop its own timer.
         pc = scheduler.periodic_callbacks.pop("stealing", None)
         if pc is not None:
             pc.stop()
+        # Dask has no hook for "this task is not yours to steal"; its stealable sets are
+        # filled through this one method, so owned tasks are kept out by wrapping it.
+        stock_ratio = self.stock.steal_time_ratio
+        if not getattr(stock_ratio, "_kvstate_wrapped", False):
+
+            def steal_time_ratio(ts):
+                if self._owns(ts):
+                    self.owned.add(ts)
+                    return None, None
+                return stock_ratio(ts)
+
+            steal_time_ratio._kvstate_wrapped = True  # type: ignore[attr-defined]
+            self.stock.steal_time_ratio = steal_time_ratio
         self.tracker.on_end.append(self._forget_session)
         self.tracker.loop.add("stealing", self.balance)
 
     async def close(self) -> None:
         if self._forget_session in getattr(self.tracker, "on_end", []):
             self.tracker.on_end.remove(self._forget_session)
+
+    def _owns(self, ts) -> bool:
+        """A consumer of a known KV state, a capped placement, or a stateful component's task."""
+        if self._stateful_session(ts) is not None or _capped(ts):
+            return True
+        placement = self.scheduler.plugins.get(PLACEMENT_EXTENSION)
+        return placement is not None and any(d.key in placement.refs for d in ts.dependencies)
 
     # -- session affinity ----------------------------------------------------------------
     def _stateful_session(self, ts) -> tuple[str, str] | None:
@@ -148,6 +181,8 @@ class LateBindingStealing(SchedulerPlugin):
                 self.counters["affinity_routed"] += 1
 
     def transition(self, key, start, finish, *args, **kwargs) -> None:
+        if start == "processing" and finish != "processing" and self.owned:
+            self.owned.discard(self.scheduler.tasks.get(key))
         if finish != "processing" or not self.stateful:
             return
         ts = self.scheduler.tasks.get(key)
@@ -178,7 +213,7 @@ class LateBindingStealing(SchedulerPlugin):
     def _thieves(self, ts, running, cache: dict) -> list:
         """Running workers that may run ``ts``, cached per restriction signature for one pass."""
         # A placement capped by ``placement.max-copies`` keeps the task on a copy's holder.
-        capped = bool(((ts.annotations or {}).get(PLACEMENT_ANNOTATION) or {}).get("capped"))
+        capped = _capped(ts)
         sig = (
             frozenset(ts.worker_restrictions or ()),
             frozenset(ts.host_restrictions or ()),
@@ -197,31 +232,29 @@ class LateBindingStealing(SchedulerPlugin):
             thieves = cache[sig] = [ws for ws in thieves if all(ws.resources.get(r, 0) >= n for r, n in need.items())]
         return thieves
 
-    def _may_move(self, ts, victim, q, occ, wait, running, cache) -> bool:
-        """Whether a free move (no cost) of a task like ``ts`` would pass the test at all.
-
-        With 10,000 queued tasks, sorting every queue each pass costs more than the rest
-        of the loop; queues whose sample task has no better place are skipped (a queue
-        mixing restrictions may hide a movable task for one pass, never for good: the
-        sample changes as the queue drains).
-        """
-        thief = min((ws for ws in self._thieves(ts, running, cache) if ws is not victim), key=wait, default=None)
-        if thief is None:
-            return False
-        return (
-            migration_benefit(
-                q[victim], q[thief], occ[victim] / victim.nthreads, wait(thief), 0.0, alpha=self.alpha, beta=self.beta
-            )
-            is not None
-        )
-
     def balance(self) -> None:
+        """Owned tasks by Nalar's test, then everything else by Dask's own balance."""
         s = self.scheduler
-        running = [ws for ws in s.running if ws.nthreads]
         self.counters["passes"] += 1
         self.counters["queued_seen"] = len(s.queued)  # late-bound by Dask's queue, see the module doc
+        if self.owned:
+            self._balance_owned()
+        if self.fallback:
+            before = sum(self.stock.metrics["request_count_total"].values())
+            self.stock.balance()
+            self.counters["fallback_requests"] += sum(self.stock.metrics["request_count_total"].values()) - before
+
+    def _balance_owned(self) -> None:
+        s = self.scheduler
+        running = [ws for ws in s.running if ws.nthreads]
         if len(running) < 2:
             return
+        in_flight = self.stock.in_flight
+        waiting: dict = {}  # victim -> its owned tasks not started and not being moved
+        for ts in self.owned:
+            ws = ts.processing_on
+            if ws is not None and ts not in ws.executing and ts not in ws.long_running and ts not in in_flight:
+                waiting.setdefault(ws, []).append(ts)
         occ = {ws: ws.occupancy for ws in running}
         # Tasks beyond the worker's threads wait in its ready heap. (``ws.executing`` comes
         # with heartbeats and lags; a steal of a task that already started is refused by
@@ -229,23 +262,13 @@ class LateBindingStealing(SchedulerPlugin):
         q = {ws: max(len(ws.processing) - len(ws.long_running) - ws.nthreads, 0) for ws in running}
         wait = lambda ws: occ[ws] / ws.nthreads
         thieves_by_sig: dict = {}
-        in_flight = self.stock.in_flight
         moves = 0
-        for victim in sorted((ws for ws in running if q[ws] > 0), key=q.__getitem__, reverse=True):
+        for victim in sorted((ws for ws in waiting if q.get(ws, 0) > 0), key=q.__getitem__, reverse=True):
             if moves >= self.max_moves:
                 break
-
-            def waiting(victim=victim):
-                return (
-                    ts
-                    for ts in victim.processing
-                    if ts not in victim.executing and ts not in victim.long_running and ts not in in_flight
-                )
-
-            sample = next(waiting(), None)
-            if sample is None or not self._may_move(sample, victim, q, occ, wait, running, thieves_by_sig):
-                continue  # not even a free move of a sample task pays: skip sorting this queue
-            for ts in heapq.nlargest(min(q[victim], self.max_moves - moves), waiting(), key=_priority):
+            # From the back of the queue, at most as many as wait behind the threads: the
+            # front ones start next, and asking for them would only be refused.
+            for ts in heapq.nlargest(min(q[victim], self.max_moves - moves), waiting[victim], key=_priority):
                 if self._stateful_session(ts) is not None:
                     self.counters["affinity_kept"] += 1
                     continue
@@ -294,5 +317,7 @@ class LateBindingStealing(SchedulerPlugin):
             "alpha": self.alpha,
             "beta": self.beta,
             "affinities": len(self.affinity),
+            "owned": len(self.owned),
+            "fallback": self.fallback,
             "stateful": sorted(self.stateful),
         }
