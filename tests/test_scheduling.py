@@ -7,6 +7,7 @@ policies run exactly as on a process cluster.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -218,6 +219,30 @@ async def test_plain_tasks_are_balanced_by_dasks_own_stealing(c, s, a, b):
     assert ran_on_b, "no task moved to the idle worker"
     assert stealing.counters["fallback_requests"] >= len(ran_on_b)
     assert stealing.counters["moves"] == 0 and not stealing.owned  # none had KV, affinity or a cap
+
+
+def _where(keys, dask_scheduler):
+    return {k: dask_scheduler.tasks[k].state for k in keys if k in dask_scheduler.tasks}
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config=FAST)
+async def test_session_tasks_are_late_bound_on_the_scheduler_queue(c, s, a):
+    await install(c, LateBindingStealing())
+    gate = c.submit(blocker, "gate-lb", pure=False)  # the only thread is busy
+    await async_poll_for(lambda: gate.key in s.tasks and s.tasks[gate.key].state == "processing", timeout=5)
+    with kvs.session("late", client=c):
+        # Groups of one task each, as a workflow's calls are: never root-ish by Dask's rule.
+        inside = [c.submit(nap, 0.0, i, key=k) for i, k in enumerate(("plan", "write", "check"))]
+    outside = [c.submit(nap, 0.0, i, key=k) for i, k in enumerate(("alpha", "beta", "gamma"))]
+    await async_poll_for(lambda: all(k.key in s.tasks for k in inside + outside), timeout=5)
+    await asyncio.sleep(0.1)
+    states = await c.run_on_scheduler(_where, [f.key for f in inside + outside])
+    await Event("gate-lb", client=c).set()
+    await c.gather(inside + outside)
+    # Beyond the worker's saturation slot, the session's calls wait on the scheduler; small
+    # groups outside a session go to the worker's queue at once, as stock Dask sends them.
+    assert [states[f.key] for f in inside].count("queued") >= 2, states
+    assert all(states[f.key] == "processing" for f in outside), states
 
 
 @gen_cluster(client=True, config={**FAST, "distributed.scheduler.work-stealing": False})

@@ -27,8 +27,9 @@ intervals and it lowers the highest utilisation by more than ``epsilon`` (relati
 It therefore settles where every role's utilisation is as even as whole units allow,
 and re-settles within about one window plus ``K`` intervals after the mix changes.
 
-Moving a unit: a worker is picked that has a free unit of the donor role (fewer donor
-tasks on it than donor units, so none gets stranded). The scheduler stops counting
+Moving a unit: a worker is picked that can give up a unit of the donor role without
+stranding a donor task (an idle unit first; a worker's last unit only with no donor
+task on it). The scheduler stops counting
 that unit first (no new donor work is sent there for it), the worker's
 ``kvstate-scheduling`` plugin updates its own resources, then the scheduler adds the
 receiver's unit and dispatches ``no-worker`` tasks that fit it. Work already queued on
@@ -260,18 +261,24 @@ class CapacityController(SchedulerPlugin):
             task.add_done_callback(self._moves.discard)
 
     def _donor_worker(self, donor: str):
-        """A running worker with a unit of ``donor`` that no donor task on it needs (none gets stranded)."""
-        best, free_best = None, 0.0
+        """A running worker that can give up a unit of ``donor`` without stranding a donor task.
+
+        Best a worker with an idle donor unit (fewer donor tasks on it than units); else one
+        keeping at least one donor unit, whose queued donor tasks still run there (or are
+        stolen by the role's other workers). A worker's last unit goes only when no donor
+        task is on it.
+        """
+        best, rank_best = None, None
         for ws in self.scheduler.running:
-            if ws.address in self.moving or ws.address not in self.tracker.announced:
-                continue
             have = ws.resources.get(donor, 0)
-            if have < 1:
+            if have < 1 or ws.address in self.moving or ws.address not in self.tracker.announced:
                 continue
             used = sum(self.role_of.get(ts.key) == donor for ts in ws.processing)
-            free = have - used
-            if free >= 1 and (free > free_best or (free == free_best and ws.address < best.address)):
-                best, free_best = ws, free
+            if used and have < 2:
+                continue
+            rank = (have - used, have, ws.address)
+            if rank_best is None or rank[:2] > rank_best[:2] or (rank[:2] == rank_best[:2] and rank[2] < rank_best[2]):
+                best, rank_best = ws, rank
         return best
 
     def _set(self, ws, role: str, quantity: float) -> None:
