@@ -144,7 +144,10 @@ def configure(
 
 def arrival_times(wf: Workflow, duration: float, seed: int) -> np.ndarray:
     """Seeded open-loop arrivals over ``duration`` seconds: Poisson at ``wf.rate``, and with a
-    burst, at ``factor`` times that for the first ``seconds`` of every phase (by thinning)."""
+    burst, at ``factor`` times that for the first ``seconds`` of every phase (by thinning).
+
+    The thinning has a stream of its own, so a shorter run's arrivals are a longer one's first.
+    """
     rng = np.random.default_rng([seed, 10**6])
     factor, burst_s = wf.burst
     if burst_s <= 0:
@@ -153,7 +156,8 @@ def arrival_times(wf: Workflow, duration: float, seed: int) -> np.ndarray:
     peak = wf.rate * factor
     times = np.cumsum(rng.exponential(1 / peak, int(duration * peak * 2)))
     in_burst = (times % wf.phase_seconds) < burst_s
-    keep = rng.random(len(times)) < np.where(in_burst, 1.0, 1.0 / factor)
+    thin = np.random.default_rng([seed, 10**6 + 1]).random(len(times))
+    keep = thin < np.where(in_burst, 1.0, 1.0 / factor)
     return times[keep & (times < duration)]
 
 
