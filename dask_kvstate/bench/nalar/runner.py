@@ -141,7 +141,8 @@ async def run_one(wf: Workflow, config: str, *, duration: float, seed: int, drai
         async with (
             SpecCluster(
                 workers=cluster_spec(wf),
-                scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
+                # no dashboard, and its HTTP server on a free port (8787 may be another cluster's)
+                scheduler={"cls": Scheduler, "options": {"dashboard_address": ":0", "dashboard": False}},
                 asynchronous=True,
             ) as cluster,
             Client(cluster, asynchronous=True) as c,
