@@ -124,8 +124,9 @@ def test_naive_priority_is_the_requests_completed_calls_and_reaches_the_schedule
         assert _priority_of(c, "tester-0")[0] == -1
         plain = Request(c, wf, 1)  # not naive: no priority, whatever its progress
         plain.completed = 5
-        plain.submit(work, 0.0, key="developer-1", role="developer").result()
+        third = plain.submit(work, 0.0, key="developer-1", role="developer")
         assert _priority_of(c, "developer-1")[0] == 0
+        third.result()
         second.cancel()
 
 
