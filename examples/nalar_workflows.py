@@ -1,24 +1,31 @@
-"""Nalar's three agent workflows on Dask, with and without workflow-aware scheduling.
+"""Nalar's agent workflows on Dask, against the baselines a user would configure.
 
-Three agent workflows (``swe``: planner, developers, testers with retries; ``analyst``:
-fan-out, summary, follow-ups; ``router``: a classifier whose traffic shifts to ``code``)
-run as ordinary Python over futures, one ``kvs.session`` per request, components asking
-for their agent role. Components sleep for seeded heavy-tailed durations and requests
-arrive open-loop, so every configuration replays the very same requests and the rows
-differ only in scheduling: ``default`` (stock Dask), each mechanism alone
-(``priority``, ``stealing``, ``capacity``) and ``all``; a ``+hints`` suffix adds the
-workflow's Nalar component hints (``router``: a batchable classifier; ``swe``: at most
-3 test runs at once). The workflows, runs and report are :mod:`dask_kvstate.bench.nalar`,
-whose docstring describes each workflow in full.
+Five agent workflows (``swe``: planner, developers, testers with retries; ``analyst``:
+fan-out, summary, follow-ups; ``router``: a classifier whose traffic shifts to ``code``;
+``phases``: developer then tester, the heavy role flipping every 10 s phase; ``swe-free``:
+``swe`` on generic workers, no roles) run as ordinary Python over futures, one
+``kvs.session`` per request, components asking for their agent role. Components sleep
+for seeded heavy-tailed durations and requests arrive open-loop, so every configuration
+replays the very same requests and the rows differ only in scheduling. The baselines
+are stock Dask: ``default`` (the even start split), ``naive`` (a hand-written
+``priority=`` by request progress) and ``static-best`` (the best static role split of a
+grid search in hindsight: at most ``--grid-max`` candidate splits, each run
+``--grid-duration`` seconds; skipped for ``swe-free``); then ``kvstate`` (the library's
+defaults), each mechanism alone (``priority``, ``stealing``, ``capacity``) and ``all``;
+a ``+hints`` suffix adds the workflow's Nalar component hints (``router``: a batchable
+classifier; ``swe``: at most 3 test runs at once). The workflows, runs and report are
+:mod:`dask_kvstate.bench.nalar`, whose docstring describes each workflow in full.
 
 Run::
 
     python examples/nalar_workflows.py --workflow swe --out results/nalar
+    python examples/nalar_workflows.py --workflow phases --duration 20 --grid-max 4
     python examples/nalar_workflows.py --control-loop 10000   # control loop latency
     python examples/nalar_workflows.py --workflow router --configs default,default+hints   # batching
 
-It prints a markdown table (avg, P50, P95, P99, max end-to-end latency in seconds)
-and writes ``<out>/<workflow>.md``, ``<out>/<workflow>.json`` and ``<out>/<workflow>.png``.
+It prints a line per run (and per grid run), a markdown table (avg, P50, P95, P99, max
+end-to-end latency in seconds; ratios against ``default`` and the best baseline of the
+run) and the grid, and writes ``<out>/<workflow>.md``, ``.json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -49,6 +56,13 @@ def main() -> None:
         action="store_true",
         help="mark swe's developer stateful: its retries keep session affinity (Nalar's stateful hint)",
     )
+    ap.add_argument("--grid-max", type=int, default=10, help="static-best: candidate splits run at most")
+    ap.add_argument(
+        "--grid-duration",
+        type=float,
+        default=None,
+        help="static-best: seconds of arrivals a grid run (default: --duration)",
+    )
     ap.add_argument("--out", default="results/nalar")
     ap.add_argument("--control-loop", type=int, default=0, metavar="N", help="measure the loop with N queued futures")
     args = ap.parse_args()
@@ -67,6 +81,8 @@ def main() -> None:
         roles=args.roles,
         median=args.median,
         stateful=args.stateful,
+        grid_max=args.grid_max,
+        grid_duration=args.grid_duration,
         out=args.out,
     )
 
