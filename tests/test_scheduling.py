@@ -330,6 +330,25 @@ async def test_capacity_moves_a_unit_to_a_persistent_bottleneck(c, s, p1, p2, de
     assert s.plugins["kvstate-sessions"].loop.stats()["capacity"]["count"] >= capacity.k
 
 
+@gen_cluster(
+    client=True,
+    config=FAST,
+    nthreads=[("127.0.0.1", 2, {"resources": {"role:dev": 1, "role:test": 1}})],
+)
+async def test_a_free_role_unit_is_not_blocked_by_a_task_waiting_for_another_role(c, s, a):
+    # dask/distributed#6136: the worker used to stop at the first constrained task that does not fit.
+    await install(c)
+    assert type(a.state).__name__ == "_FirstFittingState"
+    clog = c.submit(blocker, "clog-dev", resources={"role:dev": 1}, key="clog")
+    waiting = c.submit(nap, 0.0, "dev", resources={"role:dev": 1}, key="dev-2", priority=10)
+    await async_poll_for(lambda: len(a.state.tasks) >= 2, timeout=5)
+    test = c.submit(nap, 0.0, "test", resources={"role:test": 1}, key="test-1")
+    await asyncio.wait_for(test, 10)  # the tester unit is free, behind a higher-priority dev task
+    assert a.state.tasks["dev-2"].state == "constrained"
+    await Event("clog-dev", client=c).set()
+    await c.gather([clog, waiting])
+
+
 # -- KV in the move cost and in priority, with a real model ------------------------------------------
 def _state_of(key, dask_scheduler):
     ts = dask_scheduler.tasks.get(key)

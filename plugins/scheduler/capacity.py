@@ -8,7 +8,9 @@ offer such resources. Every capacity interval, off the critical path (on the glo
 control loop), for each role ``v`` over the last ``window``:
 
 * ``mu_bar_v``: the measured per-unit service rate (completions over busy unit-seconds,
-  from the compute start/stop times workers send with every finished task);
+  from the compute start/stop times workers send with every finished task, plus the
+  time the role's running calls have run so far, so a change of call length shows
+  before those calls finish);
 * ``demand_v``: the work offered to the role, in units: role calls submitted per second
   over ``mu_bar_v``, plus the work already waiting for it (ready tasks over
   ``mu_bar_v``, spread over one window) so a burst is cleared, not just carried;
@@ -190,7 +192,15 @@ class CapacityController(SchedulerPlugin):
         units: Counter[str] = Counter()
         ready: Counter[str] = Counter()
         role_of = self.role_of
+        # Calls still running count with the time they have run so far (as of the worker's
+        # last heartbeat): when a role's calls get longer, the mean of finished ones lags
+        # by a whole call, the running ones show it at once (a censored-data estimate).
+        running_s: defaultdict[str, float] = defaultdict(float)
         for ws in s.running:
+            for ts, elapsed in ws.executing.items():
+                r = role_of.get(ts.key)
+                if r is not None:
+                    running_s[r] += elapsed
             per_role: dict[str, int] = {}
             for ts in ws.processing:  # the hot loop with 10,000 queued tasks: a dict lookup each
                 r = role_of.get(ts.key)
@@ -222,7 +232,8 @@ class CapacityController(SchedulerPlugin):
             visits.update(v)
             span += dt
         roles = set(units) | set(visits)
-        service = {r: busy[r] / done[r] for r in roles if done[r] and busy[r] > 0}  # mean busy s per call
+        # Mean busy seconds per call: (finished + running so far) over finished calls.
+        service = {r: (busy[r] + running_s[r]) / done[r] for r in roles if done[r] and busy[r] > 0}
         demand = {r: (visits[r] / max(span, 1e-9) + ready[r] / max(span, 1e-9)) * service[r] for r in service}
         self.last = {
             "units": dict(units),

@@ -5,7 +5,7 @@
 ``static-best`` is stock Dask on the best static role split found in hindsight: the
 candidates are the splits whose every role's offered work (the exact seconds the run's
 arrivals draw for it, per second of arrivals) is below its units, fewest max
-utilisation first, and each candidate is then run (:func:`~dask_kvstate.bench.nalar.runner.grid_search`).
+utilisation first, then the others, and each candidate is then run (:func:`~dask_kvstate.bench.nalar.runner.grid_search`).
 """
 
 from __future__ import annotations
@@ -49,14 +49,15 @@ def max_utilisation(load: dict[str, float], split: dict[str, int]) -> float:
 def grid_candidates(load: dict[str, float], total: int, grid_max: int) -> list[tuple[dict[str, int], float]]:
     """The splits worth running, as (split, max utilisation), lowest max utilisation first.
 
-    Those under which every role's offered work is below its units; where none is
-    (a non-stationary workload), every split. At most ``grid_max``.
+    Those under which every role's offered work is below its units first, then the
+    rest (a non-stationary workload overloads every split in some phase, which the
+    average hides): each group by max utilisation, at most ``grid_max`` in all.
 
-    >>> grid_candidates({"a": 2.5, "b": 0.5}, 4, 10)
-    [({'a': 3, 'b': 1}, 0.8333333333333334)]
+    >>> grid_candidates({"a": 2.5, "b": 0.5}, 4, 2)
+    [({'a': 3, 'b': 1}, 0.8333333333333334), ({'a': 2, 'b': 2}, 1.25)]
     >>> [s for s, _ in grid_candidates({"a": 3.5, "b": 1.5}, 4, 2)]
     [{'a': 3, 'b': 1}, {'a': 2, 'b': 2}]
     """
     ranked = sorted(((s, max_utilisation(load, s)) for s in splits(list(load), total)), key=lambda su: su[1])
     stable = [(s, u) for s, u in ranked if all(load[r] < n for r, n in s.items())]
-    return (stable or ranked)[:grid_max]
+    return (stable + [su for su in ranked if su not in stable])[:grid_max]
