@@ -25,8 +25,9 @@ converges on the split that maximises ``min_v x_v``, so this controller computes
 split directly (:func:`target_split`, water-filling: every unit above each role's
 minimum goes to the role that would otherwise be the most utilised) and moves every
 unit it differs by at once, once the same target has held for ``K`` consecutive
-intervals and it lowers the highest utilisation by more than ``epsilon`` (relative).
-It therefore settles where every role's utilisation is as even as whole units allow,
+intervals (default 1: the window already averages the noise, and on a workload whose
+mix flips every 10 s, K = 2 cost 25% of the average latency) and it lowers the highest
+utilisation by more than ``epsilon`` (relative). It therefore settles where every role's utilisation is as even as whole units allow,
 and re-settles within about one window plus ``K`` intervals after the mix changes.
 
 Moving a unit: a worker is picked that can give up a unit of the donor role without
