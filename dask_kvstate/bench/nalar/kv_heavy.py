@@ -162,7 +162,9 @@ async def request(c: Client, req: Request, opts: Options, *, naive: bool, checks
                     state = kvs.extend(state, *previous)
                 prompt = lane_prompt(rid, k, a)
                 answer = kvs.resume(state, prompt, max_new_tokens=opts.new_tokens)
-                tested = dask.delayed(run_tests, pure=True)(seconds, passed, answer, dask_key_name=f"tester-{rid}-{k}-{a}")
+                tested = dask.delayed(run_tests, pure=True)(
+                    seconds, passed, answer, dask_key_name=f"tester-{rid}-{k}-{a}"
+                )
                 if previous is not None:
                     state, fa, ft = compute(state, answer, tested)
                 else:
@@ -191,16 +193,16 @@ def _dask_steals(dask_scheduler) -> int:
 
 def kv_counters(stats: kvs.Stats, dask_steals: int) -> dict:
     """What the KV-aware decisions were: placement's choices, blocks moved or rebuilt, moves, lifecycle."""
-    totals = stats.workers.totals
     placement, stealing, lifecycle = stats.placement, stats.scheduling["stealing"], stats.lifecycle
+    total = lambda k: sum(int(w.get(k, 0)) for w in stats.workers.values())
     return {
         "placed": placement.get("decisions", 0),
         "chose_pull": placement.get("chose_pull", 0),
         "chose_recompute": placement.get("chose_recompute", 0),
-        "blocks_pulled": totals.get("transfers", 0),
-        "blocks_recomputed": totals.get("recomputes", 0),
-        "reused_tokens": totals.get("reused_tokens", 0),
-        "prefill_tokens": totals.get("prefill_tokens", 0),
+        "blocks_pulled": total("transfers"),
+        "blocks_recomputed": total("recomputes"),
+        "reused_tokens": total("reused_tokens"),
+        "prefill_tokens": total("prefill_tokens"),
         "kv_moves": stealing.get("moves", 0),
         "dask_steals": dask_steals,
         "offloads": lifecycle.get("offload", 0),
@@ -230,7 +232,7 @@ async def run_config(name: str, opts: Options, seed: int) -> dict:
                 c.compute(kvs.generate(f"Warm-up {w}.", max_new_tokens=2), workers=[w])
                 for w in c.scheduler_info(n_workers=-1)["workers"]
             ]
-            await c.gather(warm + [c.submit(run_tests, opts.tool_seconds, True, "", key="tester-warm")])
+            await c.gather([*warm, c.submit(run_tests, opts.tool_seconds, True, "", key="tester-warm")])
             del warm
             latencies: list[float] = []
             checks: list = []
