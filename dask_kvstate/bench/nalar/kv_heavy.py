@@ -34,10 +34,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import statistics
 import time
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import cast
 
 import dask
@@ -215,16 +215,8 @@ async def run_config(name: str, opts: Options, seed: int) -> dict:
     reqs = requests(opts, seed)
     settings = {"kvstate.block-tokens": 16, "distributed.scheduler.work-stealing": True}
     with dask.config.set(settings):
-        async with (
-            LocalCluster(
-                n_workers=opts.workers,
-                threads_per_worker=1,
-                processes=True,
-                dashboard_address=":0",
-                asynchronous=True,
-            ) as cluster,
-            Client(cluster, asynchronous=True) as c,
-        ):
+        cluster = LocalCluster(n_workers=opts.workers, threads_per_worker=1, dashboard_address=":0", asynchronous=True)
+        async with cluster, Client(cluster, asynchronous=True) as c:  # worker processes, the default
             await cast(Awaitable[dict], kvs.install(c, "tiny-llama", torch_threads=1, **CONFIGS[name]))
             # Every worker runs the model once, and the tester once, before the clock starts.
             await c.wait_for_workers(opts.workers)
@@ -286,13 +278,13 @@ def table(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * head.count(" | ")]
     for r in rows:
         kv = r["kv"]
-        lines.append(
-            f"| {r['config']} | {r['n']}/{r['offered']} | {r['unfinished']} | {r['avg']:.3f} | {r['p50']:.3f} | "
-            f"{r['p95']:.3f} | {r['p99']:.3f} | {r['max']:.3f} | {ratio(r['avg'], best_avg)} | "
-            f"{ratio(r['p99'], best_p99)} | {kv['placed']:.0f} ({kv['chose_pull']:.0f}/{kv['chose_recompute']:.0f}) | "
-            f"{kv['blocks_pulled']:.0f} | {kv['blocks_recomputed']:.0f} | {kv['kv_moves']:.0f} | "
-            f"{kv['dask_steals']:.0f} | {kv['offloads']:.0f} | {r['token_identical']} ({r['checked']}) |"
-        )
+        cells = [r["config"], f"{r['n']}/{r['offered']}", r["unfinished"]]
+        cells += [f"{r[k]:.3f}" for k in ("avg", "p50", "p95", "p99", "max")]
+        cells += [ratio(r["avg"], best_avg), ratio(r["p99"], best_p99)]
+        cells.append(f"{kv['placed']:.0f} ({kv['chose_pull']:.0f}/{kv['chose_recompute']:.0f})")
+        cells += [f"{kv[k]:.0f}" for k in ("blocks_pulled", "blocks_recomputed", "kv_moves", "dask_steals", "offloads")]
+        cells.append(f"{r['token_identical']} ({r['checked']})")
+        lines.append("| " + " | ".join(str(x) for x in cells) + " |")
     return "\n".join(lines)
 
 
@@ -320,11 +312,10 @@ def run(opts: Options) -> list[dict]:
     text = table(rows)
     print(text)
     if opts.out:
-        os.makedirs(opts.out, exist_ok=True)
-        with open(os.path.join(opts.out, "kv.md"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(opts.out, "kv.json"), "w") as f:
-            json.dump({"args": dataclasses.asdict(opts), "rows": rows}, f, indent=1)
+        out = Path(opts.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "kv.md").write_text(text + "\n")
+        (out / "kv.json").write_text(json.dumps({"args": dataclasses.asdict(opts), "rows": rows}, indent=1))
     wrong = [r["config"] for r in rows if not r["token_identical"]]
     if wrong:
         raise RuntimeError(f"KV reuse was not token-identical to text replay under {wrong}")
