@@ -27,7 +27,7 @@ def test_requests_are_seeded_and_bounded():
 
 def _row(config, latencies):
     keys = ("placed", "chose_pull", "chose_recompute", "blocks_pulled", "blocks_recomputed")
-    kv = dict.fromkeys((*keys, "kv_moves", "dask_steals", "offloads"), 0)
+    kv = dict.fromkeys((*keys, "kv_moves", "dask_steals", "offloads", "imbalance"), 0)
     return {
         "workflow": "kv",
         "config": config,
@@ -68,6 +68,7 @@ def test_short_run(tmp_path):
         assert r["token_identical"] and r["checked"] > 0
         assert r["p50"] <= r["p99"] <= r["max"]
         assert r["kv"]["placed"] > 0  # placement decided for the resumes in both
+        assert r["kv"]["imbalance"] >= 1.0
     saved = json.loads((tmp_path / "kv.json").read_text())
     assert [r["config"] for r in saved["rows"]] == ["naive", "kvstate"]
     assert (tmp_path / "kv.md").read_text().startswith("| config |")

@@ -191,6 +191,21 @@ def _dask_steals(dask_scheduler) -> int:
     return 0 if ws is None else int(sum(ws.metrics["request_count_total"].values()))
 
 
+def imbalance(stream: list[dict]) -> float:
+    """The busiest worker's compute seconds over the mean worker's, from the task stream:
+    1.0 is an even spread; KV locality alone piles a request's calls onto its state's holder.
+
+    >>> imbalance([{"worker": "a", "startstops": [{"action": "compute", "start": 0, "stop": 3}]},
+    ...            {"worker": "b", "startstops": [{"action": "compute", "start": 0, "stop": 1}]}])
+    1.5
+    """
+    busy: dict[str, float] = {}
+    for t in stream:
+        spent = sum(s["stop"] - s["start"] for s in t["startstops"] if s["action"] == "compute")
+        busy[t["worker"]] = busy.get(t["worker"], 0.0) + spent
+    return max(busy.values()) / statistics.fmean(busy.values()) if busy else 1.0
+
+
 def kv_counters(stats: kvs.Stats, dask_steals: int) -> dict:
     """What the KV-aware decisions were: placement's choices, blocks moved or rebuilt, moves, lifecycle."""
     placement, stealing, lifecycle = stats.placement, stats.scheduling["stealing"], stats.lifecycle
@@ -228,7 +243,8 @@ async def run_config(name: str, opts: Options, seed: int) -> dict:
             del warm
             latencies: list[float] = []
             checks: list = []
-            t0 = time.perf_counter()
+            await c.get_task_stream(count=0)  # the scheduler records the task stream from here
+            t0, t_wall0 = time.perf_counter(), time.time()
 
             async def timed(req: Request) -> None:
                 await asyncio.sleep(max(req.arrival - (time.perf_counter() - t0), 0.0))
@@ -241,6 +257,7 @@ async def run_config(name: str, opts: Options, seed: int) -> dict:
                 j.cancel()
             stats = await cast(Awaitable[kvs.Stats], kvs.stats(c))
             steals = await c.run_on_scheduler(_dask_steals)
+            spread = imbalance(await c.get_task_stream(start=t_wall0))
             identical = await token_identity(c, checks, opts.new_tokens) if checks else True
     return {
         "workflow": "kv",
@@ -250,7 +267,7 @@ async def run_config(name: str, opts: Options, seed: int) -> dict:
         **summarize(latencies or [float("nan")]),
         "token_identical": identical,
         "checked": len(checks),
-        "kv": kv_counters(stats, steals),
+        "kv": {**kv_counters(stats, steals), "imbalance": spread},
     }
 
 
@@ -273,7 +290,7 @@ def table(rows: list[dict]) -> str:
     head = (
         "| config | n/offered | unfinished | avg s | P50 s | P95 s | P99 s | max s | avg vs best baseline | "
         "P99 vs best baseline | placed (pull/recompute) | blocks pulled | blocks recomputed | KV moves | "
-        "Dask steals | offloads | token identical |"
+        "Dask steal requests | offloads | busiest worker vs mean | token identical |"
     )
     lines = [head, "|" + "---|" * head.count(" | ")]
     for r in rows:
@@ -283,7 +300,7 @@ def table(rows: list[dict]) -> str:
         cells += [ratio(r["avg"], best_avg), ratio(r["p99"], best_p99)]
         cells.append(f"{kv['placed']:.0f} ({kv['chose_pull']:.0f}/{kv['chose_recompute']:.0f})")
         cells += [f"{kv[k]:.0f}" for k in ("blocks_pulled", "blocks_recomputed", "kv_moves", "dask_steals", "offloads")]
-        cells.append(f"{r['token_identical']} ({r['checked']})")
+        cells += [f"{kv['imbalance']:.2f}", f"{r['token_identical']} ({r['checked']})"]
         lines.append("| " + " | ".join(str(x) for x in cells) + " |")
     return "\n".join(lines)
 
