@@ -209,6 +209,7 @@ def imbalance(stream: list[dict]) -> float:
 def kv_counters(stats: kvs.Stats, dask_steals: int) -> dict:
     """What the KV-aware decisions were: placement's choices, blocks moved or rebuilt, moves, lifecycle."""
     placement, stealing, lifecycle = stats.placement, stats.scheduling["stealing"], stats.lifecycle
+    priority, loop = stats.scheduling["priority"], stats.scheduling["sessions"].get("control_loop", {})
     total = lambda k: sum(int(w.get(k, 0)) for w in stats.workers.values())
     return {
         "placed": placement.get("decisions", 0),
@@ -218,6 +219,8 @@ def kv_counters(stats: kvs.Stats, dask_steals: int) -> dict:
         "blocks_recomputed": total("recomputes"),
         "reused_tokens": total("reused_tokens"),
         "prefill_tokens": total("prefill_tokens"),
+        "reprioritised": sum(priority.get(k, 0) for k in ("queued_revised", "scheduler_revised", "worker_revised")),
+        "control_loop_ms": loop.get("total", {}).get("mean_ms", 0.0),
         "kv_moves": stealing.get("moves", 0),
         "dask_steals": dask_steals,
         "offloads": lifecycle.get("offload", 0),
@@ -292,7 +295,7 @@ def table(rows: list[dict]) -> str:
         "P99 vs best baseline | placed (pull/recompute) | blocks pulled | blocks recomputed | KV moves | "
         "Dask steal requests | offloads | busiest worker vs mean | token identical |"
     )
-    lines = [head, "|" + "---|" * head.count(" | ")]
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         kv = r["kv"]
         cells = [r["config"], f"{r['n']}/{r['offered']}", r["unfinished"]]
