@@ -15,6 +15,7 @@ backend's dtype, its KV bytes and its config fingerprint follow that one key.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 from dask_kvstate.backends import gguf, packaged
@@ -191,7 +192,18 @@ def _tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
 
+#: torch's random generator is one per process: in-process workers building the seeded
+#: model at once would draw each other's numbers (different weights, different tokens,
+#: same fingerprint). transformers' lazy first import of a model class also races.
+_TINY_LOCK = threading.Lock()
+
+
 def _tiny_llama():
+    with _TINY_LOCK:
+        return _build_tiny_llama()
+
+
+def _build_tiny_llama():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
