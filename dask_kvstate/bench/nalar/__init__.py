@@ -33,7 +33,8 @@ test runs at once, cluster-wide; the rest wait on the scheduler, holding no thre
 
 Modules: :mod:`.components` (what a task does), :mod:`.workflows` (profiles and
 requests), :mod:`.runner` (one run, repeats, the whole experiment), :mod:`.report`
-(table, plot, files), :mod:`.loop_latency` (the control loop's latency under 10,000 futures).
+(table, plot, files), :mod:`.loop_latency` (the control loop's latency under 10,000 futures),
+:mod:`.loop_scale` (that latency from 10^3 to 10^5 futures over 10^3 sessions).
 ``examples/nalar_workflows.py`` is the command line; asv's ``nalar_scheduling`` suite
 calls :func:`run_one` and :func:`control_loop`.
 """
@@ -41,6 +42,7 @@ calls :func:`run_one` and :func:`control_loop`.
 from __future__ import annotations
 
 from dask_kvstate.bench.nalar.loop_latency import control_loop, measure_control_loop
+from dask_kvstate.bench.nalar.loop_scale import measure_control_loop_scale, scale_point
 from dask_kvstate.bench.nalar.runner import CONFIGS, DEFAULT_CONFIGS, merge_runs, run, run_one
 from dask_kvstate.bench.nalar.workflows import WORKFLOWS, Workflow
 
@@ -51,7 +53,9 @@ __all__ = [
     "Workflow",
     "control_loop",
     "measure_control_loop",
+    "measure_control_loop_scale",
     "merge_runs",
     "run",
     "run_one",
+    "scale_point",
 ]

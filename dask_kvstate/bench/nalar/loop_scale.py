@@ -49,6 +49,14 @@ SIZES = (1_000, 10_000, 100_000)
 POLICIES = ("sessions", "priority", "stealing", "capacity", "lifecycle")
 LIMIT_MS = 50.0
 KV_BYTES = 2**20  # device KV per session in the emulated lifecycle reports
+#: What a hundred workers in one process would otherwise spend the CPU on, off as in
+#: ``distributed.utils_test``: each one's system monitor (psutil reads, a listing of every
+#: open file of the process twice a second) and its statistical profiler.
+HARNESS = {
+    "distributed.admin.system-monitor.interval": "1h",
+    "distributed.admin.system-monitor.gil.enabled": False,
+    "distributed.worker.profile.enabled": False,
+}
 
 
 def gated(seconds: float, i: int) -> float:
@@ -83,6 +91,15 @@ def _emulate_reports(dask_scheduler) -> int:
     return len(workers)
 
 
+def _unhook_invalidations(dask_scheduler) -> None:
+    """Every session ends at once when the futures are cancelled, and the lifecycle then asks
+    every worker to invalidate every session at once (10^5 RPCs at 10^3 sessions on 100
+    workers, more sockets than the process may open): after the measurement, so it is skipped."""
+    ext = dask_scheduler.plugins[LIFECYCLE_EXTENSION]
+    if ext._on_end in ext.tracker.on_end:
+        ext.tracker.on_end.remove(ext._on_end)
+
+
 def _state(dask_scheduler, reset: bool = False) -> dict:
     """What the queue and the loop look like; ``reset`` clears the latency samples first."""
     tracker = dask_scheduler.plugins[SESSIONS_EXTENSION]
@@ -99,6 +116,7 @@ def _state(dask_scheduler, reset: bool = False) -> dict:
         "completed": sum(s.completed for s in tracker.sessions.values()),
         "revised": sum(priority[k] for k in ("queued_revised", "worker_revised", "scheduler_revised")),
         "passes": loop.passes,
+        "open_files": len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None,
         "loop": loop.stats(),
     }
 
@@ -123,6 +141,7 @@ async def scale_point(
     duration = max(0.5, workers * seconds / (drain * futures))
     settings: dict = {f"kvstate.scheduling.{k}": v for k, v in CONFIGS["all"].items()}
     settings["kvstate.lifecycle.enabled"] = True
+    settings.update(HARNESS)
     GATE.clear()
     with dask.config.set(settings):
         async with (
@@ -136,15 +155,18 @@ async def scale_point(
             await install_policies(c)
             await c.register_plugin(KVLifecycle())  # model=False leaves it out: see the module doc
             await c.register_plugin(KVLifecycleWorkerPlugin())
+            t0 = time.perf_counter()
             fs = await _submit(c, futures, sessions, phase, duration)
             while (await c.run_on_scheduler(_state))["tasks"] < len(fs):
                 await asyncio.sleep(0.2)
             await c.run_on_scheduler(_emulate_reports)
             before = await c.run_on_scheduler(_state, reset=True)
+            print(f"  all on the scheduler in {time.perf_counter() - t0:.0f}s; {before['open_files']} files open")
             GATE.set()
             await asyncio.sleep(seconds)
             after = await c.run_on_scheduler(_state)
             GATE.set()
+            await c.run_on_scheduler(_unhook_invalidations)
             await c.cancel(fs)
     loop = after.pop("loop")
     return {
