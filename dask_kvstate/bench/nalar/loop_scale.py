@@ -30,6 +30,7 @@ import json
 import os
 import threading
 import time
+from contextlib import ExitStack
 
 import dask
 from distributed import Client, Scheduler, SpecCluster, Worker
@@ -121,14 +122,20 @@ def _state(dask_scheduler, reset: bool = False) -> dict:
     }
 
 
-async def _submit(c: Client, futures: int, sessions: int, phase: str, duration: float) -> list:
+def _submit(c: Client, futures: int, sessions: int, phase: str, duration: float, open_sessions: ExitStack) -> list:
+    """``futures`` tasks, ``futures // sessions`` per session, one ``c.map`` each.
+
+    The sessions stay open (entered on ``open_sessions``, the innermost one annotating
+    each map) until the caller closes them: live workflow requests, and none can end
+    while the scheduler is still building the graphs submitted before it.
+    """
     per, out, t0 = futures // sessions, [], time.perf_counter()
     for sid in range(sessions):
         r = tuple(ROLES)[sid % len(ROLES)]
         restricted = phase == PHASES[0]
         keys = [f"{r if restricted else 'job'}-{sid}-{j}" for j in range(per)]
-        with kvs.session(f"scale-{sid}"):
-            out += c.map(gated, [duration] * per, range(per), key=keys, resources=role(r) if restricted else None)
+        open_sessions.enter_context(kvs.session(f"scale-{sid}", client=c))
+        out += c.map(gated, [duration] * per, range(per), key=keys, resources=role(r) if restricted else None)
         if (sid + 1) % max(sessions // 10, 1) == 0:
             print(f"  submitted {len(out)}/{futures} ({time.perf_counter() - t0:.0f}s)", flush=True)
     return out
@@ -155,8 +162,8 @@ async def scale_point(
             await install_policies(c)
             await c.register_plugin(KVLifecycle())  # model=False leaves it out: see the module doc
             await c.register_plugin(KVLifecycleWorkerPlugin())
-            t0 = time.perf_counter()
-            fs = await _submit(c, futures, sessions, phase, duration)
+            t0, open_sessions = time.perf_counter(), ExitStack()
+            fs = _submit(c, futures, sessions, phase, duration, open_sessions)
             while (await c.run_on_scheduler(_state))["tasks"] < len(fs):
                 await asyncio.sleep(0.2)
             await c.run_on_scheduler(_emulate_reports)
@@ -167,6 +174,7 @@ async def scale_point(
             after = await c.run_on_scheduler(_state)
             GATE.set()
             await c.run_on_scheduler(_unhook_invalidations)
+            open_sessions.close()
             await c.cancel(fs)
     loop = after.pop("loop")
     return {
