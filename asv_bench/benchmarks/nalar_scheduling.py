@@ -4,7 +4,9 @@ Both sides of each ratio run in the same benchmark process, replaying the same s
 arrivals and durations (:mod:`dask_kvstate.bench.nalar`): ``track_avg_speedup`` is
 stock Dask's average end-to-end latency over ours (above 1: ours is faster),
 ``track_p99_cut`` the share of stock Dask's P99 we remove. ``track_control_loop_*``
-is the global control loop's pass latency with 10,000 futures queued.
+is the global control loop's pass latency with 10,000 futures queued. The scale from 10^3
+to 10^5 futures over 10^3 sessions on 100 workers (``--control-loop-scale``,
+``docs/nalar/control_loop_scale.md``) stays out of asv: its 10^5 point alone takes minutes.
 """
 
 from __future__ import annotations

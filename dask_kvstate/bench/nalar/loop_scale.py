@@ -4,7 +4,8 @@ Each point is one fresh in-process cluster (``SpecCluster`` of single-thread ``W
 objects sharing this process and its event loop, as Dask's own scheduler tests run)
 with every policy on: priority, stealing, capacity (the workers hold ``role:*`` units)
 and the KV lifecycle. Two phases, as :mod:`.loop_latency`: role-restricted tasks queued
-behind busy role workers, and root-ish tasks queued on the scheduler.
+behind busy role workers, and root-ish tasks queued on the scheduler. The sessions
+(``kvs.session``, one ``c.map`` each) stay open while the loop is measured.
 
 **The trickle.** The priority policy only revises sessions whose progress changed, so
 tasks must complete while the queue stays full. Every task waits on :data:`GATE` (the
@@ -32,11 +33,10 @@ import threading
 import time
 from contextlib import ExitStack
 
-import dask
-from distributed import Client, Scheduler, SpecCluster, Worker
+from distributed import Client, Worker
 
 import dask_kvstate as kvs
-from dask_kvstate.bench.nalar.runner import CONFIGS, install_policies
+from dask_kvstate.bench.nalar.runner import CONFIGS, policy_cluster
 from dask_kvstate.bench.nalar.workflows import role
 from dask_kvstate.plugins.scheduler.lifecycle import KVLifecycle
 from dask_kvstate.plugins.worker.lifecycle import KVLifecycleWorkerPlugin
@@ -150,32 +150,23 @@ async def scale_point(
     settings["kvstate.lifecycle.enabled"] = True
     settings.update(HARNESS)
     GATE.clear()
-    with dask.config.set(settings):
-        async with (
-            SpecCluster(
-                workers=spec(workers),
-                asynchronous=True,
-                scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
-            ) as cluster,
-            Client(cluster, asynchronous=True) as c,
-        ):
-            await install_policies(c)
-            await c.register_plugin(KVLifecycle())  # model=False leaves it out: see the module doc
-            await c.register_plugin(KVLifecycleWorkerPlugin())
-            t0, open_sessions = time.perf_counter(), ExitStack()
-            fs = _submit(c, futures, sessions, phase, duration, open_sessions)
-            while (await c.run_on_scheduler(_state))["tasks"] < len(fs):
-                await asyncio.sleep(0.2)
-            await c.run_on_scheduler(_emulate_reports)
-            before = await c.run_on_scheduler(_state, reset=True)
-            print(f"  all on the scheduler in {time.perf_counter() - t0:.0f}s; {before['open_files']} files open")
-            GATE.set()
-            await asyncio.sleep(seconds)
-            after = await c.run_on_scheduler(_state)
-            GATE.set()
-            await c.run_on_scheduler(_unhook_invalidations)
-            open_sessions.close()
-            await c.cancel(fs)
+    async with policy_cluster(spec(workers), settings) as c:
+        await c.register_plugin(KVLifecycle())  # model=False leaves it out: see the module doc
+        await c.register_plugin(KVLifecycleWorkerPlugin())
+        t0, open_sessions = time.perf_counter(), ExitStack()
+        fs = _submit(c, futures, sessions, phase, duration, open_sessions)
+        while (await c.run_on_scheduler(_state))["tasks"] < len(fs):
+            await asyncio.sleep(0.2)
+        await c.run_on_scheduler(_emulate_reports)
+        before = await c.run_on_scheduler(_state, reset=True)
+        print(f"  all on the scheduler in {time.perf_counter() - t0:.0f}s; {before['open_files']} files open")
+        GATE.set()
+        await asyncio.sleep(seconds)
+        after = await c.run_on_scheduler(_state)
+        GATE.set()
+        await c.run_on_scheduler(_unhook_invalidations)
+        open_sessions.close()
+        await c.cancel(fs)
     loop = after.pop("loop")
     return {
         "futures": futures,

@@ -10,10 +10,11 @@ mechanism alone and ``all``; a ``+hints`` suffix adds the workflow's component h
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import statistics
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import cast
 
 import dask
@@ -43,6 +44,22 @@ DEFAULT_CONFIGS = "default,priority,stealing,capacity,all"
 async def install_policies(c: Client) -> None:
     """Register the scheduling extensions the current ``kvstate.scheduling.*`` config enables."""
     await cast(Awaitable[dict], kvs.install(c, model=False))
+
+
+@contextlib.asynccontextmanager
+async def policy_cluster(workers: dict, settings: dict) -> AsyncIterator[Client]:
+    """An in-process ``SpecCluster`` of ``workers`` under ``settings``, the policies installed: its client."""
+    with dask.config.set(settings):
+        async with (
+            SpecCluster(
+                workers=workers,
+                asynchronous=True,
+                scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
+            ) as cluster,
+            Client(cluster, asynchronous=True) as c,
+        ):
+            await install_policies(c)
+            yield c
 
 
 async def policy_stats(c: Client) -> dict:
