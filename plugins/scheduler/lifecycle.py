@@ -258,26 +258,16 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
                         # rest now rather than block by block from its task.
                         self._send(worker, sid, "prefetch", None, 0.0, self.costs(worker, lower), per, why="running")
                     continue
-                costs = self.costs(worker, per["device"] or lower)
-                host_room = host["bytes"] + per["device"] <= host["capacity"]
-                action, tier = lifecycle_action(
-                    predicted, per["device"], lower, costs, self.margin_s + spread, host_room
-                )
-                if action is not None:
-                    self._send(
-                        worker,
-                        sid,
-                        action,
-                        tier,
-                        predicted,
-                        costs,
-                        per,
-                        why="prediction",
-                        margin=self.margin_s + spread,
-                    )
-                # Pressure never takes a session that is due back (it was just fetched, or is
-                # predicted within restore + margin): that would only move it twice.
-                due = predicted is not None and predicted <= min(c[1] for c in costs.values()) + self.margin_s + spread
+                due, margin = False, self.margin_s + spread
+                if predicted is not None:  # no prediction, no rule (lifecycle_action's own answer)
+                    costs = self.costs(worker, per["device"] or lower)
+                    host_room = host["bytes"] + per["device"] <= host["capacity"]
+                    action, tier = lifecycle_action(predicted, per["device"], lower, costs, margin, host_room)
+                    if action is not None:
+                        self._send(worker, sid, action, tier, predicted, costs, per, why="prediction", margin=margin)
+                    # Pressure never takes a session that is due back (it was just fetched, or is
+                    # predicted within restore + margin): that would only move it twice.
+                    due = predicted <= min(c[1] for c in costs.values()) + margin
                 fetched = self.last.get((sid, worker), {}).get("action") == "prefetch"
                 if per["device"] and not due and not fetched:
                     idle.append((s.last_activity, sid, per["device"]))
