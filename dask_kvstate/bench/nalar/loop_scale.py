@@ -163,25 +163,26 @@ async def scale_point(
         GATE.set()
         await asyncio.sleep(seconds)
         after = await c.run_on_scheduler(_state)
-        GATE.set()
+        loop = after.pop("loop")
+        row = {
+            "futures": futures,
+            "sessions": sessions,
+            "workers": workers,
+            "phase": phase,
+            "task_seconds": duration,
+            "seconds": seconds,
+            "passes": loop["total"].get("count", 0),
+            "completed": after["completed"] - before["completed"],
+            "revised": after["revised"] - before["revised"],
+            "queued_at_start": before["queued_on_scheduler"] + before["queued_on_workers"],
+            "queued_at_end": after["queued_on_scheduler"] + after["queued_on_workers"],
+            "loop": {k: v for k, v in loop.items() if k in ("total", *POLICIES)},
+        }
+        print(f"  {row['passes']} passes, total {_cell(row['loop']['total'])} ms; {json.dumps(row)}", flush=True)
         await c.run_on_scheduler(_unhook_invalidations)
         open_sessions.close()
         await c.cancel(fs)
-    loop = after.pop("loop")
-    return {
-        "futures": futures,
-        "sessions": sessions,
-        "workers": workers,
-        "phase": phase,
-        "task_seconds": duration,
-        "seconds": seconds,
-        "passes": loop["total"].get("count", 0),
-        "completed": after["completed"] - before["completed"],
-        "revised": after["revised"] - before["revised"],
-        "queued_at_start": before["queued_on_scheduler"] + before["queued_on_workers"],
-        "queued_at_end": after["queued_on_scheduler"] + after["queued_on_workers"],
-        "loop": {k: v for k, v in loop.items() if k in ("total", *POLICIES)},
-    }
+    return row
 
 
 def _cell(stats: dict) -> str:
@@ -233,6 +234,24 @@ def plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def write(rows: list[dict], out: str, seconds: float) -> None:
+    """Print the table; write ``<out>/control_loop_scale.md``, ``.json`` and ``.png``."""
+    md = table(rows)
+    print(md)
+    os.makedirs(out, exist_ok=True)
+    sizes = ",".join(str(n) for n in sorted({r["futures"] for r in rows}))
+    with open(os.path.join(out, "control_loop_scale.md"), "w") as f:
+        f.write(
+            f"Command: python examples/nalar_workflows.py --control-loop-scale {sizes}; every policy on "
+            f"(priority, stealing, capacity, lifecycle); {seconds:.0f} s measured per point after every future "
+            "reached the scheduler; cells are P50 / P99 / max ms per pass (capacity runs every other pass). "
+            f"See dask_kvstate/bench/nalar/loop_scale.py for the trickle of completions.\n\n{md}\n"
+        )
+    with open(os.path.join(out, "control_loop_scale.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    plot(rows, os.path.join(out, "control_loop_scale.png"))
+
+
 def measure_control_loop_scale(
     sizes=SIZES, out: str = "results/nalar", *, sessions: int = 1000, workers: int = 100, seconds: float = 10.0
 ) -> list[dict]:
@@ -242,20 +261,6 @@ def measure_control_loop_scale(
         for phase in PHASES:
             print(f"{n} futures, {min(sessions, n)} sessions, {workers} workers: {phase}", flush=True)
             row = asyncio.run(scale_point(n, min(sessions, n), workers, phase, seconds=seconds))
-            print(f"  {row['passes']} passes, total {_cell(row['loop']['total'])} ms", flush=True)
             rows.append(row)
-    md = table(rows)
-    print(md)
-    os.makedirs(out, exist_ok=True)
-    sizes_arg = ",".join(map(str, sizes))
-    with open(os.path.join(out, "control_loop_scale.md"), "w") as f:
-        f.write(
-            f"Command: python examples/nalar_workflows.py --control-loop-scale {sizes_arg}; every policy on "
-            f"(priority, stealing, capacity, lifecycle); {seconds:.0f} s measured per point after every future "
-            "reached the scheduler; cells are P50 / P99 / max ms per pass (capacity runs every other pass). "
-            f"See dask_kvstate/bench/nalar/loop_scale.py for the trickle of completions.\n\n{md}\n"
-        )
-    with open(os.path.join(out, "control_loop_scale.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    plot(rows, os.path.join(out, "control_loop_scale.png"))
+    write(rows, out, seconds)
     return rows
