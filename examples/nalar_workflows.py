@@ -21,6 +21,7 @@ Run::
     python examples/nalar_workflows.py --workflow swe --out results/nalar
     python examples/nalar_workflows.py --workflow phases --duration 20 --grid-max 4
     python examples/nalar_workflows.py --control-loop 10000   # control loop latency
+    python examples/nalar_workflows.py --control-loop-scale 1000,10000,100000 --out docs/nalar   # vs queue size
     python examples/nalar_workflows.py --workflow router --configs default,default+hints   # batching
 
 It prints a line per run (and per grid run), a markdown table (avg, P50, P95, P99, max
@@ -65,8 +66,19 @@ def main() -> None:
     )
     ap.add_argument("--out", default="results/nalar")
     ap.add_argument("--control-loop", type=int, default=0, metavar="N", help="measure the loop with N queued futures")
+    ap.add_argument(
+        "--control-loop-scale",
+        nargs="?",
+        const="1000,10000,100000",
+        default=None,
+        metavar="N,N,...",
+        help="the loop's pass against queued futures (over 1000 sessions, 100 workers); sizes comma-separated",
+    )
     args = ap.parse_args()
     logging.getLogger("distributed").setLevel(logging.ERROR)  # cluster start/stop chatter, per run
+    if args.control_loop_scale:
+        nalar.measure_control_loop_scale([int(n) for n in args.control_loop_scale.split(",")], args.out)
+        return
     if args.control_loop:
         nalar.measure_control_loop(args.control_loop, args.out)
         return

@@ -149,3 +149,20 @@ def test_offloading_a_session_to_disk_leaves_the_event_loop_free(latency_client)
 
     seen = longest_ticks(client, offload, prepare=materialize)
     assert seen[-1] < LIMIT, f"the event loop stalled {[round(1e3 * s) for s in seen]} ms while a session offloaded"
+
+
+@pytest.mark.parametrize("phase", ["role-restricted, queued on workers", "root-ish, queued on the scheduler"])
+def test_the_control_loop_scale_measurement_runs_every_policy_while_work_completes(phase):
+    """A tiny point of :mod:`dask_kvstate.bench.nalar.loop_scale`: structure, passes, progress
+    and priority revisions (its timings are the table's business, not a test's)."""
+    from dask_kvstate.bench.nalar.loop_scale import POLICIES, scale_point, table
+
+    row = asyncio.run(scale_point(1_000, 100, 10, phase, seconds=3.0))
+    assert (row["futures"], row["sessions"], row["workers"], row["phase"]) == (1_000, 100, 10, phase)
+    assert row["passes"] >= 5, row
+    assert row["completed"] > 0 and row["revised"] > 0, row
+    assert row["queued_at_end"] >= 0.8 * row["queued_at_start"] >= 0.8 * 900, row  # the queue stayed full
+    for name in ("total", *POLICIES):
+        assert row["loop"][name]["count"] > 0, name
+        assert row["loop"][name]["p50_ms"] <= row["loop"][name]["p99_ms"] <= row["loop"][name]["max_ms"]
+    assert "| 1000 | 100 | 10 |" in table([row])

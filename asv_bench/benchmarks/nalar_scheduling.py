@@ -8,6 +8,8 @@ small grid of static role splits, chosen in hindsight). ``track_avg_vs_best_base
 is the lowest baseline average end-to-end latency over ours (above 1: ours is faster),
 ``track_p99_cut_vs_best_baseline`` the share of the lowest baseline P99 we remove.
 ``track_control_loop_*`` is the global control loop's pass latency with 10,000 futures queued.
+The scale from 10^3 to 10^5 futures over 10^3 sessions on 100 workers (``--control-loop-scale``,
+``docs/nalar/control_loop_scale.md``) stays out of asv: its 10^5 point alone takes minutes.
 """
 
 from __future__ import annotations

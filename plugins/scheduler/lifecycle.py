@@ -104,6 +104,10 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
         self.counters: Counter[str] = Counter()
         self.ended_bytes: dict[str, dict] = {}  # session -> {worker: invalidate answer}
         self._invalidations: set[asyncio.Future] = set()
+        # session -> its waiting or processing tasks that use KV, and key -> session: what
+        # a prediction reads, kept by the transitions so a pass never scans a whole queue.
+        self.kv_tasks: dict[str, set] = defaultdict(set)
+        self.kv_task_session: dict = {}
         serve_hello(scheduler)
         scheduler.stream_handlers.update({LIFECYCLE_REPORT: self._on_report, LIFECYCLE_DONE: self._on_done})
         tracker = scheduler.plugins.get(SESSIONS_EXTENSION)
@@ -111,6 +115,9 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
             raise RuntimeError("the kvstate-lifecycle extension needs the kvstate-sessions extension registered first")
         self.tracker = tracker
         tracker.on_end.append(self._on_end)
+        for key, ts in list(scheduler.tasks.items()):  # what arrived before this extension
+            if ts.state in ("waiting", "processing"):
+                self._index(key)
         tracker.loop.add("lifecycle", self.run_once)
 
     def remove_worker(self, scheduler, worker: str, **kwargs) -> None:
@@ -134,8 +141,42 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
             {"kind": action, "phase": "done", "session": session, "worker": worker, "decision": decision, **outcome},
         )
 
+    # -- the KV tasks each session waits on or runs -------------------------------------
+    def _index(self, key) -> None:
+        ts = self.scheduler.tasks.get(key)
+        s = self.tracker.session_of(key)
+        if ts is not None and s is not None and key not in self.kv_task_session and uses_kv(ts):
+            self.kv_tasks[s.id].add(key)
+            self.kv_task_session[key] = s.id
+
+    def _unindex(self, key) -> None:
+        sid = self.kv_task_session.pop(key)
+        keys = self.kv_tasks.get(sid)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self.kv_tasks[sid]
+
+    def _track(self, key, finish) -> None:
+        """Keep :attr:`kv_tasks` equal to the session's tasks that :meth:`predict` reads.
+
+        A waiting task comes to use KV when one of its inputs arrives as a state, so
+        the waiting dependents of a state that reaches memory are looked at again.
+        """
+        if finish in ("waiting", "processing"):
+            self._index(key)
+        elif key in self.kv_task_session:
+            self._unindex(key)
+        if finish == "memory":
+            ts = self.scheduler.tasks.get(key)
+            if ts is not None and "KVStateRef" in (ts.type or ""):
+                for dts in ts.dependents:
+                    if dts.state == "waiting":
+                        self._index(dts.key)
+
     # -- durations, from this scheduler's own task history ------------------------------
     def transition(self, key, start, finish, *args, **kwargs) -> None:
+        self._track(key, finish)
         if finish == "processing":
             self.started[key] = time()
             s = self.tracker.session_of(key)
@@ -167,11 +208,12 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
         components' largest duration deviation).
 
         The session's KV-using waiting tasks each wait on their unfinished dependencies;
-        the soonest of them decides (it is the one that will read the KV first).
+        the soonest of them decides (it is the one that will read the KV first). Only
+        those tasks are read (:attr:`kv_tasks`), not every task the session holds.
         """
         now = time()
         best, spread = None, 0.0
-        for key in list(session.live):
+        for key in list(self.kv_tasks.get(session.id, ())):
             ts = self.scheduler.tasks.get(key)
             if ts is None:
                 continue
@@ -216,26 +258,16 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
                         # rest now rather than block by block from its task.
                         self._send(worker, sid, "prefetch", None, 0.0, self.costs(worker, lower), per, why="running")
                     continue
-                costs = self.costs(worker, per["device"] or lower)
-                host_room = host["bytes"] + per["device"] <= host["capacity"]
-                action, tier = lifecycle_action(
-                    predicted, per["device"], lower, costs, self.margin_s + spread, host_room
-                )
-                if action is not None:
-                    self._send(
-                        worker,
-                        sid,
-                        action,
-                        tier,
-                        predicted,
-                        costs,
-                        per,
-                        why="prediction",
-                        margin=self.margin_s + spread,
-                    )
-                # Pressure never takes a session that is due back (it was just fetched, or is
-                # predicted within restore + margin): that would only move it twice.
-                due = predicted is not None and predicted <= min(c[1] for c in costs.values()) + self.margin_s + spread
+                due, margin = False, self.margin_s + spread
+                if predicted is not None:  # no prediction, no rule (lifecycle_action's own answer)
+                    costs = self.costs(worker, per["device"] or lower)
+                    host_room = host["bytes"] + per["device"] <= host["capacity"]
+                    action, tier = lifecycle_action(predicted, per["device"], lower, costs, margin, host_room)
+                    if action is not None:
+                        self._send(worker, sid, action, tier, predicted, costs, per, why="prediction", margin=margin)
+                    # Pressure never takes a session that is due back (it was just fetched, or is
+                    # predicted within restore + margin): that would only move it twice.
+                    due = predicted <= min(c[1] for c in costs.values()) + margin
                 fetched = self.last.get((sid, worker), {}).get("action") == "prefetch"
                 if per["device"] and not due and not fetched:
                     idle.append((s.last_activity, sid, per["device"]))

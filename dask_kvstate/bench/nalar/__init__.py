@@ -54,7 +54,8 @@ test runs at once, cluster-wide; the rest wait on the scheduler, holding no thre
 Modules: :mod:`.components` (what a task does), :mod:`.workflows` (profiles, arrivals
 and requests), :mod:`.baselines` (the baselines, offered load, grid candidates),
 :mod:`.runner` (one run, repeats, the grid, the whole experiment), :mod:`.report`
-(table, plot, files), :mod:`.loop_latency` (the control loop's latency under 10,000 futures).
+(table, plot, files), :mod:`.loop_latency` (the control loop's latency under 10,000 futures),
+:mod:`.loop_scale` (that latency from 10^3 to 10^5 futures over 10^3 sessions).
 ``examples/nalar_workflows.py`` is the command line; asv's ``nalar_scheduling`` suite
 calls :func:`run_one`, :func:`grid_search` and :func:`control_loop`.
 """
@@ -63,6 +64,7 @@ from __future__ import annotations
 
 from dask_kvstate.bench.nalar.baselines import BASELINES
 from dask_kvstate.bench.nalar.loop_latency import control_loop, measure_control_loop
+from dask_kvstate.bench.nalar.loop_scale import measure_control_loop_scale, scale_point
 from dask_kvstate.bench.nalar.report import best_baselines
 from dask_kvstate.bench.nalar.runner import CONFIGS, DEFAULT_CONFIGS, grid_search, merge_runs, run, run_one
 from dask_kvstate.bench.nalar.workflows import WORKFLOWS, Workflow, configure
@@ -78,7 +80,9 @@ __all__ = [
     "control_loop",
     "grid_search",
     "measure_control_loop",
+    "measure_control_loop_scale",
     "merge_runs",
     "run",
     "run_one",
+    "scale_point",
 ]

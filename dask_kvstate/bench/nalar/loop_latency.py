@@ -10,12 +10,9 @@ import asyncio
 import json
 import os
 
-import dask
-from distributed import Client, Scheduler, SpecCluster
-
 import dask_kvstate as kvs
 from dask_kvstate.bench.nalar.components import work
-from dask_kvstate.bench.nalar.runner import CONFIGS, cluster_spec, install_policies
+from dask_kvstate.bench.nalar.runner import CONFIGS, cluster_spec, policy_cluster
 from dask_kvstate.bench.nalar.workflows import Workflow, role
 from dask_kvstate.protocol import SESSIONS_EXTENSION
 
@@ -43,29 +40,20 @@ async def control_loop(n_futures: int, seconds: float) -> dict:
     settings = {f"kvstate.scheduling.{k}": v for k, v in CONFIGS["all"].items()}
     out: dict = {"futures": n_futures, "seconds": seconds}
     for phase in ("role-restricted, queued on workers", "root-ish, queued on the scheduler"):
-        with dask.config.set(settings):
-            async with (
-                SpecCluster(
-                    workers=cluster_spec(wf),
-                    asynchronous=True,
-                    scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
-                ) as cluster,
-                Client(cluster, asynchronous=True) as c,
-            ):
-                await install_policies(c)
-                futures, per_session = [], 10
-                for sid in range(n_futures // per_session):
-                    with kvs.session(f"load-{sid}"):
-                        r = ("developer", "tester", "planner")[sid % 3]
-                        keys = [f"{r if phase.startswith('role') else 'job'}-{sid}-{j}" for j in range(per_session)]
-                        res = role(r) if phase.startswith("role") else None
-                        futures += c.map(work, [0.5] * per_session, range(per_session), key=keys, resources=res)
-                while (await c.run_on_scheduler(_loop_state))["tasks"] < len(futures):
-                    await asyncio.sleep(0.1)
-                await c.run_on_scheduler(_loop_state, reset=True)
-                await asyncio.sleep(seconds)
-                out[phase] = await c.run_on_scheduler(_loop_state)
-                await c.cancel(futures)
+        async with policy_cluster(cluster_spec(wf), settings) as c:
+            futures, per_session = [], 10
+            for sid in range(n_futures // per_session):
+                with kvs.session(f"load-{sid}"):
+                    r = ("developer", "tester", "planner")[sid % 3]
+                    keys = [f"{r if phase.startswith('role') else 'job'}-{sid}-{j}" for j in range(per_session)]
+                    res = role(r) if phase.startswith("role") else None
+                    futures += c.map(work, [0.5] * per_session, range(per_session), key=keys, resources=res)
+            while (await c.run_on_scheduler(_loop_state))["tasks"] < len(futures):
+                await asyncio.sleep(0.1)
+            await c.run_on_scheduler(_loop_state, reset=True)
+            await asyncio.sleep(seconds)
+            out[phase] = await c.run_on_scheduler(_loop_state)
+            await c.cancel(futures)
     return out
 
 

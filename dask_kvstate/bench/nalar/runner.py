@@ -13,10 +13,11 @@ the workflow's component hints.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import statistics
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import cast
 
 import dask
@@ -67,6 +68,22 @@ DEFAULT_CONFIGS = "default,naive,static-best,kvstate,all"
 async def install_policies(c: Client) -> None:
     """Register the scheduling extensions the current ``kvstate.scheduling.*`` config enables."""
     await cast(Awaitable[dict], kvs.install(c, model=False))
+
+
+@contextlib.asynccontextmanager
+async def policy_cluster(workers: dict, settings: dict) -> AsyncIterator[Client]:
+    """An in-process ``SpecCluster`` of ``workers`` under ``settings``, the policies installed: its client."""
+    with dask.config.set(settings):
+        async with (
+            SpecCluster(
+                workers=workers,
+                asynchronous=True,
+                scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
+            ) as cluster,
+            Client(cluster, asynchronous=True) as c,
+        ):
+            await install_policies(c)
+            yield c
 
 
 async def policy_stats(c: Client) -> dict:
