@@ -5,7 +5,8 @@
 ``static-best`` is stock Dask on the best static role split found in hindsight: the
 candidates are the splits whose every role's offered work (the exact seconds the run's
 arrivals draw for it, per second of arrivals) is below its units, fewest max
-utilisation first, then the others, and each candidate is then run (:func:`~dask_kvstate.bench.nalar.runner.grid_search`).
+utilisation first, then the others, and each candidate is then run
+(:func:`~dask_kvstate.bench.nalar.runner.grid_search`).
 """
 
 from __future__ import annotations
