@@ -327,6 +327,7 @@ async def test_capacity_moves_a_unit_to_a_persistent_bottleneck(c, s, p1, p2, de
     more = c.map(nap, [0.02] * 6, range(6), resources=dev_role, pure=False)
     await c.gather(more)
     assert any(moved.address in {w.address for w in s.tasks[f.key].who_has} for f in more)
+    assert not +capacity.processing_of  # counted by transitions, steals included: none left
     assert s.plugins["kvstate-sessions"].loop.stats()["capacity"]["count"] >= capacity.k
 
 
