@@ -23,9 +23,9 @@ to the victim, which gives the task up only if it has not started, confirmed by
   ``W_i - W_j - C_mig > beta``. ``C_mig`` is Dask's transfer estimate for the inputs
   missing at ``j`` (``Scheduler.get_comm_cost``) plus the placement extension's cost
   of serving the KV at ``j`` (``min(T_transfer, T_recompute)``) less its cost at ``i``.
-* **Everything else**: Dask's own ``WorkStealing.balance``, run from the same control
-  pass right after (its periodic callback is stopped so the two never race). Where the
-  KV-aware policy has nothing to add, stealing is exactly Dask's. With
+* **Everything else**: Dask's own ``WorkStealing.balance``, on its own timer as in stock
+  Dask (its cost at 100,000 queued tasks, up to 150 ms a call, is Dask's, not the control
+  loop's). Where the KV-aware policy has nothing to add, stealing is exactly Dask's. With
   ``distributed.scheduler.work-stealing: false`` the user asked for no stealing of
   plain tasks, and only owned tasks move (the stock protocol is borrowed for them).
 
@@ -135,13 +135,11 @@ class LateBindingStealing(SchedulerPlugin):
         self.affinity: dict[tuple[str, str], str] = {}  # (session, stateful component) -> worker
         self.owned: set = set()  # processing tasks Dask's stealing was told to leave alone
         self.stock = scheduler.extensions.get("stealing")
-        self.fallback = self.stock is not None  # distributed.scheduler.work-stealing is on
+        # distributed.scheduler.work-stealing is on: its balance keeps its own timer (the
+        # same event loop, so never at the same time as a control pass), as in stock Dask.
+        self.fallback = self.stock is not None
         if self.stock is None:  # only its protocol is borrowed, for owned tasks
             self.stock = scheduler.extensions["stealing"] = WorkStealing(scheduler)
-        # Its balance runs from the control pass, after ours: stop its own timer.
-        pc = scheduler.periodic_callbacks.pop("stealing", None)
-        if pc is not None:
-            pc.stop()
         # Dask has no hook for "this task is not yours to steal"; its stealable sets are
         # filled through this one method, so owned tasks are kept out by wrapping it.
         stock_ratio = self.stock.steal_time_ratio
@@ -264,16 +262,12 @@ class LateBindingStealing(SchedulerPlugin):
         return thieves
 
     def balance(self) -> None:
-        """Owned tasks by Nalar's test, then everything else by Dask's own balance."""
+        """Owned tasks by Nalar's test (Dask's own balance moves the rest, on its own timer)."""
         s = self.scheduler
         self.counters["passes"] += 1
         self.counters["queued_seen"] = len(s.queued)  # late-bound by Dask's queue, see the module doc
         if self.owned:
             self._balance_owned()
-        if self.fallback:
-            before = sum(self.stock.metrics["request_count_total"].values())
-            self.stock.balance()
-            self.counters["fallback_requests"] += sum(self.stock.metrics["request_count_total"].values()) - before
 
     def _balance_owned(self) -> None:
         s = self.scheduler
@@ -349,6 +343,7 @@ class LateBindingStealing(SchedulerPlugin):
             "beta": self.beta,
             "affinities": len(self.affinity),
             "owned": len(self.owned),
+            "fallback_requests": sum(self.stock.metrics["request_count_total"].values()) if self.fallback else 0,
             "late_binding": self.late_binding,
             "fallback": self.fallback,
             "stateful": sorted(self.stateful),
