@@ -15,9 +15,8 @@ whose agents are LLM calls on real KV state:
 Requests arrive open-loop (Poisson); every arrival, lane count, test outcome and test
 duration is drawn up front from a seed of (run seed, request id), so every configuration
 replays the very same requests. The cluster is a ``LocalCluster`` of single-thread worker
-processes (one model load per process: a seeded random model built in one process by
-several threads at once need not get the same weights), so a consumer away from its
-state's holder pulls the blocks over TCP or recomputes them, as on a real cluster.
+processes, so a consumer away from its state's holder pulls the blocks over TCP or
+recomputes them, as on a real cluster.
 
 Configurations (:data:`CONFIGS`), all on the same requests: ``default`` (the KV store
 and placement, stock Dask scheduling with its WorkStealing), ``naive`` (the same, each
