@@ -323,11 +323,11 @@ def fail_the_first_invalidation(dask_worker=None):
     original = dask_worker.handlers[INVALIDATE]
     calls: list = []
 
-    async def flaky(session=None):
-        calls.append(session)
+    async def flaky(session=None, sessions=None):
+        calls.extend(sessions or [session])  # the scheduler sends the sessions that ended together
         if len(calls) == 1:
             raise OSError("the worker is busy")
-        return await original(session=session)
+        return await original(session=session, sessions=sessions)
 
     dask_worker.handlers[INVALIDATE] = flaky
     dask_worker.kvstate_test_invalidations = calls
@@ -418,7 +418,7 @@ def test_a_failing_invalidation_stops_when_the_worker_leaves():
             c.register_plugin(plugin)
         a, b = sorted(cluster.workers.values(), key=lambda w: w.address)
 
-        async def broken(session=None):
+        async def broken(session=None, sessions=None):
             raise OSError("the handler is broken")
 
         b.handlers[INVALIDATE] = broken

@@ -104,6 +104,7 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
         self.counters: Counter[str] = Counter()
         self.ended_bytes: dict[str, dict] = {}  # session -> {worker: invalidate answer}
         self._invalidations: set[asyncio.Future] = set()
+        self._ending: dict[str, list] = {}  # worker -> sessions ended since the last batch was sent
         # session -> its waiting or processing tasks that use KV, and key -> session: what
         # a prediction reads, kept by the transitions so a pass never scans a whole queue.
         self.kv_tasks: dict[str, set] = defaultdict(set)
@@ -339,17 +340,25 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
     def _on_end(self, session) -> None:
         for s, w in [k for k in self.last if k[0] == session.id]:
             del self.last[(s, w)]
-        for worker in list(self.announced):
-            task = asyncio.ensure_future(self._invalidate(worker, session.id))
+        if not self._ending:  # the first end since the last batch: one batch per worker, sent soon
+            task = asyncio.ensure_future(self._send_invalidations())
             self._invalidations.add(task)  # a reference until done: the loop keeps only a weak one
             task.add_done_callback(self._invalidations.discard)
+        for worker in self.announced:
+            self._ending.setdefault(worker, []).append(session.id)
 
-    async def _invalidate(self, worker: str, sid: str) -> None:
-        """Ask ``worker`` to drop ``sid``'s KV until it answers or leaves (the worker's call is idempotent)."""
+    async def _send_invalidations(self) -> None:
+        """One call per worker for the sessions that ended meanwhile (a sweep ends many at once)."""
+        await asyncio.sleep(0)
+        batches, self._ending = self._ending, {}
+        await asyncio.gather(*(self._invalidate(worker, sids) for worker, sids in batches.items()))
+
+    async def _invalidate(self, worker: str, sids: list[str]) -> None:
+        """Ask ``worker`` to drop the KV of ``sids`` until it answers or leaves (the worker's call is idempotent)."""
         delay, most = self.retry_s
         while True:
             try:
-                res = await getattr(self.scheduler.rpc(worker), INVALIDATE)(session=sid)
+                res = await getattr(self.scheduler.rpc(worker), INVALIDATE)(sessions=sids)
             except Exception as e:
                 res, why = None, f"{type(e).__name__}: {e}"
             else:
@@ -361,21 +370,22 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
                 return
             self.counters["invalidation_retries"] += 1
             logger.info(
-                "kvstate lifecycle: invalidating %s on %s failed (%s); retrying in %.2fs", sid, worker, why, delay
+                "kvstate lifecycle: invalidating %s on %s failed (%s); retrying in %.2fs", sids, worker, why, delay
             )
             await asyncio.sleep(delay)
             if worker not in self.announced:
                 self.counters["invalidations_lost"] += 1
                 return
             delay = min(delay * 2, most)
-        self.counters["invalidations"] += 1
-        self.counters["invalidated_bytes"] += res["freed"]
-        self.ended_bytes.setdefault(sid, {})[worker] = res
+        for sid, answer in res.items():
+            self.counters["invalidations"] += 1
+            self.counters["invalidated_bytes"] += answer["freed"]
+            self.ended_bytes.setdefault(sid, {})[worker] = answer
+            self.scheduler.log_event(
+                LIFECYCLE_TOPIC, {"kind": "invalidate", "phase": "done", "session": sid, "worker": worker, **answer}
+            )
         while len(self.ended_bytes) > 1000:
             self.ended_bytes.pop(next(iter(self.ended_bytes)))
-        self.scheduler.log_event(
-            LIFECYCLE_TOPIC, {"kind": "invalidate", "phase": "done", "session": sid, "worker": worker, **res}
-        )
 
     def stats(self) -> dict:
         return {

@@ -300,7 +300,13 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
 
         fut.add_done_callback(finished)
 
-    async def _invalidate(self, session=None) -> dict:
+    async def _invalidate(self, session=None, sessions=None) -> dict:
+        """Drop what ``session`` alone kept (or each of ``sessions``: ``{session: answer}``)."""
+        if sessions is not None:
+            return {sid: await self._invalidate_one(sid) for sid in sessions}
+        return await self._invalidate_one(session)
+
+    async def _invalidate_one(self, session) -> dict:
         """Drop what ``session`` alone kept, in every tier; never raises for an unknown session.
 
         Idempotent: a retried call finds nothing left to drop and answers zeros.
