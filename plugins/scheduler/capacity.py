@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import Counter, defaultdict, deque
 from time import perf_counter, time
 
@@ -145,6 +146,7 @@ class CapacityController(SchedulerPlugin):
         self.moving: set[str] = set()  # workers with a move in flight
         self._moves: set[asyncio.Future] = set()
         self.moves: deque = deque(maxlen=100)
+        self._moved_at: dict[tuple[str, str], float] = {}  # (from, to) -> time of its last move
         self.last: dict = {}
         self.latency: deque = deque(maxlen=1000)
         self._t_last = time()
@@ -269,6 +271,12 @@ class CapacityController(SchedulerPlugin):
         surplus = [r for r in units for _ in range(int(units[r] - target[r]))]
         deficit = [r for r in target for _ in range(int(target[r] - units[r]))]
         for donor, to in zip(surplus, deficit):
+            # A unit that just moved the other way does not go back within a window: the
+            # measurements it moved on have not yet seen the move (a fan-out's burst of
+            # ready calls had units flip between two roles every second).
+            if now - self._moved_at.get((to, donor), -math.inf) < self.window_s:
+                self.counters["reversals_held"] += 1
+                continue
             ws = self._donor_worker(donor)
             if ws is None:
                 self.counters["no_free_unit"] += 1
@@ -332,6 +340,7 @@ class CapacityController(SchedulerPlugin):
                 "time": time(),
             }
             self.moves.append(move)
+            self._moved_at[(donor, to)] = move["time"]
             self.counters["moves"] += 1
             s.log_event(CAPACITY_TOPIC, move)
         finally:
