@@ -45,9 +45,9 @@ def test_table_ratios_against_the_best_baseline():
     text = kv_heavy.table(rows)
     assert "avg vs best baseline" in text and "P99 vs best baseline" in text
     kvstate = next(line for line in text.splitlines() if line.startswith("| kvstate "))
-    assert "| 0.50x | 0.50x |" in kvstate  # against naive, the better baseline
+    assert "| 2.00x | -50% |" in kvstate  # against naive, the better baseline
     default = next(line for line in text.splitlines() if line.startswith("| default "))
-    assert "| 2.00x | 2.00x |" in default
+    assert "| 0.50x | +100% |" in default
 
 
 def test_unknown_config():

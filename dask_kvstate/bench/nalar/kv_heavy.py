@@ -288,7 +288,10 @@ def table(rows: list[dict]) -> str:
     base = [r for r in rows if r["config"] in BASELINES]
     best_avg = min((r["avg"] for r in base), default=None)
     best_p99 = min((r["p99"] for r in base), default=None)
-    ratio = lambda v, b: "-" if b is None else f"{v / b:.2f}x"
+    # As the harness's tables: the best baseline's average over the row's (above 1: faster),
+    # and the row's P99 change against the best baseline's (negative: lower).
+    ratio = lambda v, b: "-" if b is None else f"{b / v:.2f}x"
+    change = lambda v, b: "-" if b is None else f"{100 * (v / b - 1):+.0f}%"
     head = (
         "| config | n/offered | unfinished | avg s | P50 s | P95 s | P99 s | max s | avg vs best baseline | "
         "P99 vs best baseline | placed (pull/recompute) | blocks pulled | blocks recomputed | KV moves | "
@@ -299,7 +302,7 @@ def table(rows: list[dict]) -> str:
         kv = r["kv"]
         cells = [r["config"], f"{r['n']}/{r['offered']}", r["unfinished"]]
         cells += [f"{r[k]:.3f}" for k in ("avg", "p50", "p95", "p99", "max")]
-        cells += [ratio(r["avg"], best_avg), ratio(r["p99"], best_p99)]
+        cells += [ratio(r["avg"], best_avg), change(r["p99"], best_p99)]
         cells.append(f"{kv['placed']:.0f} ({kv['chose_pull']:.0f}/{kv['chose_recompute']:.0f})")
         cells += [f"{kv[k]:.0f}" for k in ("blocks_pulled", "blocks_recomputed", "kv_moves", "dask_steals", "offloads")]
         cells += [f"{kv['imbalance']:.2f}", f"{r['token_identical']} ({r['checked']})"]
