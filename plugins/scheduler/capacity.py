@@ -26,7 +26,7 @@ split directly (:func:`target_split`, water-filling: every unit above each role'
 minimum goes to the role that would otherwise be the most utilised) and moves every
 unit it differs by at once, once the same target has held for ``K`` consecutive
 intervals (default 1: the window already averages the noise, and on a workload whose
-mix flips every 10 s, K = 2 cost 25% of the average latency) and it lowers the highest
+mix flips every 10 s, K = 2 cost 15-25% of the average latency in single runs) and it lowers the highest
 utilisation by more than ``epsilon`` (relative). It therefore settles where every
 role's utilisation is as even as whole units allow, and re-settles within about one
 window plus ``K`` intervals after the mix changes.
