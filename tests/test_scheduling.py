@@ -241,9 +241,12 @@ async def test_session_tasks_are_late_bound_on_the_scheduler_queue(c, s, a):
         # Groups of one task each, as a workflow's calls are: never root-ish by Dask's rule.
         inside = [c.submit(nap, 0.0, i, key=k) for i, k in enumerate(("plan", "write", "check"))]
     outside = [c.submit(nap, 0.0, i, key=k) for i, k in enumerate(("alpha", "beta", "gamma"))]
-    await async_poll_for(lambda: all(k.key in s.tasks for k in inside + outside), timeout=5)
-    await asyncio.sleep(0.1)
-    states = await c.run_on_scheduler(_where, [f.key for f in inside + outside])
+    keys = [f.key for f in inside + outside]
+    # Every task placed: on the worker (processing) or waiting in the scheduler's queue.
+    await async_poll_for(
+        lambda: all(getattr(s.tasks.get(k), "state", None) in ("processing", "queued") for k in keys), 5
+    )
+    states = _where(keys, s)
     await Event("gate-lb", client=c).set()
     await c.gather(inside + outside)
     # Beyond the worker's saturation slot, the session's calls wait on the scheduler; small
