@@ -107,6 +107,63 @@ class KVBlock:
         return nbytes(self.tensor)
 
 
+@dataclass(frozen=True)
+class BlockKV:
+    """A state's KV as its block tensors in token order, not joined into one tensor.
+
+    What a backend that keeps KV in its own paged cache (``reads_blocks``: the vLLM
+    backend) resumes from. Joining first would copy the state into fresh memory only
+    for the engine to copy it once more into its pages: on a 2-core VM the join of a
+    4,096-token SmolLM2 state (180 MiB into a new tensor) took 0.38-0.62 s, page faults
+    mostly, while the copy into the engine's warm pages takes ~0.03 s.
+
+    Examples
+    --------
+    >>> import torch
+    >>> kv = BlockKV.split(torch.arange(2 * 10.0).view(1, 2, 1, 10, 1), 4)
+    >>> [b.shape[3] for b in kv.blocks], kv.tokens
+    ([4, 4, 2], 10)
+    >>> [b.shape[3] for b in kv.head(5).blocks], kv.head(5).joined().flatten()[:6].tolist()
+    ([4, 1], [0.0, 1.0, 2.0, 3.0, 4.0, 10.0])
+    """
+
+    blocks: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def split(cls, kv: torch.Tensor, block_tokens: int) -> BlockKV:
+        """``kv`` (``[L, 2, H, T, D]``) as views of ``block_tokens`` tokens each (the last may be shorter)."""
+        return cls(tuple(kv[:, :, :, i : i + block_tokens] for i in range(0, int(kv.shape[3]), block_tokens)))
+
+    @property
+    def tokens(self) -> int:
+        return sum(int(b.shape[3]) for b in self.blocks)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes(b) for b in self.blocks)
+
+    @property
+    def dtype(self):
+        return self.blocks[0].dtype
+
+    def head(self, tokens: int) -> BlockKV:
+        """The KV of the first ``tokens`` tokens: the blocks covering them, the last one cut (views)."""
+        out, have = [], 0
+        for b in self.blocks:
+            if have >= tokens:
+                break
+            n = min(int(b.shape[3]), tokens - have)
+            out.append(b if n == b.shape[3] else b[:, :, :, :n])
+            have += n
+        return BlockKV(tuple(out))
+
+    def joined(self) -> torch.Tensor:
+        """One ``[L, 2, H, T, D]`` tensor (a view when the blocks are consecutive slices of one)."""
+        joined = join_blocks(self.blocks)
+        assert joined is not None, "a BlockKV has blocks"
+        return joined
+
+
 def join_blocks(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """Concatenate block tensors along the token axis (``None`` when there are none).
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 from dask.sizeof import sizeof
 
-from dask_kvstate.blocks import HASH_BYTES, num_blocks
+from dask_kvstate.blocks import HASH_BYTES, BlockKV, num_blocks
 
 if TYPE_CHECKING:  # for annotations only: this module never imports torch
     import torch
@@ -159,12 +159,14 @@ class KVState:
     ``[layers, 2, kv_heads, tokens, head_dim]`` assembled from the blocks (local hits,
     pulled, or recomputed), or None when the ref cannot be used on this worker
     (another model, config or tokenizer): then the operator prefills ``token_ids``.
-    Never leaves the worker; tasks return :class:`KVStateRef`.
+    Resolved with ``joined=False``, ``kv`` is the blocks unjoined (a
+    :class:`~dask_kvstate.blocks.BlockKV`). Never leaves the worker; tasks return
+    :class:`KVStateRef`.
     """
 
     ref: KVStateRef
     token_ids: list[int]
-    kv: torch.Tensor | None
+    kv: torch.Tensor | BlockKV | None
 
     @property
     def usable(self) -> bool:

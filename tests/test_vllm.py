@@ -84,6 +84,53 @@ def test_a_loaded_state_resumes_token_identical_to_replay(backend):
         assert resumed.prefill_tokens == len(full) - loaded
 
 
+def _layouts(kv: torch.Tensor, tokens: int) -> dict:
+    """The KV of ``kv``'s first ``tokens`` tokens as every form a resume hands the connector."""
+    from dask_kvstate.blocks import BlockKV
+    from dask_kvstate.plugins.worker.arena import lay_out
+
+    head = kv[:, :, :, :tokens]
+    return {
+        "joined tensor": head,
+        "blocks of a joined tensor": BlockKV.split(head, 64),
+        "block arena (a pulled frame)": BlockKV(tuple(lay_out(head, 64))),
+        "blocks apart": BlockKV(tuple(b.clone() for b in BlockKV.split(head, 64).blocks)),
+    }
+
+
+def test_write_blocks_puts_every_layout_in_the_engines_pages():
+    """Engine-free: the paged layout written from each source form reads back as the source."""
+    from dask_kvstate.backends.vllm_connector import load_chunks, read_blocks, write_blocks
+
+    layers, heads, dim, size = 3, 2, 8, 64
+    kv = torch.randn(layers, 2, heads, 200, dim)
+    for name, load in _layouts(kv, 150).items():  # 2 whole blocks and a partial one
+        pages = [torch.full((6, heads, size, 2 * dim), 7.0) for _ in range(layers)]
+        index = [4, 1, 3]
+        write_blocks(pages, index, load_chunks(load, 0, 150, size))
+        got = torch.stack([read_blocks(p, torch.tensor(index))[:, :, :150] for p in pages])
+        assert torch.equal(got, kv[:, :, :, :150]), name
+        assert all(torch.all(p[[0, 2, 5]] == 7.0) for p in pages), name  # no other block touched
+        chunks = load_chunks(load, 64, 130, size)  # from a block boundary (an engine hit) to mid-block
+        assert [c.shape[3] for c in chunks] == [64, 2]
+        assert torch.equal(torch.cat(chunks, dim=3), kv[:, :, :, 64:130]), name
+
+
+def test_every_form_of_a_loaded_state_resumes_token_identical(backend):
+    ids = backend.tokenize(PREFIX)
+    kv, _ = backend.prefill(ids)
+    _, suffix = PARTS[1]
+    full = backend.tokenize(PREFIX + suffix)
+    backend.reset_engine_cache()
+    replay = backend.generate(full, None, GREEDY)
+    for name, load in _layouts(kv, len(ids) - 1).items():
+        backend.reset_engine_cache()
+        before = backend.counters["loaded_tokens"]
+        resumed = backend.generate(full, load, GREEDY)
+        assert backend.counters["loaded_tokens"] - before == len(ids) - 1, name
+        assert resumed.token_ids == replay.token_ids, name
+
+
 def test_replay_equals_transformers_generate(backend, hf_model):
     for prefix, suffix in PARTS:
         ids = backend.tokenize(prefix + suffix)

@@ -31,7 +31,7 @@ import torch
 from dask_kvstate.backends import identity, layout, models, vllm_connector
 from dask_kvstate.backends.hf import GenerationResult
 from dask_kvstate.backends.vllm_engine import EngineLoop, EngineOptions, Finished, Job
-from dask_kvstate.blocks import kv_identity
+from dask_kvstate.blocks import BlockKV, kv_identity
 from dask_kvstate.generation import Sampling
 
 
@@ -57,6 +57,9 @@ class VLLMBackend:
     #: the engine binds its own OpenMP threads at start; torch's thread count does not reach it
     elastic_threads = False
     cascade = False  # vLLM batches sibling requests itself
+    #: a resume is handed the state's blocks unjoined: the connector copies them into the
+    #: engine's pages, and a join first would be one more copy, into fresh memory
+    reads_blocks = True
     model = None  # no transformers model object here
 
     def __init__(self, name: str, options: EngineOptions):
@@ -183,13 +186,15 @@ class VLLMBackend:
             on_prefill(order.captured)
         return self._result(done, order, len(ids), started)
 
-    def generate_batch(self, rows: list, prefix: torch.Tensor | None, sampling: Sampling, *, started: float):
-        """Sibling rows sharing ``prefix``: the first row loads it, and the others find it in
-        the engine's prefix cache once that row's prefill is done, so the shared blocks are
-        written and held once."""
+    def generate_batch(self, rows: list, prefix: torch.Tensor | BlockKV | None, sampling: Sampling, *, started: float):
+        """Sibling rows sharing ``prefix`` (joined, or its blocks): the first row loads it,
+        and the others find it in the engine's prefix cache once that row's prefill is
+        done, so the shared blocks are written and held once."""
         jobs, orders = [], []
         for row in rows:
-            load = prefix[:, :, :, : row.keep] if prefix is not None and row.keep else None
+            load = None
+            if prefix is not None and row.keep:
+                load = prefix.head(row.keep) if isinstance(prefix, BlockKV) else prefix[:, :, :, : row.keep]
             order = vllm_connector.Order(load=load)
             row_sampling = sampling if row.seed is None else replace(sampling, seed=row.seed)
             jobs.append(Job(list(row.ids), self._params(row_sampling), order))
@@ -204,19 +209,22 @@ class VLLMBackend:
         return [self._result(d, o, len(r.ids), started) for d, o, r in zip(done, orders, rows)]
 
     # -- helpers -------------------------------------------------------------------
-    def _check_past(self, ids: list[int], past_kv: torch.Tensor | None) -> None:
+    def _check_past(self, ids: list[int], past_kv: torch.Tensor | BlockKV | None) -> None:
         """A load the connector could write: checked here, where a bad one fails its own call only."""
         if past_kv is None:
             return
         want = (self.num_layers, 2, self.kv_heads, self.head_dim)
-        got = tuple(past_kv.shape)
-        if past_kv.dim() != 5 or got[:3] + got[4:] != want or past_kv.dtype != self.dtype:
-            raise ValueError(
-                f"KV of shape {got} {past_kv.dtype} cannot be resumed by {self.name!r} on vLLM: it needs "
-                f"[{want[0]}, 2, {want[2]}, tokens, {want[3]}] {self.dtype}"
-            )
-        if got[3] >= len(ids):
-            raise ValueError(f"KV of {got[3]} tokens cannot be resumed by a {len(ids)}-token prompt: leave one to run")
+        parts = past_kv.blocks if isinstance(past_kv, BlockKV) else (past_kv,)
+        for part in parts:
+            got = tuple(part.shape)
+            if part.dim() != 5 or got[:3] + got[4:] != want or part.dtype != self.dtype:
+                raise ValueError(
+                    f"KV of shape {got} {part.dtype} cannot be resumed by {self.name!r} on vLLM: it needs "
+                    f"[{want[0]}, 2, {want[2]}, tokens, {want[3]}] {self.dtype}"
+                )
+        tokens = vllm_connector.load_tokens(past_kv)
+        if tokens >= len(ids):
+            raise ValueError(f"KV of {tokens} tokens cannot be resumed by a {len(ids)}-token prompt: leave one to run")
 
     def _params(self, sampling: Sampling):
         from vllm import SamplingParams

@@ -33,6 +33,7 @@ import re
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+
+from dask_kvstate.blocks import BlockKV, consecutive_view
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -61,7 +64,7 @@ EXCHANGE_KEY = "kvstate_exchange"
 class Order:
     """What one request wants from the connector."""
 
-    load: torch.Tensor | None = None  # KV of the prompt's leading tokens, [L, 2, H, T, D]
+    load: torch.Tensor | BlockKV | None = None  # KV of the prompt's leading tokens: [L, 2, H, T, D], or its blocks
     capture: int = 0  # leading prompt tokens whose KV to copy out
     captured: torch.Tensor | None = None  # set by the worker half
     loaded_tokens: int = 0  # tokens written into the engine from ``load``
@@ -126,21 +129,82 @@ def read_blocks(layer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.stack([k, v]).permute(0, 2, 1, 3, 4).reshape(2, heads, b * size, dim)
 
 
-def write_blocks(layer: torch.Tensor, index: torch.Tensor, kv: torch.Tensor) -> None:
-    """Write ``kv`` (``[2, H, n, D]``, starting a block) into paged blocks ``index`` of one layer.
+def _block_major(chunks: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``[n, L, 2, H, bs, D]``, a view, when ``chunks`` lie back to back in one storage
+    (a block arena, or a frame pulled from one), each contiguous; else None."""
+    first = chunks[0]
+    step = first.numel()
+    ptr, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for i, c in enumerate(chunks):
+        if (
+            c.shape != first.shape
+            or not c.is_contiguous()
+            or c.untyped_storage().data_ptr() != ptr
+            or c.storage_offset() != offset + i * step
+        ):
+            return None
+    return first.as_strided((len(chunks), *first.shape), (step, *first.stride()), offset)
 
-    A last block ``kv`` fills only in part is written whole, its tail zero: the forward that
-    follows writes the prompt's next tokens over those slots before anything reads them.
+
+def _per_layer(chunks: Sequence[torch.Tensor]):
+    """A function of the layer number giving that layer of ``chunks`` (whole blocks of
+    ``[L, 2, H, bs, D]``) as ``[n, 2, H, bs, D]``: a view where their memory allows."""
+    run = _block_major(chunks)
+    if run is not None:
+        return lambda layer: run[:, layer]
+    joined = consecutive_view(chunks)
+    if joined is not None:  # token slices of one [L, 2, H, T, D] tensor (a joined state)
+        _, two, heads, tokens, dim = joined.shape
+        n, size = len(chunks), tokens // len(chunks)
+        return lambda layer: joined[layer].reshape(two, heads, n, size, dim).permute(2, 0, 1, 3, 4)
+    return lambda layer: torch.stack([c[layer] for c in chunks])  # a layer at a time: small, warm copies
+
+
+def write_blocks(layers: Sequence[torch.Tensor], index: Sequence[int], chunks: Sequence[torch.Tensor]) -> None:
+    """Write ``chunks`` (``[L, 2, H, t, D]`` each, one per paged block, all but the last
+    whole) into paged blocks ``index`` of every layer.
+
+    One copy, straight from the blocks' own memory into the engine's pages: whole
+    blocks by one ``index_copy_`` per layer and half, a last partial block by slices.
+    Its tail slots are left as they were: the forward that follows writes the prompt's
+    next tokens there before anything reads them.
     """
-    keys, values = _interior(layer)
-    size = keys.shape[3]
-    _, heads, n, dim = kv.shape
-    blocks = len(index)
-    if n < blocks * size:
-        kv = torch.nn.functional.pad(kv, (0, 0, 0, blocks * size - n))
-    per_block = kv.to(layer.dtype).reshape(2, heads, blocks, size, dim).permute(0, 2, 1, 3, 4)  # [2, b, H, bs, D]
-    keys.index_copy_(0, index, per_block[0].transpose(2, 3))
-    values.index_copy_(0, index, per_block[1])
+    size = layers[0].shape[2]
+    whole = [c for c in chunks if c.shape[3] == size]
+    if len(whole) < len(chunks) - 1:
+        raise ValueError(f"KV to load has partial blocks before its last one ({[c.shape[3] for c in chunks]})")
+    ids = torch.tensor(list(index[: len(whole)]), dtype=torch.long)
+    of_layer = _per_layer(whole) if whole else None
+    tail = chunks[-1] if len(whole) < len(chunks) else None
+    for number, layer in enumerate(layers):
+        keys, values = _interior(layer)
+        if of_layer is not None:
+            src = of_layer(number)  # [n, 2, H, bs, D]
+            keys.index_copy_(0, ids, src[:, 0].transpose(2, 3))
+            values.index_copy_(0, ids, src[:, 1])
+        if tail is not None:
+            t, block = int(tail.shape[3]), int(index[len(whole)])
+            keys[block, :, :, :t].copy_(tail[number, 0].transpose(1, 2))
+            values[block, :, :t].copy_(tail[number, 1])
+
+
+def load_tokens(load: torch.Tensor | BlockKV) -> int:
+    """Tokens of KV a load order carries (a ``[L, 2, H, T, D]`` tensor or a :class:`BlockKV`)."""
+    return load.tokens if isinstance(load, BlockKV) else int(load.shape[3])
+
+
+def load_chunks(load: torch.Tensor | BlockKV, start: int, stop: int, size: int) -> list[torch.Tensor]:
+    """Tokens ``start:stop`` of ``load`` (``start`` on a block boundary) as one view per
+    paged block of ``size`` tokens."""
+    if isinstance(load, BlockKV):
+        if all(b.shape[3] == size for b in load.blocks[:-1]):
+            picked = list(load.blocks[start // size : -(-stop // size)])
+            cut = stop - (start // size + len(picked) - 1) * size  # tokens of the last picked block to load
+            if picked and cut < picked[-1].shape[3]:
+                picked[-1] = picked[-1][:, :, :, :cut]
+            return picked
+        load = load.joined()  # blocks of another size than the engine's: cut the joined state
+    return [load[:, :, :, i : min(i + size, stop)] for i in range(start, stop, size)]
 
 
 @dataclass
@@ -205,7 +269,7 @@ class KVStateConnector(KVConnectorBase_V1):
         self._matched[request.request_id] = num_computed_tokens  # where a load would start
         # Every token the state has (vLLM starts a load on a block boundary and lets it end
         # anywhere, as NIXL's loads do), but never the last prompt token: its logits start decoding.
-        have = min(int(order.load.shape[3]), request.num_prompt_tokens - 1)
+        have = min(load_tokens(order.load), request.num_prompt_tokens - 1)
         return max(0, have - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -277,10 +341,7 @@ class KVStateConnector(KVConnectorBase_V1):
             order = self.exchange.get(copy.key)
             if order is None or order.load is None:
                 raise RuntimeError(f"KV load order {copy.key!r} vanished before its forward pass")
-            index = torch.tensor(copy.block_ids, dtype=torch.long)
-            src = order.load[:, :, :, copy.start : copy.stop]  # [L, 2, H, n, D] from a block boundary
-            for layer, kv in zip(self._layers, src):
-                write_blocks(layer, index, kv)
+            write_blocks(self._layers, copy.block_ids, load_chunks(order.load, copy.start, copy.stop, self.block_size))
             order.loaded_tokens += copy.stop - copy.start
         if meta.loads:
             self.exchange.counters["load_s"] += time.perf_counter() - t0

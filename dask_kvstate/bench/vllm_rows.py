@@ -21,6 +21,7 @@ replay on the same engine build; a mismatch stops the run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -35,11 +36,33 @@ from dask_kvstate.bench import crossover, workload
 from dask_kvstate.protocol import WORKER_PLUGIN
 
 
-def _reset(dask_worker=None) -> None:
-    """Empty the engine's prefix cache and the block store: every row starts cold."""
+def _reset_worker(dask_worker=None) -> None:
     plugin = dask_worker.plugins[WORKER_PLUGIN]
     plugin.runtime.backend.reset_engine_cache()
     workload._reset(dask_worker)
+
+
+def _reset(client, workers: list[str] | None = None, settle: bool = True) -> None:
+    """Empty the engines' prefix caches and the block stores: every row starts cold.
+
+    With ``settle``, once the last row's tasks are forgotten: until then their pins keep
+    blocks in a store, and a materialize finding them there would leave its engine
+    without the prefix (a "hit" that prefilled).
+    """
+    if settle:
+        workload.settle(client)
+    client.run(_reset_worker, workers=workers)
+
+
+def _pin(cores: tuple[int, ...], dask_worker=None) -> None:
+    """Every thread of this worker process on ``cores`` (threads made later inherit it).
+
+    ``os.sched_setaffinity(0, ...)`` would pin only the calling thread, the event loop:
+    the comm's offload thread and others made before would still run on every core.
+    """
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), set(cores))
 
 
 def _engine(client) -> dict:
@@ -60,7 +83,7 @@ def _cluster(n_workers: int, cores: list[set[int]]):
     client = Client(cluster)
     workers = sorted(client.scheduler_info()["workers"])
     for w, core_set in zip(workers, cores):
-        client.run(lambda dask_worker, c=tuple(core_set): os.sched_setaffinity(0, set(c)), workers=[w])
+        client.run(_pin, tuple(core_set), workers=[w])
     kvs.install(client, "smollm2-135m", backend="vllm")
     return cluster, client, workers
 
@@ -75,12 +98,12 @@ def branch_ttft(client, a: str, b: str, context: str, repeats: int) -> dict:
     """TTFT of a branch on worker B, which does not hold the state made on A."""
     rows: dict[str, list[float]] = {"vllm_local_prefill_on_b": [], "kvstate_pull_into_b": [], "single_engine_hit": []}
     for r in range(repeats):
-        client.run(_reset)
+        _reset(client)
         sfx, sfx2 = workload.suffix(2 * r), workload.suffix(2 * r + 1)
         with on(b):
             cold = kvs.generate(context, sfx, max_new_tokens=4).compute()
         rows["vllm_local_prefill_on_b"].append(cold.ttft)
-        client.run(_reset)
+        _reset(client)
         with on(a):
             state = client.persist(kvs.materialize(context))
         state.compute()
@@ -97,7 +120,7 @@ def branch_ttft(client, a: str, b: str, context: str, repeats: int) -> dict:
 
 def agents_wall(client, workers: list[str], context: str, agents: int, new_tokens: int, mode: str) -> dict:
     """``agents`` requests sharing ``context``, spread over ``workers``: wall time and prompt tokens computed."""
-    client.run(_reset)
+    _reset(client)
     before = _engine(client)
     suffixes = [workload.suffix(i) for i in range(agents)]
     t0 = time.perf_counter()
@@ -130,12 +153,12 @@ def agents_wall(client, workers: list[str], context: str, agents: int, new_token
 def transfer(client, a: str, b: str, context: str) -> dict:
     """Our pull of a state's blocks (into B's store) and our connector's copy of them into B's
     engine, against Dask's own fetch of a numpy array of the same bytes, A to B."""
-    client.run(_reset)
+    _reset(client)
     rates = crossover.throughput(client, a, b, _state_bytes(client, a, context))
     before = _engine(client)[b]
     with on(a):
         state = client.persist(kvs.materialize(context))
-    client.run(_reset, workers=[b])
+    _reset(client, workers=[b], settle=False)  # the state persisted on A stays
     with on(b):
         kvs.resume(state, workload.suffix(0), max_new_tokens=1).compute()
     after = _engine(client)[b]
@@ -160,7 +183,7 @@ def _state_bytes(client, a: str, context: str) -> int:
 
 def arrivals(client, a: str, b: str, context: str, readers: int, mode: str) -> dict:
     """Readers of one document arriving one after another on alternating workers: mean TTFT."""
-    client.run(_reset)
+    _reset(client)
     ttfts, outs = [], []
     state = None
     for i in range(readers):

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dask_kvstate.blocks import join_blocks, same_storage
+from dask_kvstate.blocks import BlockKV, join_blocks, same_storage
 from dask_kvstate.blocks import nbytes as tensor_bytes
 from dask_kvstate.plugins.worker import decide
 from dask_kvstate.plugins.worker.checksum import ChecksumError
@@ -43,10 +43,13 @@ class Resolver:
         self._guard = threading.Lock()
         self._locks: dict[tuple[bytes, ...], tuple[threading.Lock, int]] = {}
 
-    def resolve(self, ref: KVStateRef) -> KVState:
+    def resolve(self, ref: KVStateRef, joined: bool = True) -> KVState:
         """``ref`` with its token ids and KV on this worker (``kv`` None if unusable here).
 
-        Never raises for missing blocks, dead holders or incompatible states.
+        ``kv`` is one joined tensor, or with ``joined=False`` the blocks themselves as a
+        :class:`~dask_kvstate.blocks.BlockKV` (for a backend that copies them into its
+        own paged cache anyway). Never raises for missing blocks, dead holders or
+        incompatible states.
         """
         kv = self.kv
         if not isinstance(ref, KVStateRef):
@@ -82,7 +85,7 @@ class Resolver:
         # recompute the missing blocks and each keep a joined copy; the later ones find
         # the first's blocks, adopted, and join them to a view.
         with self._resolving(ref.blocks):
-            return KVState(ref, ids, self.fill(ref, ids))
+            return KVState(ref, ids, self.fill(ref, ids, joined))
 
     @contextlib.contextmanager
     def _resolving(self, blocks: tuple[bytes, ...]):
@@ -101,11 +104,14 @@ class Resolver:
                 else:
                     self._locks[blocks] = (lock, users - 1)
 
-    def fill(self, ref: KVStateRef, ids: list[int]) -> torch.Tensor:
-        """The KV of ``ref``'s blocks on this worker as one tensor: held, pulled or recomputed."""
-        return self.fill_decided(ref, ids)[0]
+    def fill(self, ref: KVStateRef, ids: list[int], joined: bool = True) -> torch.Tensor | BlockKV:
+        """The KV of ``ref``'s blocks on this worker as one tensor (or its blocks, unless
+        ``joined``): held, pulled or recomputed."""
+        return self.fill_decided(ref, ids, joined)[0]
 
-    def fill_decided(self, ref: KVStateRef, ids: list[int]) -> tuple[torch.Tensor, dict | None]:
+    def fill_decided(
+        self, ref: KVStateRef, ids: list[int], joined: bool = True
+    ) -> tuple[torch.Tensor | BlockKV, dict | None]:
         """:meth:`fill`, and the transfer-or-recompute decision it carried out with its
         ``seconds`` (None when nothing was missing or no peer held it; benchmarks read it)."""
         kv = self.kv
@@ -130,12 +136,15 @@ class Resolver:
             decision["seconds"] = time.perf_counter() - t0
             decide.record_outcome(kv, decision)
         device = kv.backend.device  # a block read back from a lower tier may sit in host memory
-        joined = join_blocks([t.to(device, non_blocking=True) for t in tensors])
-        if len(tensors) > 1 and not same_storage(joined, tensors[0]):
+        on_device = [t.to(device, non_blocking=True) for t in tensors]
+        if not joined:
+            return BlockKV(tuple(on_device)), decision
+        whole = join_blocks(on_device)
+        if len(tensors) > 1 and not same_storage(whole, tensors[0]):
             # Keep the joined copy as the blocks' storage: one copy of the state here, not two.
-            kv.counters["adopted_blocks"] += kv.store.adopt(ref.blocks, joined, kv.block_tokens)
-        assert joined is not None, "a compatible state with tokens has blocks"
-        return joined, decision
+            kv.counters["adopted_blocks"] += kv.store.adopt(ref.blocks, whole, kv.block_tokens)
+        assert whole is not None, "a compatible state with tokens has blocks"
+        return whole, decision
 
     def block_shapes(self, ref: KVStateRef) -> dict[bytes, tuple[int, ...]]:
         """``hash -> shape`` each of ``ref``'s blocks has for this worker's model (the last one may be shorter)."""

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from dask_kvstate.blocks import join_blocks, same_storage
+from dask_kvstate.blocks import BlockKV, join_blocks, same_storage
 from dask_kvstate.errors import MergeError
 from dask_kvstate.generation import Generation, Sampling
 from dask_kvstate.plugins.worker import decide, prefix_cache, probes
@@ -55,9 +55,9 @@ class StateRuntime(KVEngine):
         self.resolver = Resolver(self)
 
     # -- resolving and measuring ---------------------------------------------------
-    def resolve(self, ref: KVStateRef) -> KVState:
+    def resolve(self, ref: KVStateRef, joined: bool = True) -> KVState:
         """``ref`` with its token ids and KV on this worker (see :meth:`Resolver.resolve`)."""
-        return self.resolver.resolve(ref)
+        return self.resolver.resolve(ref, joined)
 
     def estimate(self, ref: KVStateRef) -> dict:
         """What the transfer-or-recompute rule would do for ``ref`` here now, without doing it."""
@@ -107,7 +107,7 @@ class StateRuntime(KVEngine):
             raise ValueError("cannot extend to an empty prompt")
         hashes = self.hashes(ids, ref.namespace)
         self.store.pin(self.task_owner(), ref.blocks + hashes)
-        past = old.kv if old.usable else None
+        past = old.kv.joined() if isinstance(old.kv, BlockKV) else old.kv
         keep = common_prefix(old.token_ids, ids) if past is not None else 0
         if past is not None and keep == len(ids):
             kv = past[:, :, :, :keep]
@@ -167,7 +167,9 @@ class StateRuntime(KVEngine):
         from dask_kvstate.backends.batch import Row, kv_bytes
 
         t0 = time.perf_counter()
-        old = self.resolve(ref)
+        # A backend with its own paged cache copies the blocks into it: joining them first
+        # would be one more copy of the state, into fresh memory (see BlockKV).
+        old = self.resolve(ref, joined=not getattr(self.backend, "reads_blocks", False))
         rows = []
         for text in texts:
             ids = self.backend.tokenize(ref.text + text)
@@ -182,7 +184,8 @@ class StateRuntime(KVEngine):
         # store's own memory (blocks on a lower tier, or not adopted).
         live = kv_bytes(self.backend, rows, sampling.max_new_tokens)
         held = self.store.peek(ref.blocks[0]) if prefix is not None else None
-        if prefix is not None and not same_storage(prefix, held):
+        first = prefix.blocks[0] if isinstance(prefix, BlockKV) else prefix
+        if prefix is not None and not same_storage(first, held):
             live += prefix.nbytes
         with self.live.hold(live):
             results = self.backend.generate_batch(rows, prefix, sampling, started=t0)
