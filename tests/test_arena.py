@@ -84,6 +84,42 @@ def test_a_run_of_arena_blocks_is_sent_as_its_memory_and_received_as_views(tmp_p
     store.close()
 
 
+def test_a_long_run_goes_out_in_frames_of_whole_blocks_and_is_served_on_as_they_came(monkeypatch):
+    """Frames of at most RUN_FRAME bytes, each whole blocks of the arena's own memory; the
+    puller's blocks are views of them, and serving them on is zero-copy again."""
+    import asyncio
+
+    import torch
+
+    from dask_kvstate.plugins.worker import serve
+    from dask_kvstate.plugins.worker.transport import unpack_blocks
+
+    kv, hashes, blocks, store = _arena_store(tokens=70)  # 16-token blocks of 6 KiB, the last of 6 tokens
+    monkeypatch.setattr(serve, "RUN_FRAME", 2 * blocks[0].nbytes)
+    monkeypatch.setattr(serve, "BIG_BLOCK", blocks[0].nbytes)  # frames this small are still worth sending as they are
+    reply = serve.serve_blocks(store, hashes)
+    sizes = [f.data.nbytes for f in reply["frames"]]
+    assert "arena" in reply and sizes == [2 * blocks[0].nbytes, 2 * blocks[0].nbytes, blocks[4].nbytes]
+    assert reply["frames"][1].data.ctypes.data == blocks[2].tensor.data_ptr()  # the arena itself, no copy
+    back = unpack_blocks(asyncio.run(_over_the_wire(reply)), hashes)
+    assert list(back) == hashes and all(torch.equal(back[b.hash], b.tensor) for b in blocks)
+    # A puller that serves them on: three runs of memory (its received frames), sent as they are.
+    from dask_kvstate.plugins.worker.block_store import TieredBlockStore
+
+    onward = TieredBlockStore(device_bytes=2**24, host_bytes=2**24, disk_bytes=2**24)
+    for h, t in back.items():
+        onward.put(h, t)
+    again = serve.serve_blocks(onward, hashes)
+    assert "arena" in again and [f.data.nbytes for f in again["frames"]] == sizes
+    assert again["frames"][0].data.ctypes.data == back[hashes[0]].data_ptr()
+    # A frame boundary inside a block is refused, not read across.
+    torn = {**reply, "frames": [bytearray(blocks[0].nbytes + 8), bytearray(sum(sizes) - blocks[0].nbytes - 8)]}
+    with pytest.raises(ValueError, match="ends inside a block"):
+        unpack_blocks(torn, hashes)
+    store.close()
+    onward.close()
+
+
 def test_an_adopted_state_is_sent_as_its_joined_tensor_and_received_without_a_copy():
     """A holder that resumed a state keeps its blocks as token slices of the joined copy
     (layer-major). Asked for all of them, it sends that tensor's memory; the receiver's
@@ -167,7 +203,7 @@ def test_cuda_blocks_are_staged_through_host_memory_and_packed():
     "layout, frame_bytes, match",
     [
         (["nn", [3, 2, 2, 8], [[16, 1]], [[0, 1]]], 16 * 96 * 4, "unknown dtype 'nn'"),
-        (["float32", [3, 2, 2, 8], [[16, 2]], [[0, 2]]], 16 * 96 * 4, "frame of 6144 bytes for 32 tokens"),
+        (["float32", [3, 2, 2, 8], [[16, 2]], [[0, 2]]], 16 * 96 * 4, "frames of 6144 bytes for 32 tokens"),
         (["float32", [3, 2, 2, 8], [[16, 1]], [[7, 1]]], 16 * 96 * 4, "do not match positions"),
         (["float32", [3, 2, 2, 8], [[16, 1]], [[0, 10**12]]], 16 * 96 * 4, "more positions than the 2 blocks"),
         (["float32", [3, 2, 2, -8], [[16, 1]], [[0, 1]]], 16 * 96 * 4, "bad block shape"),

@@ -129,57 +129,64 @@ def read_blocks(layer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.stack([k, v]).permute(0, 2, 1, 3, 4).reshape(2, heads, b * size, dim)
 
 
-def _block_major(chunks: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """``[n, L, 2, H, bs, D]``, a view, when ``chunks`` lie back to back in one storage
-    (a block arena, or a frame pulled from one), each contiguous; else None."""
-    first = chunks[0]
-    step = first.numel()
-    ptr, offset = first.untyped_storage().data_ptr(), first.storage_offset()
-    for i, c in enumerate(chunks):
-        if (
-            c.shape != first.shape
-            or not c.is_contiguous()
-            or c.untyped_storage().data_ptr() != ptr
-            or c.storage_offset() != offset + i * step
-        ):
-            return None
-    return first.as_strided((len(chunks), *first.shape), (step, *first.stride()), offset)
+def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether contiguous block ``b`` starts where contiguous block ``a`` ends, in one storage."""
+    return (
+        b.shape == a.shape
+        and a.is_contiguous()
+        and b.is_contiguous()
+        and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+        and b.storage_offset() == a.storage_offset() + a.numel()
+    )
 
 
-def _per_layer(chunks: Sequence[torch.Tensor]):
-    """A function of the layer number giving that layer of ``chunks`` (whole blocks of
-    ``[L, 2, H, bs, D]``) as ``[n, 2, H, bs, D]``: a view where their memory allows."""
-    run = _block_major(chunks)
-    if run is not None:
-        return lambda layer: run[:, layer]
+def _runs(chunks: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+    """``chunks`` (whole blocks of ``[L, 2, H, bs, D]``) as ``(first, run)`` pairs, each
+    ``run`` a ``[n, L, 2, H, bs, D]`` view of blocks ``first...first + n - 1``.
+
+    As few runs as their memory allows: token slices of one joined tensor are one, and
+    so are blocks lying back to back (an arena, each frame a pull arrived in); any other
+    block is a run of its own.
+    """
     joined = consecutive_view(chunks)
     if joined is not None:  # token slices of one [L, 2, H, T, D] tensor (a joined state)
-        _, two, heads, tokens, dim = joined.shape
-        n, size = len(chunks), tokens // len(chunks)
-        return lambda layer: joined[layer].reshape(two, heads, n, size, dim).permute(2, 0, 1, 3, 4)
-    return lambda layer: torch.stack([c[layer] for c in chunks])  # a layer at a time: small, warm copies
+        layers, two, heads, tokens, dim = joined.shape
+        n = len(chunks)
+        return [(0, joined.reshape(layers, two, heads, n, tokens // n, dim).permute(3, 0, 1, 2, 4, 5))]
+    starts = [i for i in range(len(chunks)) if i == 0 or not _follows(chunks[i - 1], chunks[i])]
+    runs = []
+    for first, stop in zip(starts, [*starts[1:], len(chunks)]):
+        head = chunks[first]  # a block alone keeps whatever strides it has
+        runs.append(
+            (first, head.as_strided((stop - first, *head.shape), (head.numel(), *head.stride()), head.storage_offset()))
+        )
+    return runs
 
 
 def write_blocks(layers: Sequence[torch.Tensor], index: Sequence[int], chunks: Sequence[torch.Tensor]) -> None:
     """Write ``chunks`` (``[L, 2, H, t, D]`` each, one per paged block, all but the last
     whole) into paged blocks ``index`` of every layer.
 
-    One copy, straight from the blocks' own memory into the engine's pages: whole
-    blocks by one ``index_copy_`` per layer and half, a last partial block by slices.
-    Its tail slots are left as they were: the forward that follows writes the prompt's
-    next tokens there before anything reads them.
+    One copy, straight from the blocks' own memory into the engine's pages: each run of
+    whole blocks by one ``index_copy_`` per layer and half (:func:`_runs`), a last
+    partial block by slices. Its tail slots are left as they were: the forward that
+    follows writes the prompt's next tokens there before anything reads them.
     """
     size = layers[0].shape[2]
-    whole = [c for c in chunks if c.shape[3] == size]
-    if len(whole) < len(chunks) - 1:
-        raise ValueError(f"KV to load has partial blocks before its last one ({[c.shape[3] for c in chunks]})")
-    ids = torch.tensor(list(index[: len(whole)]), dtype=torch.long)
-    of_layer = _per_layer(whole) if whole else None
-    tail = chunks[-1] if len(whole) < len(chunks) else None
+    tail = chunks[-1] if chunks and chunks[-1].shape[3] < size else None
+    whole = list(chunks[:-1] if tail is not None else chunks)
+    if any(c.shape[3] != size for c in whole):
+        raise ValueError(
+            f"KV to load has blocks of {[c.shape[3] for c in chunks]} tokens: all but the last need {size}"
+        )
+    runs = [
+        (torch.tensor(list(index[first : first + len(run)]), dtype=torch.long), run)
+        for first, run in (_runs(whole) if whole else [])
+    ]
     for number, layer in enumerate(layers):
         keys, values = _interior(layer)
-        if of_layer is not None:
-            src = of_layer(number)  # [n, 2, H, bs, D]
+        for ids, run in runs:
+            src = run[:, number]  # [n, 2, H, bs, D]
             keys.index_copy_(0, ids, src[:, 0].transpose(2, 3))
             values.index_copy_(0, ids, src[:, 1])
         if tail is not None:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from distributed.protocol import to_serialize
 
+from dask_kvstate.blocks import nbytes
 from dask_kvstate.plugins.worker.packing import PackingBuffers
 
 
@@ -30,6 +31,12 @@ def _raw(t):
 
 BIG_BLOCK = 1 << 20  # bytes: without a packing buffer, a block this large is its own frame
 GROUP = 4 << 20  # bytes: without a packing buffer, smaller blocks share frames of about this size
+#: bytes: a zero-copy reply's runs go out in frames of at most this much (whole blocks each).
+#: The puller's comm reads every frame into a new buffer; below glibc's mmap threshold
+#: (raised to 32 MiB by ``worker.malloc-retain``) that buffer comes from the heap the
+#: worker keeps warm, where a larger one is fresh pages from the kernel. A 180 MiB state
+#: pulled as one frame took 0.40-0.75 s on a 2-core VM, 0.05-0.07 s into warm memory.
+RUN_FRAME = 16 << 20
 
 
 def serve_blocks(
@@ -105,17 +112,18 @@ def serve_blocks(
 
 
 def serve_run(store, hashes: Sequence[bytes]) -> dict | None:
-    """The zero-copy reply, or None when the present blocks are not one run of memory.
+    """The zero-copy reply, or None when the present blocks are not runs of memory.
 
-    When every present block sits in a memory tier and together they are one run of
-    one storage (a block arena, a frame received earlier, or all of a joined copy; see
-    :mod:`dask_kvstate.plugins.worker.arena`), the frame is that memory itself: nothing is copied.
-    The layout is small enough to ride in the message (dtype, the block shape without
-    its token axis, and run-lengths of token counts and of request positions: a few
-    dozen bytes), so it needs neither a tail in the frame nor a frame of its own.
-    Otherwise None, and :func:`serve_blocks` packs. Never raises.
+    When every present block sits in a memory tier and together they are a few runs of
+    memory (a block arena, frames received earlier; see
+    :mod:`dask_kvstate.plugins.worker.arena`) or all of one joined copy, the frames
+    are that memory itself: nothing is copied. Runs go out in frames of whole blocks, at
+    most :data:`RUN_FRAME` bytes each (one block alone may be more). The layout is small
+    enough to ride in the message (dtype, the block shape without its token axis, and
+    run-lengths of token counts and of request positions: a few dozen bytes), so it
+    needs neither a tail in a frame nor a frame of its own. Otherwise None, and
+    :func:`serve_blocks` packs. Never raises.
     """
-    from dask_kvstate.plugins.worker.arena import span
 
     if store is None:
         return None
@@ -133,15 +141,41 @@ def serve_run(store, hashes: Sequence[bytes]) -> dict | None:
         t.dim() == 5 and t.shape[:3] == tensors[0].shape[:3] and t.shape[4] == tensors[0].shape[4] for t in tensors
     ):
         return None
-    run, order = span(tensors), []
-    if run is None:
-        run, order = _whole_joined(tensors), ["layer-major"]
-    if run is None:
+    frames, order = _block_frames(tensors), []
+    if frames is None:
+        joined = _whole_joined(tensors)
+        frames, order = (None, []) if joined is None else ([joined], ["layer-major"])
+    if frames is None:
         return None
     L, two, H, _, D = tensors[0].shape
     tokens = runs([int(t.shape[3]) for t in tensors], step=0)
     layout = [str(tensors[0].dtype).removeprefix("torch."), [L, two, H, D], tokens, runs(index, step=1), *order]
-    return {"status": "OK", "frames": [to_serialize(run.numpy())], "arena": layout}
+    return {"status": "OK", "frames": [to_serialize(f.numpy()) for f in frames], "arena": layout}
+
+
+def _block_frames(tensors: Sequence) -> list | None:
+    """``tensors`` as flat uint8 frames of their own memory, each whole blocks of one run
+    and at most :data:`RUN_FRAME` bytes unless one block is more; None when they are not
+    one run, or runs of at least :data:`BIG_BLOCK` bytes on average (many small frames:
+    packing them is cheaper)."""
+    from dask_kvstate.plugins.worker.arena import span
+
+    groups: list[list] = []
+    size = 0  # bytes of the last group
+    for t in tensors:
+        if span([t]) is None:
+            return None
+        n = nbytes(t)
+        if groups and size + n <= RUN_FRAME and span([groups[-1][-1], t]) is not None:
+            groups[-1].append(t)
+            size += n
+        else:
+            groups.append([t])
+            size = n
+    if len(groups) > 1 and sum(nbytes(t) for t in tensors) < BIG_BLOCK * len(groups):
+        return None
+    frames = [span(g) for g in groups]
+    return None if any(f is None for f in frames) else frames
 
 
 def _whole_joined(tensors: Sequence):

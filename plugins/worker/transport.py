@@ -77,7 +77,11 @@ def _frame_tensor(raw):
 
 
 def _unpack_run(resp: dict, hashes: Sequence[bytes]) -> dict:
-    """``hash -> tensor`` from a zero-copy reply (``serve.serve_run``): views of the one frame, no copy."""
+    """``hash -> tensor`` from a zero-copy reply (``serve.serve_run``): views of its frames, no copy.
+
+    Block-major frames hold whole blocks back to back, in order; a layer-major reply is
+    one frame, a joined ``[L, 2, H, P, D]`` tensor whose blocks are token slices.
+    """
     import math
 
     layout, frames = resp["arena"], resp.get("frames")
@@ -85,8 +89,8 @@ def _unpack_run(resp: dict, hashes: Sequence[bytes]) -> dict:
         isinstance(layout, (list, tuple))
         and len(layout) in (4, 5)
         and isinstance(frames, (list, tuple))
-        and len(frames) == 1
-        and (len(layout) == 4 or layout[4] == "layer-major")
+        and frames
+        and (len(layout) == 4 or (layout[4] == "layer-major" and len(frames) == 1))
     ):
         raise ValueError(f"peer sent a malformed zero-copy reply: layout {layout!r:.200}")
     dtype_name, shape, token_runs, index_runs = layout[:4]
@@ -101,23 +105,29 @@ def _unpack_run(resp: dict, hashes: Sequence[bytes]) -> dict:
             f"peer sent a zero-copy reply whose {len(tokens)} blocks do not match positions "
             f"{index_runs!r:.200} of the {len(hashes)} blocks asked for"
         )
-    flat = _frame_tensor(frames[0])
+    flats = [_frame_tensor(f) for f in frames]
     per_token = math.prod(shape) * dtype.itemsize
-    if sum(tokens) * per_token != flat.numel():
+    if sum(tokens) * per_token != sum(f.numel() for f in flats):
         raise ValueError(
-            f"peer sent a zero-copy frame of {flat.numel()} bytes for {sum(tokens)} tokens of {per_token} bytes"
+            f"peer sent zero-copy frames of {sum(f.numel() for f in flats)} bytes for {sum(tokens)} tokens "
+            f"of {per_token} bytes"
         )
     L, two, H, D = shape
     out, offset = {}, 0
     if layer_major:  # one joined [L, 2, H, P, D] tensor: its blocks are token slices of it
-        joined = flat.view(dtype).view(L, two, H, sum(tokens), D)
+        joined = flats[0].view(dtype).view(L, two, H, sum(tokens), D)
         for i, t in zip(index, tokens):
             out[hashes[i]] = joined[:, :, :, offset : offset + t]
             offset += t
         return out
+    frame = 0
     for i, t in zip(index, tokens):
         size = t * per_token
-        out[hashes[i]] = flat[offset : offset + size].view(dtype).view(L, two, H, t, D)
+        if offset == flats[frame].numel() and frame + 1 < len(flats):
+            frame, offset = frame + 1, 0
+        if offset + size > flats[frame].numel():
+            raise ValueError(f"peer sent a zero-copy frame that ends inside a block (frame {frame}, offset {offset})")
+        out[hashes[i]] = flats[frame][offset : offset + size].view(dtype).view(L, two, H, t, D)
         offset += size
     return out
 
