@@ -142,10 +142,6 @@ class BlockKV:
     def nbytes(self) -> int:
         return sum(nbytes(b) for b in self.blocks)
 
-    @property
-    def dtype(self):
-        return self.blocks[0].dtype
-
     def head(self, tokens: int) -> BlockKV:
         """The KV of the first ``tokens`` tokens: the blocks covering them, the last one cut (views)."""
         out, have = [], 0
@@ -202,6 +198,23 @@ def consecutive_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
             return None
         tokens += t.shape[3]
     return first.as_strided((*first.shape[:3], tokens, first.shape[4]), stride, first.storage_offset())
+
+
+def follows(a, b) -> bool:
+    """Whether contiguous tensor ``b`` starts where contiguous tensor ``a`` ends, in one storage.
+
+    >>> import torch
+    >>> x = torch.zeros(6)
+    >>> follows(x[:2], x[2:4]), follows(x[:2], x[3:5]), follows(x[:2], torch.zeros(2))
+    (True, False, False)
+    """
+    return (
+        a.dtype == b.dtype
+        and a.is_contiguous()
+        and b.is_contiguous()
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and b.data_ptr() == a.data_ptr() + nbytes(a)
+    )
 
 
 def same_storage(a, b) -> bool:

@@ -56,7 +56,7 @@ def test_phases_draws_are_deterministic_and_the_heavy_role_flips():
     # the burst: the first 2 s of a phase see twice the rate
     in_burst = np.sum(a % 10 < 2) / 2
     outside = np.sum(a % 10 >= 2) / 8
-    assert 1.3 * outside < in_burst
+    assert 1.5 < in_burst / outside < 2.5  # twice the rate, give or take the draw
     load = offered_load(wf, 40.0, [0])
     assert 0.6 * 8 < sum(load.values()) < 0.9 * 8
 

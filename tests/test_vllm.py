@@ -101,10 +101,12 @@ def _layouts(kv: torch.Tensor, tokens: int) -> dict:
 def test_write_blocks_puts_every_layout_in_the_engines_pages():
     """Engine-free: the paged layout written from each source form reads back as the source."""
     from dask_kvstate.backends.vllm_connector import load_chunks, read_blocks, write_blocks
+    from dask_kvstate.blocks import BlockKV
 
     layers, heads, dim, size = 3, 2, 8, 64
     kv = torch.randn(layers, 2, heads, 200, dim)
-    for name, load in _layouts(kv, 150).items():  # 2 whole blocks and a partial one
+    for name, layout in _layouts(kv, 150).items():  # 2 whole blocks and a partial one
+        load = layout if isinstance(layout, BlockKV) else BlockKV.split(layout, size)  # as the backend hands it on
         pages = [torch.full((6, heads, size, 2 * dim), 7.0) for _ in range(layers)]
         index = [4, 1, 3]
         write_blocks(pages, index, load_chunks(load, 0, 150, size))

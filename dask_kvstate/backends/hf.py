@@ -55,6 +55,8 @@ class HFBackend:
 
     #: torch's intra-op threads are this backend's threads: a worker may lend it idle ones
     elastic_threads = True
+    #: a resume reads the state as one joined tensor, in place (shared-prefix attention)
+    reads_blocks = False
 
     def __init__(self, name: str, model, tokenizer, device: str | None = None):
         self.name = name

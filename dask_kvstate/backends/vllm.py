@@ -79,6 +79,7 @@ class VLLMBackend:
                 "state must keep): use the transformers backend for it"
             )
         self.tokenizer = AutoTokenizer.from_pretrained(options.folder)
+        self.block_tokens = options.block_tokens  # the engine's block size, and the connector's
         self.num_layers = int(self.config.num_hidden_layers)
         self.kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
         self.head_dim = int(
@@ -168,8 +169,7 @@ class VLLMBackend:
         """
         if not ids:
             raise ValueError("cannot prefill an empty prompt")
-        self._check_past(ids, past_kv)
-        order = vllm_connector.Order(load=past_kv, capture=len(ids))
+        order = vllm_connector.Order(load=self._load(ids, past_kv), capture=len(ids))
         self._run([Job(list(ids), self._params(Sampling(max_new_tokens=1, temperature=0.0)), order)])
         if order.captured is None:
             raise RuntimeError(f"the vLLM engine returned no KV for a {len(ids)}-token prefill")
@@ -179,8 +179,7 @@ class VLLMBackend:
         """Generate from ``ids`` reusing ``past_kv`` for their leading tokens (see the transformers backend)."""
         if not ids:
             raise ValueError("cannot generate from an empty prompt: give at least one token of text")
-        self._check_past(ids, past_kv)
-        order = vllm_connector.Order(load=past_kv, capture=len(ids) if on_prefill is not None else 0)
+        order = vllm_connector.Order(load=self._load(ids, past_kv), capture=len(ids) if on_prefill is not None else 0)
         (done,) = self._run([Job(list(ids), self._params(sampling), order)])
         if on_prefill is not None and order.captured is not None:
             on_prefill(order.captured)
@@ -191,11 +190,9 @@ class VLLMBackend:
         and the others find it in the engine's prefix cache once that row's prefill is
         done, so the shared blocks are written and held once."""
         jobs, orders = [], []
+        blocks = None if prefix is None else self._blocks(prefix)
         for row in rows:
-            load = None
-            if prefix is not None and row.keep:
-                load = prefix.head(row.keep) if isinstance(prefix, BlockKV) else prefix[:, :, :, : row.keep]
-            order = vllm_connector.Order(load=load)
+            order = vllm_connector.Order(load=blocks.head(row.keep) if blocks is not None and row.keep else None)
             row_sampling = sampling if row.seed is None else replace(sampling, seed=row.seed)
             jobs.append(Job(list(row.ids), self._params(row_sampling), order))
             orders.append(order)
@@ -209,22 +206,28 @@ class VLLMBackend:
         return [self._result(d, o, len(r.ids), started) for d, o, r in zip(done, orders, rows)]
 
     # -- helpers -------------------------------------------------------------------
-    def _check_past(self, ids: list[int], past_kv: torch.Tensor | BlockKV | None) -> None:
-        """A load the connector could write: checked here, where a bad one fails its own call only."""
+    def _blocks(self, kv: torch.Tensor | BlockKV) -> BlockKV:
+        """``kv`` as blocks, the form the connector loads (a joined tensor is cut into views)."""
+        return kv if isinstance(kv, BlockKV) else BlockKV.split(kv, self.block_tokens)
+
+    def _load(self, ids: list[int], past_kv: torch.Tensor | BlockKV | None) -> BlockKV | None:
+        """``past_kv`` as a load the connector can write, checked here, where a bad one fails its own call only."""
         if past_kv is None:
-            return
+            return None
+        load = self._blocks(past_kv)
         want = (self.num_layers, 2, self.kv_heads, self.head_dim)
-        parts = past_kv.blocks if isinstance(past_kv, BlockKV) else (past_kv,)
-        for part in parts:
+        for part in load.blocks:
             got = tuple(part.shape)
             if part.dim() != 5 or got[:3] + got[4:] != want or part.dtype != self.dtype:
                 raise ValueError(
                     f"KV of shape {got} {part.dtype} cannot be resumed by {self.name!r} on vLLM: it needs "
                     f"[{want[0]}, 2, {want[2]}, tokens, {want[3]}] {self.dtype}"
                 )
-        tokens = vllm_connector.load_tokens(past_kv)
-        if tokens >= len(ids):
-            raise ValueError(f"KV of {tokens} tokens cannot be resumed by a {len(ids)}-token prompt: leave one to run")
+        if load.tokens >= len(ids):
+            raise ValueError(
+                f"KV of {load.tokens} tokens cannot be resumed by a {len(ids)}-token prompt: leave one to run"
+            )
+        return load
 
     def _params(self, sampling: Sampling):
         from vllm import SamplingParams

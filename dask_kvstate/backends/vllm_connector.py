@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from dask_kvstate.blocks import BlockKV, consecutive_view
+from dask_kvstate.blocks import BlockKV, consecutive_view, follows
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -64,7 +64,7 @@ EXCHANGE_KEY = "kvstate_exchange"
 class Order:
     """What one request wants from the connector."""
 
-    load: torch.Tensor | BlockKV | None = None  # KV of the prompt's leading tokens: [L, 2, H, T, D], or its blocks
+    load: BlockKV | None = None  # KV of the prompt's leading tokens, as blocks of the engine's size
     capture: int = 0  # leading prompt tokens whose KV to copy out
     captured: torch.Tensor | None = None  # set by the worker half
     loaded_tokens: int = 0  # tokens written into the engine from ``load``
@@ -129,15 +129,9 @@ def read_blocks(layer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.stack([k, v]).permute(0, 2, 1, 3, 4).reshape(2, heads, b * size, dim)
 
 
-def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether contiguous block ``b`` starts where contiguous block ``a`` ends, in one storage."""
-    return (
-        b.shape == a.shape
-        and a.is_contiguous()
-        and b.is_contiguous()
-        and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
-        and b.storage_offset() == a.storage_offset() + a.numel()
-    )
+def _next_block(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether block ``b`` lies right after block ``a`` in memory, shaped alike (one run)."""
+    return b.shape == a.shape and follows(a, b)
 
 
 def _runs(chunks: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
@@ -153,7 +147,7 @@ def _runs(chunks: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
         layers, two, heads, tokens, dim = joined.shape
         n = len(chunks)
         return [(0, joined.reshape(layers, two, heads, n, tokens // n, dim).permute(3, 0, 1, 2, 4, 5))]
-    starts = [i for i in range(len(chunks)) if i == 0 or not _follows(chunks[i - 1], chunks[i])]
+    starts = [i for i in range(len(chunks)) if i == 0 or not _next_block(chunks[i - 1], chunks[i])]
     runs = []
     for first, stop in zip(starts, [*starts[1:], len(chunks)]):
         head = chunks[first]  # a block alone keeps whatever strides it has
@@ -195,23 +189,16 @@ def write_blocks(layers: Sequence[torch.Tensor], index: Sequence[int], chunks: S
             values[block, :, :t].copy_(tail[number, 1])
 
 
-def load_tokens(load: torch.Tensor | BlockKV) -> int:
-    """Tokens of KV a load order carries (a ``[L, 2, H, T, D]`` tensor or a :class:`BlockKV`)."""
-    return load.tokens if isinstance(load, BlockKV) else int(load.shape[3])
-
-
-def load_chunks(load: torch.Tensor | BlockKV, start: int, stop: int, size: int) -> list[torch.Tensor]:
+def load_chunks(load: BlockKV, start: int, stop: int, size: int) -> list[torch.Tensor]:
     """Tokens ``start:stop`` of ``load`` (``start`` on a block boundary) as one view per
     paged block of ``size`` tokens."""
-    if isinstance(load, BlockKV):
-        if all(b.shape[3] == size for b in load.blocks[:-1]):
-            picked = list(load.blocks[start // size : -(-stop // size)])
-            cut = stop - (start // size + len(picked) - 1) * size  # tokens of the last picked block to load
-            if picked and cut < picked[-1].shape[3]:
-                picked[-1] = picked[-1][:, :, :, :cut]
-            return picked
-        load = load.joined()  # blocks of another size than the engine's: cut the joined state
-    return [load[:, :, :, i : min(i + size, stop)] for i in range(start, stop, size)]
+    if any(b.shape[3] != size for b in load.blocks[:-1]):  # blocks of another size: cut the joined state
+        load = BlockKV.split(load.joined(), size)
+    picked = list(load.blocks[start // size : -(-stop // size)])
+    cut = stop - (start // size + len(picked) - 1) * size  # tokens of the last picked block to load
+    if picked and cut < picked[-1].shape[3]:
+        picked[-1] = picked[-1][:, :, :, :cut]
+    return picked
 
 
 @dataclass
@@ -276,7 +263,7 @@ class KVStateConnector(KVConnectorBase_V1):
         self._matched[request.request_id] = num_computed_tokens  # where a load would start
         # Every token the state has (vLLM starts a load on a block boundary and lets it end
         # anywhere, as NIXL's loads do), but never the last prompt token: its logits start decoding.
-        have = min(load_tokens(order.load), request.num_prompt_tokens - 1)
+        have = min(order.load.tokens, request.num_prompt_tokens - 1)
         return max(0, have - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

@@ -24,9 +24,10 @@ usually spill and drop together.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 
-from dask_kvstate.blocks import KVBlock, nbytes
+from dask_kvstate.blocks import KVBlock, follows, nbytes
 
 
 def lay_out(kv, block_tokens: int, first_token: int = 0) -> list:
@@ -96,21 +97,13 @@ def span(tensors: Sequence):
     if not tensors:
         return None
     first = tensors[0]
-    if first.device.type != "cpu":
+    if first.device.type != "cpu" or not first.is_contiguous():
+        return None
+    if not all(follows(a, b) for a, b in itertools.pairwise(tensors)):
         return None
     storage = first.untyped_storage()
     base = storage.data_ptr()
-    end = first.data_ptr()
-    for t in tensors:
-        if (
-            t.device.type != "cpu"
-            or t.dtype != first.dtype
-            or not t.is_contiguous()
-            or t.untyped_storage().data_ptr() != base
-            or t.data_ptr() != end
-        ):
-            return None
-        end += nbytes(t)
+    end = tensors[-1].data_ptr() + nbytes(tensors[-1])
     out = torch.empty(0, dtype=torch.uint8)
     out.set_(storage, first.data_ptr() - base, (end - first.data_ptr(),))  # type: ignore[call-overload]
     return out

@@ -169,7 +169,7 @@ class StateRuntime(KVEngine):
         t0 = time.perf_counter()
         # A backend with its own paged cache copies the blocks into it: joining them first
         # would be one more copy of the state, into fresh memory (see BlockKV).
-        old = self.resolve(ref, joined=not getattr(self.backend, "reads_blocks", False))
+        old = self.resolve(ref, joined=not self.backend.reads_blocks)
         rows = []
         for text in texts:
             ids = self.backend.tokenize(ref.text + text)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from distributed.protocol import to_serialize
 
-from dask_kvstate.blocks import nbytes
+from dask_kvstate.blocks import follows, nbytes
 from dask_kvstate.plugins.worker.packing import PackingBuffers
 
 
@@ -163,10 +163,10 @@ def _block_frames(tensors: Sequence) -> list | None:
     groups: list[list] = []
     size = 0  # bytes of the last group
     for t in tensors:
-        if span([t]) is None:
+        if t.device.type != "cpu" or not t.is_contiguous():
             return None
         n = nbytes(t)
-        if groups and size + n <= RUN_FRAME and span([groups[-1][-1], t]) is not None:
+        if groups and size + n <= RUN_FRAME and follows(groups[-1][-1], t):
             groups[-1].append(t)
             size += n
         else:
@@ -174,8 +174,7 @@ def _block_frames(tensors: Sequence) -> list | None:
             size = n
     if len(groups) > 1 and sum(nbytes(t) for t in tensors) < BIG_BLOCK * len(groups):
         return None
-    frames = [span(g) for g in groups]
-    return None if any(f is None for f in frames) else frames
+    return [span(g) for g in groups]
 
 
 def _whole_joined(tensors: Sequence):
