@@ -249,7 +249,7 @@ def tracker_view(sid, dask_scheduler=None):
 async def track_after_end(sid, hashes, dask_worker=None):
     """What a task of ``sid`` that outlived the session's end (cancelled, still running) leaves held."""
     lifecycle = dask_worker.plugins[LIFECYCLE_WORKER_PLUGIN]
-    await lifecycle._invalidate(session=sid)
+    await lifecycle._invalidate(sessions=[sid])
     lifecycle._task_used(None, hashes)  # no task state: belongs to no session
     lifecycle._track(sid, hashes)
     return sid in session_holds(dask_worker)
@@ -323,11 +323,11 @@ def fail_the_first_invalidation(dask_worker=None):
     original = dask_worker.handlers[INVALIDATE]
     calls: list = []
 
-    async def flaky(session=None, sessions=None):
-        calls.extend(sessions or [session])  # the scheduler sends the sessions that ended together
+    async def flaky(sessions=()):
+        calls.extend(sessions)  # the scheduler sends the sessions that ended together
         if len(calls) == 1:
             raise OSError("the worker is busy")
-        return await original(session=session, sessions=sessions)
+        return await original(sessions=sessions)
 
     dask_worker.handlers[INVALIDATE] = flaky
     dask_worker.kvstate_test_invalidations = calls
@@ -384,8 +384,7 @@ async def report_with_many_sessions(sessions, blocks, dask_worker=None):
     seconds = time.perf_counter() - t0
     done = True
     await ticker
-    for sid in sids:
-        await lifecycle._invalidate(session=sid)
+    await lifecycle._invalidate(sessions=sids)
     return longest, seconds
 
 

@@ -300,11 +300,10 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
 
         fut.add_done_callback(finished)
 
-    async def _invalidate(self, session=None, sessions=None) -> dict:
-        """Drop what ``session`` alone kept (or each of ``sessions``: ``{session: answer}``)."""
-        if sessions is not None:
-            return {sid: await self._invalidate_one(sid) for sid in sessions}
-        return await self._invalidate_one(session)
+    async def _invalidate(self, sessions=()) -> dict:
+        """Drop what each of ``sessions`` alone kept: ``{session: answer}`` (the scheduler
+        sends the sessions that ended together in one call)."""
+        return {sid: await self._invalidate_one(sid) for sid in sessions}
 
     async def _invalidate_one(self, session) -> dict:
         """Drop what ``session`` alone kept, in every tier; never raises for an unknown session.
