@@ -64,6 +64,50 @@ def best_line(rows: list[dict]) -> str:
     return f"best baseline: {best_avg['config']} ({avg}; {p99})"
 
 
+def seed_table(rows: list[dict], first_seed: int = 0) -> str:
+    """Each config's avg and P99 per seed, against the best baseline of that seed ('' for one seed).
+
+    The main table's cells are medians over the seeds; this one shows the spread behind
+    them, and ratios taken seed by seed (a seed's baselines saw the very same requests).
+
+    >>> row = {"workflow": "w", "offered": 1, "n": 1, "unfinished": 0}
+    >>> runs = lambda *ap: [{"avg": a, "p99": p} for a, p in ap]
+    >>> print(seed_table([{**row, "config": "default", "runs": runs((2.0, 4.0), (3.0, 6.0))},
+    ...                   {**row, "config": "kvstate", "runs": runs((1.0, 2.0), (2.0, 6.6))}]))
+    | config | seed 0 avg / P99 s | seed 1 avg / P99 s | avg vs best baseline | P99 vs best baseline |
+    |---|---|---|---|---|
+    | default | 2.000 / 4.000 | 3.000 / 6.000 | 1.00x, 1.00x | -, - |
+    | kvstate | 1.000 / 2.000 | 2.000 / 6.600 | 2.00x, 1.50x | -50%, +10% |
+    """
+    with_runs = [r for r in rows if len(r.get("runs", ())) > 1]
+    if not with_runs:
+        return ""
+    n = min(len(r["runs"]) for r in with_runs)
+    base = [r for r in with_runs if r["config"] in BASELINES]
+    seeds = range(n)
+    head = " | ".join(f"seed {first_seed + i} avg / P99 s" for i in seeds)
+    lines = [
+        f"| config | {head} | avg vs best baseline | P99 vs best baseline |",
+        "|---" * (n + 3) + "|",
+    ]
+    for r in with_runs:
+        cells = " | ".join(f"{r['runs'][i]['avg']:.3f} / {r['runs'][i]['p99']:.3f}" for i in seeds)
+        avg_ratio, p99_change = [], []
+        for i in seeds:
+            if not base:
+                avg_ratio.append("-")
+                p99_change.append("-")
+                continue
+            best_avg = min(b["runs"][i]["avg"] for b in base)
+            best_p99 = min(b["runs"][i]["p99"] for b in base)
+            avg_ratio.append(f"{best_avg / r['runs'][i]['avg']:.2f}x")
+            mine = r["runs"][i]["p99"]
+            is_best = r["config"] in BASELINES and mine == best_p99
+            p99_change.append("-" if is_best else f"{100 * (mine / best_p99 - 1):+.0f}%")
+        lines.append(f"| {r['config']} | {cells} | {', '.join(avg_ratio)} | {', '.join(p99_change)} |")
+    return "\n".join(lines)
+
+
 def grid_table(rows: list[dict]) -> str:
     """The ``static-best`` grid, every split run: its max utilisation in hindsight, avg and P99 ('' without one)."""
     row = next((r for r in rows if "grid" in r), None)
@@ -105,7 +149,7 @@ def plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def write(out: str, wf: Workflow, rows: list[dict], md: str, command: str) -> None:
+def write(out: str, wf: Workflow, rows: list[dict], md: str, command: str, first_seed: int = 0) -> None:
     """``<out>/<workflow>.md`` (the command, the workflow's settings, the best baseline, the table
     and the grid), ``.json`` and ``.png``."""
     layout = f"; workers {wf.workers}" if wf.workers is not None else ""
@@ -114,6 +158,9 @@ def write(out: str, wf: Workflow, rows: list[dict], md: str, command: str) -> No
             f"Command: {command}; rate {wf.rate}/s; roles at start {wf.roles}{layout}; hints {wf.hints}; "
             f"+hints rows add {wf.nalar_hints}; {best_line(rows)}\n\n{md}\n"
         )
+        seeds = seed_table(rows, first_seed)
+        if seeds:
+            f.write(f"\nPer seed (the cells above are medians over these):\n\n{seeds}\n")
         grid = grid_table(rows)
         if grid:
             f.write(f"\n{grid}\n")

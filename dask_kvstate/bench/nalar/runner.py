@@ -351,5 +351,5 @@ def run(
             f"{f'--roles {roles} ' if roles else ''}{f'--median {median} ' if median else ''}"
             f"--grid-max {grid_max} --grid-duration {grid_duration} --configs {configs}"
         )
-        report.write(out, wf, rows, md, command)
+        report.write(out, wf, rows, md, command, first_seed=seed)
     return results
