@@ -150,8 +150,8 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def write(out: str, wf: Workflow, rows: list[dict], md: str, command: str, first_seed: int = 0) -> None:
-    """``<out>/<workflow>.md`` (the command, the workflow's settings, the best baseline, the table
-    and the grid), ``.json`` and ``.png``."""
+    """``<out>/<workflow>.md`` (the command, the workflow's settings, the best baseline, the table,
+    with repeats the per-seed table, and the grid), ``.json`` and ``.png``."""
     layout = f"; workers {wf.workers}" if wf.workers is not None else ""
     with open(os.path.join(out, f"{wf.name}.md"), "w") as f:
         f.write(
