@@ -92,18 +92,14 @@ def seed_table(rows: list[dict], first_seed: int = 0) -> str:
     ]
     for r in with_runs:
         cells = " | ".join(f"{r['runs'][i]['avg']:.3f} / {r['runs'][i]['p99']:.3f}" for i in seeds)
-        avg_ratio, p99_change = [], []
-        for i in seeds:
-            if not base:
-                avg_ratio.append("-")
-                p99_change.append("-")
-                continue
+        avg_ratio, p99_change = ["-"] * n, ["-"] * n
+        for i in seeds if base else ():
             best_avg = min(b["runs"][i]["avg"] for b in base)
             best_p99 = min(b["runs"][i]["p99"] for b in base)
-            avg_ratio.append(f"{best_avg / r['runs'][i]['avg']:.2f}x")
+            avg_ratio[i] = f"{best_avg / r['runs'][i]['avg']:.2f}x"
             mine = r["runs"][i]["p99"]
-            is_best = r["config"] in BASELINES and mine == best_p99
-            p99_change.append("-" if is_best else f"{100 * (mine / best_p99 - 1):+.0f}%")
+            if not (r["config"] in BASELINES and mine == best_p99):
+                p99_change[i] = f"{100 * (mine / best_p99 - 1):+.0f}%"
         lines.append(f"| {r['config']} | {cells} | {', '.join(avg_ratio)} | {', '.join(p99_change)} |")
     return "\n".join(lines)
 
