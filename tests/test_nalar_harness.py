@@ -14,14 +14,16 @@ from dask_kvstate.bench.nalar.baselines import grid_candidates, offered_load, sp
 from dask_kvstate.bench.nalar.components import work
 from dask_kvstate.bench.nalar.runner import cluster_spec
 from dask_kvstate.bench.nalar.workflows import Draws, Request, arrival_times, heavy_role, kind_of, spread, with_split
+from dask_kvstate.plugins.scheduler.queueing import expected_queue
 
 
-def test_grid_keeps_the_stable_splits_lowest_max_utilisation_first():
+def test_grid_keeps_the_stable_splits_fewest_calls_expected_to_wait_first():
     load = {"planner": 0.4, "developer": 4.6, "tester": 2.4}
     got = grid_candidates(load, 12, 10)
     # every kept split gives each role more units than its offered work, best first
     assert all(all(load[r] < n for r, n in s.items()) for s, _ in got)
-    assert [u for _, u in got] == sorted(u for _, u in got)
+    queues = [expected_queue(load, s) for s, _ in got]
+    assert queues == sorted(queues)
     assert got[0][0] == {"planner": 1, "developer": 7, "tester": 4}
     assert len(got) == 10
     assert len(grid_candidates(load, 12, 3)) == 3

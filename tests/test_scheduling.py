@@ -8,6 +8,8 @@ policies run exactly as on a process cluster.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import math
 import threading
 import time
 
@@ -17,8 +19,15 @@ from distributed import Event, worker_client
 from distributed.utils_test import async_poll_for, gen_cluster, poll_for
 
 import dask_kvstate as kvs
-from dask_kvstate.plugins.scheduler.capacity import CapacityController, peak_utilisation, target_split
+from dask_kvstate.plugins.scheduler.capacity import (
+    CapacityController,
+    against_the_move,
+    peak_utilisation,
+    target_split,
+    worth_moving,
+)
 from dask_kvstate.plugins.scheduler.priority import ProgressPriority, progress_priority
+from dask_kvstate.plugins.scheduler.queueing import expected_queue, queue_length
 from dask_kvstate.plugins.scheduler.sessions import SessionTracker
 from dask_kvstate.plugins.scheduler.stealing import LateBindingStealing, migration_benefit
 from dask_kvstate.plugins.worker.scheduling import SchedulingWorkerPlugin
@@ -288,7 +297,7 @@ async def test_stateful_component_keeps_session_affinity(c, s, a, b):
 
 
 # -- capacity ------------------------------------------------------------------------------
-def test_target_split_evens_utilisation_within_limits():
+def test_target_split_gives_overloaded_roles_units_first_within_limits():
     demand = {"plan": 0.2, "dev": 3.0, "test": 1.0}
     assert target_split(demand, 6, {}) == {"plan": 1, "dev": 3, "test": 2}
     assert target_split(demand, 6, {"dev": {"max": 2}}) == {"plan": 1, "dev": 2, "test": 3}
@@ -300,6 +309,55 @@ def test_target_split_evens_utilisation_within_limits():
     assert peak_utilisation({"a": 1.0}, {"a": 0}) == float("inf")
 
 
+def test_queue_length_is_erlang_c():
+    # M/M/2 at one Erlang: P0 = 1/3, Lq = P0 a^c rho / (c! (1 - rho)^2) = 1/3
+    assert queue_length(2, 1.0) == pytest.approx(1 / 3)
+    assert queue_length(1, 0.5) == pytest.approx(0.5)  # M/M/1: rho^2 / (1 - rho)
+    assert queue_length(4, 4.0) == float("inf") and queue_length(4, 0.0) == 0.0
+    # more units never lengthen the queue, and each further one helps less (convex: greedy is optimal)
+    cuts = [queue_length(c, 4.3) - queue_length(c + 1, 4.3) for c in range(5, 10)]
+    assert all(x > y > 0 for x, y in itertools.pairwise(cuts))
+
+
+def test_target_split_keeps_a_second_unit_that_even_utilisation_would_take():
+    # The analyst workflow's offered work, in a window where the summarizers' dipped
+    # (0.82 units on average): even utilisation (Nalar's max-min x_v) now prefers 7 / 1
+    # (61% / 60% against 72% / 30%), though one summarizer queues fifteen times as long as two.
+    demand = {"analyst": 4.3, "summarizer": 0.6}
+    six_two, seven_one = {"analyst": 6, "summarizer": 2}, {"analyst": 7, "summarizer": 1}
+    assert peak_utilisation(demand, seven_one) < peak_utilisation(demand, six_two)
+    assert queue_length(1, 0.6) > 10 * queue_length(2, 0.6)
+    assert expected_queue(demand, seven_one) > expected_queue(demand, six_two)
+    assert target_split(demand, 8, {}) == six_two
+    assert target_split({"analyst": 4.3, "summarizer": 0.82}, 8, {}) == six_two
+    # With a role overloaded whatever the split, the split evens utilisation (Nalar's).
+    assert target_split({"a": 9.0, "b": 3.0}, 8, {}) == {"a": 6, "b": 2}
+
+
+def test_a_burst_of_requests_does_not_move_a_unit_but_longer_calls_do():
+    units = {"a": 6, "b": 2}
+    # A window where 28 requests called both roles and their analyst calls piled up: a
+    # looks overloaded on six units, and one more would even the load.
+    burst = {"a": 7.0, "b": 0.71}
+    target = target_split(burst, 8, {}, units)
+    assert target == {"a": 7, "b": 1}
+    nominal = [expected_queue(burst, units), expected_queue(burst, target)]
+    assert worth_moving(*nominal, peak_utilisation(burst, units), peak_utilisation(burst, target), 0.05)
+    error = {v: d / math.sqrt(28) for v, d in burst.items()}
+    doubt = against_the_move(burst, error, units, target, 2.0)
+    assert doubt["a"] < burst["a"] and doubt["b"] > burst["b"]
+    held = [expected_queue(doubt, units), expected_queue(doubt, target)]
+    assert not worth_moving(*held, peak_utilisation(doubt, units), peak_utilisation(doubt, target), 0.05)
+    # The mix flips: b's calls got ten times longer. That is no burst: it moves at once.
+    units, flipped = {"a": 7, "b": 1}, {"a": 0.5, "b": 4.8}
+    target = target_split(flipped, 8, {}, units)
+    assert target == {"a": 1, "b": 7}
+    error = {v: d / math.sqrt(20) for v, d in flipped.items()}
+    doubt = against_the_move(flipped, error, units, target, 2.0)
+    held = [expected_queue(doubt, units), expected_queue(doubt, target)]
+    assert worth_moving(*held, peak_utilisation(doubt, units), peak_utilisation(doubt, target), 0.05)
+
+
 def test_capacity_limits_are_validated():
     with pytest.raises(ValueError, match="max 1 < min 2"):
         CapacityController(limits={"role:dev": {"min": 2, "max": 1}})
@@ -307,6 +365,8 @@ def test_capacity_limits_are_validated():
         CapacityController(limits={"dev": {"min": 1}})
     with pytest.raises(ValueError, match="window"):
         CapacityController(window="100ms")  # shorter than the 500ms interval
+    with pytest.raises(ValueError, match="noise-sigmas=-1.0"):
+        CapacityController(noise_sigmas=-1.0)
 
 
 @gen_cluster(

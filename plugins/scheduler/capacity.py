@@ -20,16 +20,23 @@ control loop), for each role ``v`` over the last ``window``:
 
 Nalar moves one unit per ``K`` intervals from a donor to the bottleneck. From an even
 split that takes many intervals (three moves of two seconds each to reach a developer-
-heavy split on the SWE workflow), during which the queue grows. Repeating that step
-converges on the split that maximises ``min_v x_v``, so this controller computes that
-split directly (:func:`target_split`, water-filling: every unit above each role's
-minimum goes to the role that would otherwise be the most utilised) and moves every
-unit it differs by at once, once the same target has held for ``K`` consecutive
-intervals (default 1: the window already averages the noise, and on a workload whose
-mix flips every 10 s, K = 2 cost 15-25% of the average latency in single runs) and it lowers the highest
-utilisation by more than ``epsilon`` (relative). It therefore settles where every
-role's utilisation is as even as whole units allow, and re-settles within about one
-window plus ``K`` intervals after the mix changes.
+heavy split on the SWE workflow), during which the queue grows. So this controller
+computes a whole split (:func:`target_split`) and moves every unit it differs by at
+once. The split is not Nalar's ``max min_v x_v`` (evening utilisations), which is blind
+to how many units share a load: when a few seconds of an analyst workflow's summarizer
+calls dipped to 0.6 units, it gave their second unit to the analysts (61% / 60% busy
+against 72% / 30%), though one summarizer queues fifteen times as long as two. It is the
+split with the fewest calls expected to wait
+(Erlang C, :mod:`~dask_kvstate.plugins.scheduler.queueing`), which is Nalar's split
+wherever a role is overloaded and the best static split of a grid search on the SWE,
+router and analyst workflows. Units move to it when the same target has held for
+``K`` consecutive intervals (default 1: on a workload whose mix flips every 10 s,
+K = 2 cost 15-25% of the average latency in single runs) and :func:`worth_moving`:
+it cuts the expected queue by more than ``epsilon``, and still does with each role's
+arrivals ``noise-sigmas`` standard errors against the move (:func:`against_the_move`).
+That second test keeps a burst of requests, which passes by itself, from moving a unit
+that the next seconds need back; a change in how long calls take, which the running
+calls show at once, moves units within about a window.
 
 Moving a unit: a worker is picked that can give up a unit of the donor role without
 stranding a donor task (an idle unit first; a worker's last unit only with no donor
@@ -51,23 +58,28 @@ from time import perf_counter, time
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
+from dask_kvstate.plugins.scheduler.queueing import expected_queue, queue_length
 from dask_kvstate.protocol import CAPACITY_EXTENSION, CAPACITY_TOPIC, HINTS_EXTENSION, SESSIONS_EXTENSION, SET_RESOURCES
 
 logger = logging.getLogger("dask_kvstate")
 
 
 def target_split(demand: dict, total: int, limits: dict, current: dict | None = None) -> dict | None:
-    """Whole units per role, ``total`` in all, keeping ``max_v demand_v / R_v`` lowest.
+    """Whole units per role, ``total`` in all, with the fewest calls expected to wait.
 
-    Every role first gets its minimum (``limits[v]["min"]``, default 1); each further
-    unit goes to the role that would be the most utilised without it, within its
-    ``max``. Ties keep ``current`` where it has more. Returns None when the minimums do
-    not fit in ``total``.
+    Every role first gets its minimum (``limits[v]["min"]``, default 1). Each further
+    unit, within the roles' ``max``, goes to the most utilised role offered at least as
+    much work as it has units (its queue would grow without bound), and once none is, to
+    the role whose expected queue it shortens most (:func:`queue_length`; the queue is
+    convex in units, so unit by unit is optimal). Ties keep ``current`` where it has
+    more. Returns None when the minimums do not fit in ``total``.
 
     Examples
     --------
-    >>> target_split({"plan": 0.5, "dev": 4.6, "test": 2.7}, 12, {})   # the SWE workflow's offered work
+    >>> target_split({"plan": 0.42, "dev": 4.65, "test": 2.4}, 12, {})   # the SWE workflow's offered work
     {'plan': 1, 'dev': 7, 'test': 4}
+    >>> target_split({"analyst": 4.3, "summarizer": 0.6}, 8, {})   # even utilisation would give 7 / 1
+    {'analyst': 6, 'summarizer': 2}
     >>> target_split({"dev": 5.0, "test": 1.0}, 8, {"test": {"min": 3}})
     {'dev': 5, 'test': 3}
     >>> target_split({"a": 1.0, "b": 1.0}, 1, {}) is None
@@ -78,12 +90,18 @@ def target_split(demand: dict, total: int, limits: dict, current: dict | None = 
     if left < 0:
         return None
     current = current or {}
+
+    def claim(v: str) -> tuple:
+        n, d = units[v], demand[v]
+        overloaded = d >= n
+        need = d / max(n, 1e-9) if overloaded else queue_length(n, d) - queue_length(n + 1, d)
+        return (overloaded, need, current.get(v, 0) > n, v)
+
     for _ in range(left):
         open_ = [v for v in demand if (limits.get(v) or {}).get("max") is None or units[v] < limits[v]["max"]]
         if not open_:
             break
-        v = max(open_, key=lambda v: (demand[v] / max(units[v], 1e-9), current.get(v, 0) > units[v], v))
-        units[v] += 1
+        units[max(open_, key=claim)] += 1
     return units
 
 
@@ -94,6 +112,39 @@ def peak_utilisation(demand: dict, units: dict) -> float:
     0.75
     """
     return max((d / units[v] if units.get(v) else float("inf")) if d > 0 else 0.0 for v, d in demand.items())
+
+
+def against_the_move(demand: dict, error: dict, units: dict, target: dict, sigmas: float) -> dict:
+    """``demand`` moved ``sigmas`` standard errors against a move from ``units`` to ``target``.
+
+    A role the move gives units to is taken as offered less work, a role it takes units
+    from as offered more: a move still worth making on these is not one that the noise of
+    a few seconds of measurements made look worth it.
+
+    >>> against_the_move({"a": 4.3, "b": 0.82}, {"a": 0.4, "b": 0.2}, {"a": 6, "b": 2}, {"a": 7, "b": 1}, 1.0)
+    {'a': 3.9, 'b': 1.02}
+    """
+    out = {}
+    for v, d in demand.items():
+        sign = (units.get(v, 0) > target.get(v, 0)) - (units.get(v, 0) < target.get(v, 0))
+        out[v] = max(d + sign * sigmas * error.get(v, 0.0), 0.0)
+    return out
+
+
+def worth_moving(now_q: float, then_q: float, now_peak: float, then_peak: float, epsilon: float) -> bool:
+    """Whether a split with expected queue ``then_q`` is worth moving to from one with ``now_q``.
+
+    It must cut the expected queue by more than ``epsilon`` (relative); when both splits
+    overload a role (both queues infinite), it must cut the peak utilisation so instead.
+
+    >>> worth_moving(1.09, 4.02, 0.72, 0.61, 0.05)   # lower peak, longer queue: stay
+    False
+    >>> worth_moving(float("inf"), 2.0, 1.2, 0.8, 0.05), worth_moving(float("inf"), float("inf"), 1.5, 1.2, 0.05)
+    (True, True)
+    """
+    if math.isinf(now_q) and math.isinf(then_q):
+        return then_peak < now_peak * (1 - epsilon)
+    return then_q < now_q * (1 - epsilon)
 
 
 class CapacityController(SchedulerPlugin):
@@ -107,6 +158,7 @@ class CapacityController(SchedulerPlugin):
         interval=None,
         persistence: int | None = None,
         epsilon: float | None = None,
+        noise_sigmas: float | None = None,
         prefix: str | None = None,
         limits: dict | None = None,
         window=None,
@@ -115,11 +167,13 @@ class CapacityController(SchedulerPlugin):
         self.window_s = config.get_seconds("scheduling.capacity.window", window)
         self.k = int(config.get("scheduling.capacity.persistence") if persistence is None else persistence)
         self.epsilon = float(config.get("scheduling.capacity.epsilon") if epsilon is None else epsilon)
+        self.sigmas = float(config.get("scheduling.capacity.noise-sigmas") if noise_sigmas is None else noise_sigmas)
         self.prefix = config.get("scheduling.capacity.resource-prefix") if prefix is None else prefix
         self.limits = dict(config.get("scheduling.capacity.limits") if limits is None else limits)
-        if self.k < 1 or self.epsilon < 0 or not self.prefix or self.window_s < self.interval_s:
+        if self.k < 1 or self.epsilon < 0 or self.sigmas < 0 or not self.prefix or self.window_s < self.interval_s:
             raise ValueError(
                 f"capacity settings out of range: persistence={self.k} epsilon={self.epsilon} "
+                f"noise-sigmas={self.sigmas} "
                 f"resource-prefix={self.prefix!r} window={self.window_s}s (at least interval={self.interval_s}s)"
             )
         for role, lim in self.limits.items():
@@ -135,12 +189,15 @@ class CapacityController(SchedulerPlugin):
         self.counters: Counter[str] = Counter()
         self._done: defaultdict[str, list] = defaultdict(lambda: [0, 0.0])  # role -> [completions, busy s]
         self._visits: Counter[str] = Counter()  # role -> invocations submitted this interval
+        # role -> the sessions (or, outside one, the keys) that submitted them: a request's
+        # calls of a role come together (a fan-out), so arrivals are counted by request.
+        self._sources: defaultdict[str, set] = defaultdict(set)
         self.role_of: dict = {}  # key -> its role, for tasks the scheduler holds
         # Role tasks in ``processing`` (sent to a worker), counted by transitions: a steal
         # moves a task between workers without one, but never in or out of processing.
         # Counting them per worker each pass cost 60-76 ms at 100,000 queued tasks.
         self.processing_of: Counter[str] = Counter()
-        self.history: deque = deque(maxlen=max(1, round(self.window_s / self.interval_s)))  # (done, visits, t)
+        self.history: deque = deque(maxlen=max(1, round(self.window_s / self.interval_s)))  # (done, visits, sources, t)
         self.target: dict | None = None
         self.streak = 0
         self.moving: set[str] = set()  # workers with a move in flight
@@ -168,6 +225,8 @@ class CapacityController(SchedulerPlugin):
             # One role per task is what the controller counts (the first, if a task asks several).
             self.role_of[key] = roles[0]
             self._visits[roles[0]] += 1
+            session = self.tracker.session_of(key)
+            self._sources[roles[0]].add(key if session is None else session.id)
 
     def transition(self, key, start, finish, *args, startstops=None, **kwargs) -> None:
         if (start == "processing") == (finish == "processing"):
@@ -197,10 +256,11 @@ class CapacityController(SchedulerPlugin):
     def _control(self) -> None:
         s = self.scheduler
         now = time()
-        self.history.append((dict(self._done), dict(self._visits), now - self._t_last))
+        self.history.append((dict(self._done), dict(self._visits), dict(self._sources), now - self._t_last))
         self._t_last = now
         self._done.clear()
         self._visits.clear()
+        self._sources = defaultdict(set)
         units: Counter[str] = Counter()
         ready: Counter[str] = Counter()
         role_of = self.role_of
@@ -234,7 +294,10 @@ class CapacityController(SchedulerPlugin):
         busy: defaultdict[str, float] = defaultdict(float)
         visits: Counter[str] = Counter()
         span = 0.0
-        for d, v, dt in self.history:
+        sources: defaultdict[str, set] = defaultdict(set)
+        for d, v, src, dt in self.history:
+            for r, ids in src.items():
+                sources[r] |= ids
             for r, (n, a) in d.items():
                 done[r] += n
                 busy[r] += a
@@ -244,11 +307,17 @@ class CapacityController(SchedulerPlugin):
         # Mean busy seconds per call: (finished + running so far) over finished calls.
         service = {r: (busy[r] + running_s[r]) / done[r] for r in roles if done[r] and busy[r] > 0}
         demand = {r: (visits[r] / max(span, 1e-9) + ready[r] / max(span, 1e-9)) * service[r] for r in service}
+        # The chance part of a window's demand: the requests that called a role in it are
+        # Poisson, so their count is off by its square root. A burst of requests passes by
+        # itself; a change in how long calls take (measured with the running ones) does not,
+        # and is what moves must follow at once, so only the arrivals are doubted.
+        error = {r: demand[r] / math.sqrt(max(len(sources[r]), 1)) for r in service}
         self.last = {
             "units": dict(units),
             "ready": dict(ready),
             "service_s": service,
             "demand": demand,
+            "demand_error": error,
             "utilisation": {r: demand[r] / units[r] if units[r] else None for r in demand},
         }
         # Until every role that is called has a measured service time, the split is unknown.
@@ -265,8 +334,20 @@ class CapacityController(SchedulerPlugin):
         self.streak = self.streak + 1 if target == self.target else 1
         self.target = target
         now_peak, then_peak = peak_utilisation(demand, units), peak_utilisation(demand, target)
+        now_q, then_q = expected_queue(demand, units), expected_queue(demand, target)
         self.last.update(target=target, streak=self.streak, peak=now_peak, predicted_peak=then_peak)
-        if self.streak < self.k or then_peak >= now_peak * (1 - self.epsilon):
+        self.last.update(queue=now_q, predicted_queue=then_q)
+        if self.streak < self.k or not worth_moving(now_q, then_q, now_peak, then_peak, self.epsilon):
+            return
+        doubt = against_the_move(demand, error, units, target, self.sigmas)
+        if not worth_moving(
+            expected_queue(doubt, units),
+            expected_queue(doubt, target),
+            peak_utilisation(doubt, units),
+            peak_utilisation(doubt, target),
+            self.epsilon,
+        ):
+            self.counters["held_by_noise"] += 1
             return
         surplus = [r for r in units for _ in range(int(units[r] - target[r]))]
         deficit = [r for r in target for _ in range(int(target[r] - units[r]))]
@@ -282,7 +363,7 @@ class CapacityController(SchedulerPlugin):
                 self.counters["no_free_unit"] += 1
                 continue
             self.moving.add(ws.address)  # one move per worker at a time: the next pass does the rest
-            task = asyncio.ensure_future(self._move(ws, donor, to, then_peak, now_peak))
+            task = asyncio.ensure_future(self._move(ws, donor, to, then_peak, now_peak, dict(self.last)))
             self._moves.add(task)  # a reference until done: the loop keeps only a weak one
             task.add_done_callback(self._moves.discard)
 
@@ -313,7 +394,7 @@ class CapacityController(SchedulerPlugin):
         self.scheduler.resources.setdefault(role, {})[ws.address] = quantity
         ws.used_resources.setdefault(role, 0)
 
-    async def _move(self, ws, donor: str, to: str, predicted_peak: float, peak: float) -> None:
+    async def _move(self, ws, donor: str, to: str, predicted_peak: float, peak: float, why: dict) -> None:
         s = self.scheduler
         try:
             new_d, new_b = ws.resources.get(donor, 0) - 1, ws.resources.get(to, 0) + 1
@@ -337,6 +418,11 @@ class CapacityController(SchedulerPlugin):
                 "to": to,
                 "peak": peak,
                 "predicted_peak": predicted_peak,
+                "queue": why.get("queue"),
+                "predicted_queue": why.get("predicted_queue"),
+                "demand": why.get("demand"),
+                "demand_error": why.get("demand_error"),
+                "ready": why.get("ready"),
                 "time": time(),
             }
             self.moves.append(move)
