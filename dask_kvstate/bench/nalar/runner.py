@@ -229,20 +229,17 @@ def run_repeats(
     repeats: int,
     drain: float,
     variants: dict[str, Workflow] | None = None,
-    done: dict[str, list[dict]] | None = None,
 ) -> dict:
     """Every config ``repeats`` times (seeds ``seed..``), interleaved; prints a line a run; config -> runs.
 
     Interleaved (every config once, then again), so a change in the machine's load
     during the experiment hits every config alike. ``variants`` gives a config its own
-    workflow (``static-best``: its split); ``done`` holds runs already made (the grid's).
+    workflow (``static-best``: its split).
     """
-    variants, done = variants or {}, done or {}
-    runs: dict[str, list[dict]] = {c: list(done.get(c, [])) for c in configs}
+    variants = variants or {}
+    runs: dict[str, list[dict]] = {c: [] for c in configs}
     for rep in range(repeats):
         for config in runs:
-            if len(runs[config]) > rep:
-                continue
             r = asyncio.run(run_one(variants.get(config, wf), config, duration=duration, seed=seed + rep, drain=drain))
             runs[config].append(r)
             print(_line(wf, config, seed + rep, r), flush=True)
@@ -324,7 +321,7 @@ def run(
     results = {}
     for name in WORKFLOWS if workflow == "all" else [workflow]:
         wf = configure(name, rate=rate, stateful=stateful, roles=roles, median=median)
-        names, variants, done, grid = configs.split(","), {}, {}, None
+        names, variants, grid = configs.split(","), {}, None
         if "static-best" in names and not wf.roles:
             print(f"{name:8s} static-best skipped: {name} is role-free, it has no role split to search")
             names.remove("static-best")
@@ -332,12 +329,10 @@ def run(
             grid = grid_search(
                 wf, seeds=seeds, duration=duration, grid_duration=grid_duration, drain=drain, grid_max=grid_max
             )
+            # Run again among the configs, not taken from the grid: the grid runs first,
+            # and a drift in the machine's load would land on one side only.
             variants["static-best"] = with_split(wf, grid["best"]["split"])
-            if grid_duration == duration:
-                done["static-best"] = grid["best"]["runs"]
-        runs = run_repeats(
-            wf, names, duration=duration, seed=seed, repeats=repeats, drain=drain, variants=variants, done=done
-        )
+        runs = run_repeats(wf, names, duration=duration, seed=seed, repeats=repeats, drain=drain, variants=variants)
         rows = results[name] = [merge_runs(rs) for rs in runs.values()]
         if grid is not None:
             row = next(r for r in rows if r["config"] == "static-best")
