@@ -19,15 +19,17 @@ from distributed import Event, worker_client
 from distributed.utils_test import async_poll_for, gen_cluster, poll_for
 
 import dask_kvstate as kvs
-from dask_kvstate.plugins.scheduler.capacity import (
-    CapacityController,
+from dask_kvstate.plugins.scheduler.capacity import CapacityController
+from dask_kvstate.plugins.scheduler.priority import ProgressPriority, progress_priority
+from dask_kvstate.plugins.scheduler.queueing import (
     against_the_move,
+    congestion,
+    expected_queue,
     peak_utilisation,
+    queue_length,
     target_split,
     worth_moving,
 )
-from dask_kvstate.plugins.scheduler.priority import ProgressPriority, progress_priority
-from dask_kvstate.plugins.scheduler.queueing import expected_queue, queue_length
 from dask_kvstate.plugins.scheduler.sessions import SessionTracker
 from dask_kvstate.plugins.scheduler.stealing import LateBindingStealing, migration_benefit
 from dask_kvstate.plugins.worker.scheduling import SchedulingWorkerPlugin
@@ -341,21 +343,18 @@ def test_a_burst_of_requests_does_not_move_a_unit_but_longer_calls_do():
     burst = {"a": 7.0, "b": 0.71}
     target = target_split(burst, 8, {}, units)
     assert target == {"a": 7, "b": 1}
-    nominal = [expected_queue(burst, units), expected_queue(burst, target)]
-    assert worth_moving(*nominal, peak_utilisation(burst, units), peak_utilisation(burst, target), 0.05)
+    assert worth_moving(congestion(burst, units), congestion(burst, target), 0.05)
     error = {v: d / math.sqrt(28) for v, d in burst.items()}
     doubt = against_the_move(burst, error, units, target, 2.0)
     assert doubt["a"] < burst["a"] and doubt["b"] > burst["b"]
-    held = [expected_queue(doubt, units), expected_queue(doubt, target)]
-    assert not worth_moving(*held, peak_utilisation(doubt, units), peak_utilisation(doubt, target), 0.05)
+    assert not worth_moving(congestion(doubt, units), congestion(doubt, target), 0.05)
     # The mix flips: b's calls got ten times longer. That is no burst: it moves at once.
     units, flipped = {"a": 7, "b": 1}, {"a": 0.5, "b": 4.8}
     target = target_split(flipped, 8, {}, units)
     assert target == {"a": 1, "b": 7}
     error = {v: d / math.sqrt(20) for v, d in flipped.items()}
     doubt = against_the_move(flipped, error, units, target, 2.0)
-    held = [expected_queue(doubt, units), expected_queue(doubt, target)]
-    assert worth_moving(*held, peak_utilisation(doubt, units), peak_utilisation(doubt, target), 0.05)
+    assert worth_moving(congestion(doubt, units), congestion(doubt, target), 0.05)
 
 
 def test_capacity_limits_are_validated():

@@ -21,7 +21,7 @@ control loop), for each role ``v`` over the last ``window``:
 Nalar moves one unit per ``K`` intervals from a donor to the bottleneck. From an even
 split that takes many intervals (three moves of two seconds each to reach a developer-
 heavy split on the SWE workflow), during which the queue grows. So this controller
-computes a whole split (:func:`target_split`) and moves every unit it differs by at
+computes a whole split (:func:`~.queueing.target_split`) and moves every unit it differs by at
 once. The split is not Nalar's ``max min_v x_v`` (evening utilisations), which is blind
 to how many units share a load: when a few seconds of an analyst workflow's summarizer
 calls dipped to 0.6 units, it gave their second unit to the analysts (61% / 60% busy
@@ -31,9 +31,9 @@ split with the fewest calls expected to wait
 wherever a role is overloaded and the best static split of a grid search on the SWE,
 router and analyst workflows. Units move to it when the same target has held for
 ``K`` consecutive intervals (default 1: on a workload whose mix flips every 10 s,
-K = 2 cost 15-25% of the average latency in single runs) and :func:`worth_moving`:
+K = 2 cost 15-25% of the average latency in single runs) and :func:`~.queueing.worth_moving`:
 it cuts the expected queue by more than ``epsilon``, and still does with each role's
-arrivals ``noise-sigmas`` standard errors against the move (:func:`against_the_move`).
+arrivals ``noise-sigmas`` standard errors against the move (:func:`~.queueing.against_the_move`).
 That second test keeps a burst of requests, which passes by itself, from moving a unit
 that the next seconds need back; a change in how long calls take, which the running
 calls show at once, moves units within about a window.
@@ -58,93 +58,10 @@ from time import perf_counter, time
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
-from dask_kvstate.plugins.scheduler.queueing import expected_queue, queue_length
+from dask_kvstate.plugins.scheduler.queueing import against_the_move, congestion, target_split, worth_moving
 from dask_kvstate.protocol import CAPACITY_EXTENSION, CAPACITY_TOPIC, HINTS_EXTENSION, SESSIONS_EXTENSION, SET_RESOURCES
 
 logger = logging.getLogger("dask_kvstate")
-
-
-def target_split(demand: dict, total: int, limits: dict, current: dict | None = None) -> dict | None:
-    """Whole units per role, ``total`` in all, with the fewest calls expected to wait.
-
-    Every role first gets its minimum (``limits[v]["min"]``, default 1). Each further
-    unit, within the roles' ``max``, goes to the most utilised role offered at least as
-    much work as it has units (its queue would grow without bound), and once none is, to
-    the role whose expected queue it shortens most (:func:`queue_length`; the queue is
-    convex in units, so unit by unit is optimal). Ties keep ``current`` where it has
-    more. Returns None when the minimums do not fit in ``total``.
-
-    Examples
-    --------
-    >>> target_split({"plan": 0.42, "dev": 4.65, "test": 2.4}, 12, {})   # the SWE workflow's offered work
-    {'plan': 1, 'dev': 7, 'test': 4}
-    >>> target_split({"analyst": 4.3, "summarizer": 0.6}, 8, {})   # even utilisation would give 7 / 1
-    {'analyst': 6, 'summarizer': 2}
-    >>> target_split({"dev": 5.0, "test": 1.0}, 8, {"test": {"min": 3}})
-    {'dev': 5, 'test': 3}
-    >>> target_split({"a": 1.0, "b": 1.0}, 1, {}) is None
-    True
-    """
-    units = {v: int((limits.get(v) or {}).get("min", 1)) for v in demand}
-    left = total - sum(units.values())
-    if left < 0:
-        return None
-    current = current or {}
-
-    def claim(v: str) -> tuple:
-        n, d = units[v], demand[v]
-        overloaded = d >= n
-        need = d / max(n, 1e-9) if overloaded else queue_length(n, d) - queue_length(n + 1, d)
-        return (overloaded, need, current.get(v, 0) > n, v)
-
-    for _ in range(left):
-        open_ = [v for v in demand if (limits.get(v) or {}).get("max") is None or units[v] < limits[v]["max"]]
-        if not open_:
-            break
-        units[max(open_, key=claim)] += 1
-    return units
-
-
-def peak_utilisation(demand: dict, units: dict) -> float:
-    """``max_v demand_v / R_v`` (infinite when a role with demand has no unit).
-
-    >>> peak_utilisation({"a": 1.0, "b": 3.0}, {"a": 2, "b": 4})
-    0.75
-    """
-    return max((d / units[v] if units.get(v) else float("inf")) if d > 0 else 0.0 for v, d in demand.items())
-
-
-def against_the_move(demand: dict, error: dict, units: dict, target: dict, sigmas: float) -> dict:
-    """``demand`` moved ``sigmas`` standard errors against a move from ``units`` to ``target``.
-
-    A role the move gives units to is taken as offered less work, a role it takes units
-    from as offered more: a move still worth making on these is not one that the noise of
-    a few seconds of measurements made look worth it.
-
-    >>> against_the_move({"a": 4.3, "b": 0.82}, {"a": 0.4, "b": 0.2}, {"a": 6, "b": 2}, {"a": 7, "b": 1}, 1.0)
-    {'a': 3.9, 'b': 1.02}
-    """
-    out = {}
-    for v, d in demand.items():
-        sign = (units.get(v, 0) > target.get(v, 0)) - (units.get(v, 0) < target.get(v, 0))
-        out[v] = max(d + sign * sigmas * error.get(v, 0.0), 0.0)
-    return out
-
-
-def worth_moving(now_q: float, then_q: float, now_peak: float, then_peak: float, epsilon: float) -> bool:
-    """Whether a split with expected queue ``then_q`` is worth moving to from one with ``now_q``.
-
-    It must cut the expected queue by more than ``epsilon`` (relative); when both splits
-    overload a role (both queues infinite), it must cut the peak utilisation so instead.
-
-    >>> worth_moving(1.09, 4.02, 0.72, 0.61, 0.05)   # lower peak, longer queue: stay
-    False
-    >>> worth_moving(float("inf"), 2.0, 1.2, 0.8, 0.05), worth_moving(float("inf"), float("inf"), 1.5, 1.2, 0.05)
-    (True, True)
-    """
-    if math.isinf(now_q) and math.isinf(then_q):
-        return then_peak < now_peak * (1 - epsilon)
-    return then_q < now_q * (1 - epsilon)
 
 
 class CapacityController(SchedulerPlugin):
@@ -333,20 +250,13 @@ class CapacityController(SchedulerPlugin):
             return
         self.streak = self.streak + 1 if target == self.target else 1
         self.target = target
-        now_peak, then_peak = peak_utilisation(demand, units), peak_utilisation(demand, target)
-        now_q, then_q = expected_queue(demand, units), expected_queue(demand, target)
-        self.last.update(target=target, streak=self.streak, peak=now_peak, predicted_peak=then_peak)
-        self.last.update(queue=now_q, predicted_queue=then_q)
-        if self.streak < self.k or not worth_moving(now_q, then_q, now_peak, then_peak, self.epsilon):
+        held, moved = congestion(demand, units), congestion(demand, target)
+        self.last.update(target=target, streak=self.streak, queue=held[0], predicted_queue=moved[0])
+        self.last.update(peak=held[1], predicted_peak=moved[1])
+        if self.streak < self.k or not worth_moving(held, moved, self.epsilon):
             return
         doubt = against_the_move(demand, error, units, target, self.sigmas)
-        if not worth_moving(
-            expected_queue(doubt, units),
-            expected_queue(doubt, target),
-            peak_utilisation(doubt, units),
-            peak_utilisation(doubt, target),
-            self.epsilon,
-        ):
+        if not worth_moving(congestion(doubt, units), congestion(doubt, target), self.epsilon):
             self.counters["held_by_noise"] += 1
             return
         surplus = [r for r in units for _ in range(int(units[r] - target[r]))]
@@ -363,7 +273,7 @@ class CapacityController(SchedulerPlugin):
                 self.counters["no_free_unit"] += 1
                 continue
             self.moving.add(ws.address)  # one move per worker at a time: the next pass does the rest
-            task = asyncio.ensure_future(self._move(ws, donor, to, then_peak, now_peak, dict(self.last)))
+            task = asyncio.ensure_future(self._move(ws, donor, to, dict(self.last)))
             self._moves.add(task)  # a reference until done: the loop keeps only a weak one
             task.add_done_callback(self._moves.discard)
 
@@ -394,7 +304,7 @@ class CapacityController(SchedulerPlugin):
         self.scheduler.resources.setdefault(role, {})[ws.address] = quantity
         ws.used_resources.setdefault(role, 0)
 
-    async def _move(self, ws, donor: str, to: str, predicted_peak: float, peak: float, why: dict) -> None:
+    async def _move(self, ws, donor: str, to: str, why: dict) -> None:
         s = self.scheduler
         try:
             new_d, new_b = ws.resources.get(donor, 0) - 1, ws.resources.get(to, 0) + 1
@@ -416,13 +326,9 @@ class CapacityController(SchedulerPlugin):
                 "worker": ws.address,
                 "from": donor,
                 "to": to,
-                "peak": peak,
-                "predicted_peak": predicted_peak,
-                "queue": why.get("queue"),
-                "predicted_queue": why.get("predicted_queue"),
-                "demand": why.get("demand"),
-                "demand_error": why.get("demand_error"),
-                "ready": why.get("ready"),
+                # what the move was decided on, for reading the kvstate-capacity events
+                **{k: why.get(k) for k in ("peak", "predicted_peak", "queue", "predicted_queue", "demand")},
+                **{k: why.get(k) for k in ("demand_error", "ready")},
                 "time": time(),
             }
             self.moves.append(move)
