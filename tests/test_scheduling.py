@@ -266,6 +266,94 @@ async def test_session_tasks_are_late_bound_on_the_scheduler_queue(c, s, a):
     assert all(states[f.key] == "processing" for f in outside), states
 
 
+@gen_cluster(
+    client=True,
+    nthreads=[("127.0.0.1", 1)],
+    config={**FAST, "kvstate.scheduling.stealing.continuation-wait": "2s"},
+)
+async def test_a_sessions_next_call_takes_the_thread_its_awaited_call_left(c, s, a):
+    """The request awaits its call, then submits the next: that call gets the freed thread
+    ahead of another session's calls queued earlier (without the kept slot it would
+    run after all of them)."""
+    await install(c, LateBindingStealing())
+    ORDER.clear()
+    gate = c.submit(blocker, "gate-cont", pure=False)
+    await async_poll_for(lambda: gate.key in s.tasks and s.tasks[gate.key].state == "processing", timeout=5)
+    with kvs.session("ahead", client=c):
+        first = c.submit(record, "first", key="first-call")
+        await async_poll_for(lambda: getattr(s.tasks.get(first.key), "state", None) == "queued", timeout=5)
+        with kvs.session("others", client=c):
+            others = [c.submit(record, f"other-{i}", key=f"other-{i}") for i in range(4)]
+        keys = [f.key for f in others]
+        await async_poll_for(lambda: _where([f.key for f in others], s) == dict.fromkeys(keys, "queued"), timeout=5)
+        await Event("gate-cont", client=c).set()
+        await first  # a client round trip, as a workflow's ``await`` is
+        second = c.submit(record, "second", first, key="second-call")
+        await c.gather([second, *others])
+    assert ORDER.index("second") == ORDER.index("first") + 1, ORDER
+    late = s.plugins[LateBindingStealing.name].late
+    assert late.counters["continuation_taken"] >= 1
+    assert not late.kept and s.tasks[others[0].key].state == "memory"
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("127.0.0.1", 1)],
+    config={**FAST, "kvstate.scheduling.stealing.continuation-wait": "50ms"},
+)
+async def test_a_kept_thread_nobody_claims_goes_back_to_the_queue(c, s, a):
+    await install(c, LateBindingStealing())
+    gate = c.submit(blocker, "gate-exp", pure=False)
+    await async_poll_for(lambda: gate.key in s.tasks and s.tasks[gate.key].state == "processing", timeout=5)
+    with kvs.session("quiet", client=c):
+        last = c.submit(nap, 0.0, "last", key="last-call")
+        with kvs.session("busy", client=c):
+            rest = [c.submit(nap, 0.0, i, key=f"rest-{i}") for i in range(3)]
+        keys = [f.key for f in [last, *rest]]
+        await async_poll_for(lambda: _where(keys, s) == dict.fromkeys(keys, "queued"), timeout=5)
+        await Event("gate-exp", client=c).set()
+        await c.gather([last, *rest])  # "quiet" never submits again: its kept thread expires
+    late = s.plugins[LateBindingStealing.name].late
+    assert late.counters["continuation_kept"] >= 1 and late.counters["continuation_expired"] >= 1
+    assert not late.kept and a.address in {ws.address for ws in s.idle_task_count}
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config=FAST)
+async def test_late_bound_tasks_run_where_their_inputs_are_when_that_thread_is_free(c, s, a, b):
+    await install(c, LateBindingStealing())
+    homes = [a.address, b.address] * 3
+    inputs = [c.submit(nap, 0.0, i, workers=[w], key=f"input-{i}") for i, w in enumerate(homes)]
+    await c.gather(inputs)
+    uses = []
+    for i, x in enumerate(inputs):  # one at a time: both threads free each time
+        with kvs.session(f"user-{i}", client=c):
+            uses.append(c.submit(nap, 0.0, x, key=f"use-{i}"))
+            await uses[-1]
+    ran = [next(iter(s.tasks[f.key].who_has)).address for f in uses]
+    assert ran == homes
+    assert s.plugins[LateBindingStealing.name].late.counters["placed_by_inputs"] == len(inputs)
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_closing_the_extension_gives_the_scheduler_its_stock_dispatch_back(c, s, a, b):
+    stock_saturation = s.WORKER_SATURATION
+    await install(c, LateBindingStealing())
+    assert "is_rootish" in s.__dict__ and s.WORKER_SATURATION == 1.0
+    await s.plugins[LateBindingStealing.name].close()  # as the scheduler's close calls it
+    assert "is_rootish" not in s.__dict__ and "check_idle_saturated" not in s.__dict__
+    assert s.WORKER_SATURATION == stock_saturation
+    assert all(f is type(s)._TRANSITIONS_TABLE[e] for e, f in s.__dict__.get("_TRANSITIONS_TABLE", {}).items())
+    with kvs.session("after", client=c):
+        assert await c.submit(nap, 0.0, 1, key="after-removal") == 0.0
+
+
+def test_late_binding_settings_are_validated():
+    with pytest.raises(ValueError, match="continuation-wait"):
+        LateBindingStealing(continuation_wait=-1)
+    with pytest.raises(ValueError, match="late-binding"):
+        LateBindingStealing(late_binding=-0.5)
+
+
 @gen_cluster(client=True, config={**FAST, "distributed.scheduler.work-stealing": False})
 async def test_with_dasks_stealing_off_plain_tasks_stay_put(c, s, a, b):
     await install(c, LateBindingStealing())

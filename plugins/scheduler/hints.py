@@ -135,7 +135,7 @@ class ComponentHints(SchedulerPlugin):
 
         def enter_processing(sched, key, stimulus_id, **kwargs):
             ts = sched.tasks[key]
-            comp = self._hinted(ts)
+            comp = self.hinted_component(ts)
             if comp is None:
                 return orig(sched, key, stimulus_id, **kwargs)
             return self._dispatch(ts, comp, stimulus_id, from_waiting=from_waiting)
@@ -152,7 +152,7 @@ class ComponentHints(SchedulerPlugin):
 
         return leave_processing
 
-    def _hinted(self, ts) -> str | None:
+    def hinted_component(self, ts) -> str | None:
         """The task's component when it has a hint handled here, else None (the fast path)."""
         a = ts.annotations
         comp = (a.get(COMPONENT_ANNOTATION) if a else None) or ts.prefix.name

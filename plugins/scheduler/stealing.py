@@ -29,16 +29,11 @@ to the victim, which gives the task up only if it has not started, confirmed by
   ``distributed.scheduler.work-stealing: false`` the user asked for no stealing of
   plain tasks, and only owned tasks move (the stock protocol is borrowed for them).
 
-**Late binding.** Queued root-ish tasks (``distributed.scheduler.worker-saturation``)
-sit in the scheduler's ``queued`` heap, not on a worker: Dask hands each to the first
-worker with a free thread, in priority order (which the priority extension keeps
-current), so none waits behind a long task while another worker idles, and no stealing
-is needed for them. Dask queues only tasks of large groups with few dependencies. A
-workflow's calls are small groups of their own, so they are sent to a worker at once
-and wait in its queue; this extension also queues on the scheduler every task of a
-session that has no restriction, no KV input and inputs cheap to move (Dask's transfer
-estimate at most ``late-binding`` of its expected duration): what placement would gain
-by keeping such a task near its inputs is less than a free thread elsewhere saves.
+**Late binding** (``late_binding.py``): a session's tasks with no restriction, no KV
+input and inputs cheap to move wait on the scheduler for the first free thread, best
+priority first, so none waits behind a long task while another worker idles and no
+stealing is needed for them; a thread that finishes a session's awaited call is kept a
+few milliseconds for the session's next call.
 """
 
 from __future__ import annotations
@@ -49,6 +44,7 @@ from collections import Counter
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
+from dask_kvstate.plugins.scheduler.late_binding import LateBinding
 from dask_kvstate.protocol import (
     PLACEMENT_ANNOTATION,
     PLACEMENT_EXTENSION,
@@ -107,6 +103,7 @@ class LateBindingStealing(SchedulerPlugin):
         max_moves: int | None = None,
         components: dict | None = None,
         late_binding: float | None = None,
+        continuation_wait: str | float | None = None,
     ):
         self.alpha = float(config.get("scheduling.stealing.alpha") if alpha is None else alpha)
         self.max_moves = int(config.get("scheduling.stealing.max-moves") if max_moves is None else max_moves)
@@ -115,6 +112,11 @@ class LateBindingStealing(SchedulerPlugin):
         )
         if self.late_binding < 0:
             raise ValueError(f"kvstate.scheduling.stealing.late-binding must be >= 0, got {self.late_binding!r}")
+        self.continuation_wait = config.get_seconds("scheduling.stealing.continuation-wait", continuation_wait)
+        if self.continuation_wait < 0:
+            raise ValueError(
+                f"kvstate.scheduling.stealing.continuation-wait must be >= 0, got {self.continuation_wait!r}"
+            )
         hints = config.get("scheduling.components") if components is None else components
         if not 0 <= self.alpha < 1:
             raise ValueError(f"kvstate.scheduling.stealing.alpha must be in [0, 1), got {self.alpha!r}")
@@ -153,32 +155,23 @@ class LateBindingStealing(SchedulerPlugin):
 
             steal_time_ratio._kvstate_wrapped = True  # type: ignore[attr-defined]
             self.stock.steal_time_ratio = steal_time_ratio
-        # Which tasks wait in the scheduler's queue is Dask's ``is_rootish``; it has no
-        # per-task hook, so session tasks that gain from waiting there are added by wrapping it.
-        stock_rootish = scheduler.is_rootish
-        if self.late_binding > 0 and not getattr(stock_rootish, "_kvstate_wrapped", False):
-
-            def is_rootish(ts):
-                return stock_rootish(ts) or self._late_bound(ts)
-
-            is_rootish._kvstate_wrapped = True  # type: ignore[attr-defined]
-            scheduler.is_rootish = is_rootish
+        self.late = LateBinding(
+            scheduler,
+            self.tracker,
+            fraction=self.late_binding,
+            continuation_wait=self.continuation_wait,
+            owns=self._owns,
+        )
+        self.late.install()
         self.tracker.on_end.append(self._forget_session)
         self.tracker.loop.add("stealing", self.balance)
 
     async def close(self) -> None:
         if self._forget_session in getattr(self.tracker, "on_end", []):
             self.tracker.on_end.remove(self._forget_session)
-
-    def _late_bound(self, ts) -> bool:
-        """A session task to queue on the scheduler: unrestricted, no KV input, inputs cheap to move."""
-        if ts.resource_restrictions or ts.worker_restrictions or ts.host_restrictions or ts.actor:
-            return False
-        if self.tracker.session_of(ts.key) is None or self._owns(ts):
-            return False
-        s = self.scheduler
-        transfer = ts.get_nbytes_deps() / s.bandwidth if ts.dependencies else 0.0
-        return transfer <= self.late_binding * s._get_prefix_duration(ts.prefix)
+        late = getattr(self, "late", None)
+        if late is not None:
+            late.uninstall()
 
     def _owns(self, ts) -> bool:
         """A consumer of a known KV state, a capped placement, or a stateful component's task."""
@@ -344,7 +337,7 @@ class LateBindingStealing(SchedulerPlugin):
             "affinities": len(self.affinity),
             "owned": len(self.owned),
             "fallback_requests": sum(self.stock.metrics["request_count_total"].values()) if self.fallback else 0,
-            "late_binding": self.late_binding,
+            **(self.late.stats() if hasattr(self, "late") else {"late_binding": self.late_binding}),
             "fallback": self.fallback,
             "stateful": sorted(self.stateful),
         }

@@ -1,0 +1,245 @@
+"""Late binding of session tasks: they wait on the scheduler for a free thread, best priority first.
+
+Installed on a scheduler by the ``stealing`` extension (``kvstate.scheduling.stealing``).
+Why, measured on the role-free SWE workflow (4 single-thread workers, open-loop
+arrivals at ~80% load; ``docs/design.md``, "Late binding"):
+
+* **Which tasks wait on the scheduler.** Dask sends a task to a worker as soon as its
+  inputs are ready, where it waits in that worker's queue; only tasks of large groups
+  with few dependencies (root-ish) wait in the scheduler's ``queued`` heap, for the
+  first thread that frees, in priority order. A workflow's calls are small groups, so
+  they queue on workers, and a call of a request further along waits behind a new
+  request's call while another worker idles. Here a session's task with no
+  restriction and no KV input waits on the scheduler when moving its inputs costs at
+  most ``late-binding`` times its expected duration. A held task still runs where its
+  inputs are whenever that worker has a free thread (below), so binding late costs the
+  move only when the holder is busy, and waiting for a busy holder costs about a
+  task's duration: hence the default 1.0.
+* **Exact slots.** Dask's ``worker-saturation`` (1.1) lets a single-thread worker take
+  a second task into its own queue, where it can no longer go to a thread that frees
+  elsewhere; with late binding on, the scheduler's saturation is 1.0 (restored on
+  close). Tasks outside the late-bound set are dispatched exactly as before.
+* **Where a held task goes.** Dask gives a queued task to the least busy worker with a
+  free slot, blind to its inputs; here a free worker holding more of its input bytes
+  goes first, so a tester runs where its developer's context is, and a retry where the
+  lane's context is.
+* **The continuation slot.** A request that is Python over futures (``await`` a
+  result, then submit the next call) reaches the scheduler with its next call a client
+  round trip (2-5 ms here) after its last call finished. By then the freed thread has
+  gone to the head of the queue, and the request, the most advanced one, waits a whole
+  call's duration for the next thread. So when a session's leaf task (no dependents, a
+  client waiting on it) finishes while other tasks wait on the scheduler, its thread
+  is kept for that session for up to ``continuation-wait``, and the session's next
+  late-bound task takes it. The wait is bounded and taken only under contention; a
+  session that submits nothing more gives the thread back when it expires.
+
+Dask has no hooks for any of these, so, as the ``hints`` extension does, the wrapper
+replaces entries of *this* scheduler's transition table and two of its methods
+(instance attributes over the class's), and ``uninstall`` gives them back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from time import time
+
+from dask_kvstate.protocol import HINTS_EXTENSION
+
+_LEAF_EXITS = (("processing", "memory"),)
+_DISPATCHES = (("waiting", "processing"), ("queued", "processing"))
+
+
+class LateBinding:
+    """The scheduler-side queue for a session's movable tasks, their placement and continuation slot."""
+
+    def __init__(self, scheduler, tracker, *, fraction: float, continuation_wait: float, owns: Callable):
+        if fraction < 0:
+            raise ValueError(f"kvstate.scheduling.stealing.late-binding must be >= 0, got {fraction!r}")
+        if continuation_wait < 0:
+            raise ValueError(f"kvstate.scheduling.stealing.continuation-wait must be >= 0, got {continuation_wait!r}")
+        self.scheduler, self.tracker = scheduler, tracker
+        self.fraction, self.continuation_wait, self.owns = fraction, continuation_wait, owns
+        self.counters: Counter[str] = Counter()
+        self.kept: dict = {}  # WorkerState -> (Session, token): a thread kept for the session's next call
+        self.kept_for: dict = {}  # Session -> [WorkerState], oldest first
+        self._saturation: float | None = None
+        self._stock: dict = {}  # what this replaced: table edges and scheduler methods
+
+    # -- install / uninstall -------------------------------------------------------------
+    def install(self) -> None:
+        s = self.scheduler
+        if self.fraction <= 0 or getattr(s, "_kvstate_late_binding", False):
+            return
+        stock_rootish, stock_idle = s.is_rootish, s.check_idle_saturated
+
+        def is_rootish(ts):
+            return stock_rootish(ts) or self.binds_late(ts)
+
+        def check_idle_saturated(ws, occ: float = -1.0):
+            stock_idle(ws, occ)
+            if ws in self.kept:  # a kept thread is not free for the queue
+                s.idle_task_count.discard(ws)
+
+        self._stock = {name: s.__dict__.get(name) for name in ("is_rootish", "check_idle_saturated")}
+        s.is_rootish, s.check_idle_saturated = is_rootish, check_idle_saturated
+        table = dict(s._TRANSITIONS_TABLE)
+        for edge in _DISPATCHES:
+            self._stock[edge] = table[edge]
+            table[edge] = self._dispatch(table[edge], queued=edge[0] == "queued")
+        for edge in _LEAF_EXITS:
+            self._stock[edge] = table[edge]
+            table[edge] = self._leaf_exit(table[edge])
+        s._TRANSITIONS_TABLE = table  # this scheduler only; the class table stays stock
+        self._mine = {edge: table[edge] for edge in (*_DISPATCHES, *_LEAF_EXITS)}
+        self._mine |= {"is_rootish": is_rootish, "check_idle_saturated": check_idle_saturated}
+        if not math.isinf(s.WORKER_SATURATION):
+            self._saturation, s.WORKER_SATURATION = s.WORKER_SATURATION, 1.0
+            for ws in s.workers.values():
+                s.check_idle_saturated(ws)
+        s._kvstate_late_binding = True
+
+    def uninstall(self) -> None:
+        s = self.scheduler
+        if not getattr(s, "_kvstate_late_binding", False):
+            return
+        # Put back only what is still ours: the hints extension wraps the same table.
+        table = s.__dict__.get("_TRANSITIONS_TABLE", {})
+        for what, mine in self._mine.items():
+            if isinstance(what, tuple):
+                if table.get(what) is mine:
+                    table[what] = self._stock[what]
+            elif s.__dict__.get(what) is mine:
+                if self._stock[what] is None:
+                    del s.__dict__[what]  # the class's method again
+                else:
+                    setattr(s, what, self._stock[what])
+        if self._saturation is not None:
+            s.WORKER_SATURATION = self._saturation
+        s._kvstate_late_binding = False
+        kept = list(self.kept)
+        self.kept.clear()
+        self.kept_for.clear()
+        for ws in kept:
+            if s.workers.get(ws.address) is ws:
+                s.check_idle_saturated(ws)
+        if s.status.name == "running":
+            s.stimulus_queue_slots_maybe_opened(stimulus_id=f"kvstate-late-binding-close-{time()}")
+
+    # -- which tasks ---------------------------------------------------------------------
+    def binds_late(self, ts) -> bool:
+        """A session task to hold on the scheduler: unrestricted, no KV input, inputs cheap to move."""
+        if ts.resource_restrictions or ts.worker_restrictions or ts.host_restrictions or ts.actor:
+            return False
+        if self.tracker.session_of(ts.key) is None or self.owns(ts):
+            return False
+        s = self.scheduler
+        hints = s.plugins.get(HINTS_EXTENSION)
+        if hints is not None and getattr(hints, "hinted", None) and hints.hinted_component(ts) is not None:
+            return False  # a limited or batched component: the hints extension dispatches it
+        transfer = ts.get_nbytes_deps() / s.bandwidth if ts.dependencies else 0.0
+        return transfer <= self.fraction * s._get_prefix_duration(ts.prefix)
+
+    # -- where -----------------------------------------------------------------------------
+    def _dispatch(self, orig, queued: bool):
+        """``orig`` (into processing), placing late-bound tasks on a kept or input-holding thread."""
+
+        def to_processing(sched, key, stimulus_id, **kwargs):
+            ts = sched.tasks[key]
+            if not self.binds_late(ts):
+                return orig(sched, key, stimulus_id, **kwargs)
+            ws = self._kept_worker(ts) or self._free_worker(ts)
+            if ws is None:
+                return ({}, {}, {}) if queued else ({key: "queued"}, {}, {})
+            if queued:
+                sched.queued.discard(ts)
+            return sched._add_to_processing(ts, ws, stimulus_id=stimulus_id)
+
+        return to_processing
+
+    def _free_worker(self, ts):
+        """A worker with a free slot, the one holding most of ``ts``' input bytes first, then the least busy."""
+        free = self.scheduler.idle_task_count
+        if not free:
+            return None
+        held = Counter()
+        for dts in ts.dependencies:
+            for ws in dts.who_has or ():
+                if ws in free:
+                    held[ws] += dts.get_nbytes()
+        if held:
+            self.counters["placed_by_inputs"] += 1
+            return max(held, key=lambda ws: (held[ws], -len(ws.processing) / ws.nthreads))
+        return min(free, key=lambda ws: len(ws.processing) / ws.nthreads)
+
+    # -- the continuation slot -------------------------------------------------------------
+    def _leaf_exit(self, orig):
+        def leave_processing(sched, key, stimulus_id, **kwargs):
+            ts = sched.tasks[key]
+            ws = ts.processing_on
+            out = orig(sched, key, stimulus_id, **kwargs)
+            if (
+                self.continuation_wait > 0
+                and ts.state == "memory"
+                and ws is not None
+                and sched.queued  # others wait: without a kept slot the thread goes to them
+                and not ts.dependents
+                and ts.who_wants
+                and ws not in self.kept
+                and not ws.processing
+                and sched.workers.get(ws.address) is ws
+            ):
+                sess = self.tracker.session_of(key)
+                if sess is not None and sess.closed_at is None:
+                    self._keep(ws, sess)
+            return out
+
+        return leave_processing
+
+    def _keep(self, ws, sess) -> None:
+        token = object()
+        self.kept[ws] = (sess, token)
+        self.kept_for.setdefault(sess, []).append(ws)
+        self.scheduler.idle_task_count.discard(ws)
+        self.counters["continuation_kept"] += 1
+        self.scheduler.loop.call_later(self.continuation_wait, self._expire, ws, token)
+
+    def _release(self, ws) -> None:
+        sess, _ = self.kept.pop(ws)
+        waiting = self.kept_for[sess]
+        waiting.remove(ws)
+        if not waiting:
+            del self.kept_for[sess]
+
+    def _kept_worker(self, ts):
+        """The thread kept for ``ts``' session, if one is (and its worker still runs)."""
+        if not self.kept_for:
+            return None
+        sess = self.tracker.session_of(ts.key)
+        while sess in self.kept_for:
+            ws = self.kept_for[sess][0]
+            self._release(ws)
+            if self.scheduler.workers.get(ws.address) is ws and ws in self.scheduler.running:
+                self.counters["continuation_taken"] += 1
+                return ws
+        return None
+
+    def _expire(self, ws, token) -> None:
+        entry = self.kept.get(ws)
+        if entry is None or entry[1] is not token:
+            return  # taken (or kept again since)
+        self._release(ws)
+        self.counters["continuation_expired"] += 1
+        s = self.scheduler
+        if s.workers.get(ws.address) is ws:
+            s.check_idle_saturated(ws)
+            s.stimulus_queue_slots_maybe_opened(stimulus_id=f"kvstate-continuation-expired-{time()}")
+
+    def stats(self) -> dict:
+        return {
+            "late_binding": self.fraction,
+            "continuation_wait": self.continuation_wait,
+            "continuation_kept_now": len(self.kept),
+            **dict(self.counters),
+        }
