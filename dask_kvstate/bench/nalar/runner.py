@@ -204,6 +204,12 @@ async def run_one(wf: Workflow, config: str, *, duration: float, seed: int, drai
     if stats:
         out["control_loop_ms"] = stats["sessions"]["control_loop"]["total"]
         out["moves"] = {k: stats[k].get("moves", 0) for k in ("stealing", "capacity") if stats[k]["installed"]}
+        if stats["stealing"]["installed"]:
+            st = stats["stealing"]
+            out["late_binding"] = {
+                k: st.get(k, 0)
+                for k in ("continuation_kept", "continuation_taken", "continuation_expired", "placed_by_inputs")
+            }
         if stats["capacity"]["installed"]:
             out["units_end"] = stats["capacity"]["last"].get("units")
             out["capacity_moves"] = [
