@@ -110,7 +110,7 @@ class LateBinding:
             self._stock[edge] = table[edge]
             table[edge] = self._leaf_exit(table[edge])
         s._TRANSITIONS_TABLE = table  # this scheduler only; the class table stays stock
-        self._mine = {edge: table[edge] for edge in (*_DISPATCHES, *_LEAF_EXITS)}
+        self._mine: dict = {edge: table[edge] for edge in (*_DISPATCHES, *_LEAF_EXITS)}
         self._mine |= methods
         s._kvstate_late_binding = True
 
@@ -182,7 +182,7 @@ class LateBinding:
         free = self.scheduler.idle_task_count
         if not free:
             return None
-        held = Counter()
+        held: Counter = Counter()
         for dts in ts.dependencies:
             for ws in dts.who_has or ():
                 if ws in free:
