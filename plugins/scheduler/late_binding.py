@@ -244,7 +244,8 @@ class LateBinding:
         while sess in self.kept_for:
             ws = self.kept_for[sess][0]
             self._release(ws)
-            if self.scheduler.workers.get(ws.address) is ws and ws in self.scheduler.running:
+            busy = len(ws.processing) - len(ws.long_running)  # a plain task may have been sent there meanwhile
+            if self.scheduler.workers.get(ws.address) is ws and ws in self.scheduler.running and busy < ws.nthreads:
                 self.counters["continuation_taken"] += 1
                 return ws
         return None
