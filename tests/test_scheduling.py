@@ -320,7 +320,11 @@ async def test_a_kept_thread_nobody_claims_goes_back_to_the_queue(c, s, a):
     assert not late.kept and a.address in {ws.address for ws in s.idle_task_count}
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config=FAST)
+@gen_cluster(
+    client=True,
+    nthreads=[("127.0.0.1", 1)] * 2,
+    config={**FAST, "kvstate.scheduling.stealing.late-binding-min-duration": 0},  # the naps take ~0 s
+)
 async def test_late_bound_tasks_run_where_their_inputs_are_when_that_thread_is_free(c, s, a, b):
     await install(c, LateBindingStealing())
     homes = [a.address, b.address] * 3
@@ -348,11 +352,30 @@ async def test_closing_the_extension_gives_the_scheduler_its_stock_dispatch_back
         assert await c.submit(nap, 0.0, 1, key="after-removal") == 0.0
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config=FAST)
+async def test_session_tasks_known_to_be_short_are_left_to_stock_dask(c, s, a):
+    """A thread idles a scheduler round trip between late-bound tasks: not worth it for
+    calls measured below ``late-binding-min-duration``; calls not measured yet bind late."""
+    await install(c, LateBindingStealing())
+    late = s.plugins[LateBindingStealing.name].late
+    with kvs.session("short", client=c):
+        await c.submit(nap, 0.0, "warm", key="quick-0")  # the prefix's duration is measured: ~0 s
+        gate = c.submit(blocker, "gate-short", key="long-wait")  # unknown duration (Dask assumes 0.5 s)
+        quick = c.submit(nap, 0.0, 1, key="quick-1")
+        await async_poll_for(lambda: all(k in s.tasks for k in (gate.key, quick.key)), timeout=5)
+        decided = {f.key: late.binds_late(s.tasks[f.key]) for f in (gate, quick)}
+        await Event("gate-short", client=c).set()
+        await c.gather([gate, quick])
+    assert decided == {"long-wait": True, "quick-1": False}
+
+
 def test_late_binding_settings_are_validated():
     with pytest.raises(ValueError, match="continuation-wait"):
         LateBindingStealing(continuation_wait=-1)
     with pytest.raises(ValueError, match="late-binding"):
         LateBindingStealing(late_binding=-0.5)
+    with pytest.raises(ValueError, match="late-binding-min-duration"):
+        LateBindingStealing(late_binding_min_duration=-1)
 
 
 @gen_cluster(client=True, config={**FAST, "distributed.scheduler.work-stealing": False})

@@ -22,7 +22,10 @@ arrivals at ~80% load; ``docs/design.md``, "Late binding"):
   keep Dask's saturation. Setting the scheduler's saturation to 1.0 instead did the
   same for sessions but made a plain ``dask.array`` job of 1,600 small chunks on two
   single-thread workers 1.45x slower (9.6 s against 6.6 s): threads idle a round trip
-  between short root tasks, which is what Dask's 1.1 is for.
+  between short root tasks, which is what Dask's 1.1 is for. A thread also idles one scheduler round trip (2-5 ms here)
+  between late-bound tasks, so only tasks expected to take at least
+  ``late-binding-min-duration`` (50 ms) bind late: a session of 3,000 one-millisecond
+  tasks on two single-thread workers took 9.1 s bound late against 4.6 s stock.
 * **Where a held task goes.** Dask gives a queued task to the least busy worker with a
   free slot, blind to its inputs; here a free worker holding more of its input bytes
   goes first, so a tester runs where its developer's context is, and a retry where the
@@ -57,13 +60,20 @@ _DISPATCHES = (("waiting", "processing"), ("queued", "processing"))
 class LateBinding:
     """The scheduler-side queue for a session's movable tasks, their placement and continuation slot."""
 
-    def __init__(self, scheduler, tracker, *, fraction: float, continuation_wait: float, owns: Callable):
+    def __init__(
+        self, scheduler, tracker, *, fraction: float, min_duration: float, continuation_wait: float, owns: Callable
+    ):
         if fraction < 0:
             raise ValueError(f"kvstate.scheduling.stealing.late-binding must be >= 0, got {fraction!r}")
+        if min_duration < 0:
+            raise ValueError(
+                f"kvstate.scheduling.stealing.late-binding-min-duration must be >= 0, got {min_duration!r}"
+            )
         if continuation_wait < 0:
             raise ValueError(f"kvstate.scheduling.stealing.continuation-wait must be >= 0, got {continuation_wait!r}")
         self.scheduler, self.tracker = scheduler, tracker
-        self.fraction, self.continuation_wait, self.owns = fraction, continuation_wait, owns
+        self.fraction, self.min_duration = fraction, min_duration
+        self.continuation_wait, self.owns = continuation_wait, owns
         self.counters: Counter[str] = Counter()
         self.kept: dict = {}  # WorkerState -> (Session, token): a thread kept for the session's next call
         self.kept_for: dict = {}  # Session -> [WorkerState], oldest first
@@ -141,7 +151,7 @@ class LateBinding:
 
     # -- which tasks ---------------------------------------------------------------------
     def binds_late(self, ts) -> bool:
-        """A session task to hold on the scheduler: unrestricted, no KV input, inputs cheap to move."""
+        """A session task to hold on the scheduler: unrestricted, no KV input, long enough, inputs cheap to move."""
         if ts.resource_restrictions or ts.worker_restrictions or ts.host_restrictions or ts.actor:
             return False
         if self.tracker.session_of(ts.key) is None or self.owns(ts):
@@ -150,8 +160,11 @@ class LateBinding:
         hints = s.plugins.get(HINTS_EXTENSION)
         if hints is not None and getattr(hints, "hinted", None) and hints.hinted_component(ts) is not None:
             return False  # a limited or batched component: the hints extension dispatches it
+        duration = s._get_prefix_duration(ts.prefix)  # Dask's unknown-task-duration until measured
+        if duration < self.min_duration:
+            return False
         transfer = ts.get_nbytes_deps() / s.bandwidth if ts.dependencies else 0.0
-        return transfer <= self.fraction * s._get_prefix_duration(ts.prefix)
+        return transfer <= self.fraction * duration
 
     def _busy_with_session_work(self, ws) -> bool:
         """Every thread of ``ws`` busy, one with a late-bound task (only asked of workers
@@ -264,6 +277,7 @@ class LateBinding:
     def stats(self) -> dict:
         return {
             "late_binding": self.fraction,
+            "late_binding_min_duration": self.min_duration,
             "continuation_wait": self.continuation_wait,
             "continuation_kept_now": len(self.kept),
             **dict(self.counters),

@@ -103,6 +103,7 @@ class LateBindingStealing(SchedulerPlugin):
         max_moves: int | None = None,
         components: dict | None = None,
         late_binding: float | None = None,
+        late_binding_min_duration: str | float | None = None,
         continuation_wait: str | float | None = None,
     ):
         self.alpha = float(config.get("scheduling.stealing.alpha") if alpha is None else alpha)
@@ -112,6 +113,14 @@ class LateBindingStealing(SchedulerPlugin):
         )
         if self.late_binding < 0:
             raise ValueError(f"kvstate.scheduling.stealing.late-binding must be >= 0, got {self.late_binding!r}")
+        self.late_binding_min_duration = config.get_seconds(
+            "scheduling.stealing.late-binding-min-duration", late_binding_min_duration
+        )
+        if self.late_binding_min_duration < 0:
+            raise ValueError(
+                "kvstate.scheduling.stealing.late-binding-min-duration must be >= 0, "
+                f"got {self.late_binding_min_duration!r}"
+            )
         self.continuation_wait = config.get_seconds("scheduling.stealing.continuation-wait", continuation_wait)
         if self.continuation_wait < 0:
             raise ValueError(
@@ -159,6 +168,7 @@ class LateBindingStealing(SchedulerPlugin):
             scheduler,
             self.tracker,
             fraction=self.late_binding,
+            min_duration=self.late_binding_min_duration,
             continuation_wait=self.continuation_wait,
             owns=self._owns,
         )
