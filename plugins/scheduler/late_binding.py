@@ -17,15 +17,18 @@ arrivals at ~80% load; ``docs/design.md``, "Late binding"):
   task's duration: hence the default 1.0.
 * **Exact slots for session work.** Dask's ``worker-saturation`` (1.1) lets a
   single-thread worker take a second queued task into its own queue, where it can no
-  longer go to a thread that frees elsewhere. A worker whose threads are all busy
-  and one of them with a late-bound task takes no more queued work; other workers
-  keep Dask's saturation. Setting the scheduler's saturation to 1.0 instead did the
-  same for sessions but made a plain ``dask.array`` job of 1,600 small chunks on two
-  single-thread workers 1.45x slower (9.6 s against 6.6 s): threads idle a round trip
-  between short root tasks, which is what Dask's 1.1 is for. A thread also idles one scheduler round trip (2-5 ms here)
-  between late-bound tasks, so only tasks expected to take at least
-  ``late-binding-min-duration`` (50 ms) bind late: a session of 3,000 one-millisecond
-  tasks on two single-thread workers took 9.1 s bound late against 4.6 s stock.
+  longer go to a thread that frees elsewhere. A worker whose threads are all busy,
+  one of them with a late-bound task, takes no more queued work; other workers keep
+  Dask's saturation. (Setting the scheduler's saturation to 1.0 instead made a plain
+  ``dask.array`` job of 1,600 small chunks on two single-thread workers 1.45x slower,
+  9.6 s against 6.6 s: that is what Dask's 1.1 is for.)
+* **Long calls only.** A thread idles one scheduler round trip (2-5 ms here) between
+  late-bound tasks, so only tasks expected to take at least
+  ``late-binding-min-duration`` (20 ms) bind late: a session of 3,000 one-millisecond
+  tasks on two single-thread workers took 9.1 s bound late against 4.6 s stock. Not
+  higher: Dask's expected duration of a prefix moves halfway to each new measurement,
+  and at 50 ms role-free SWE's calls (medians 50-100 ms) dipped below it often enough
+  that 10-15% fewer were bound late.
 * **Where a held task goes.** Dask gives a queued task to the least busy worker with a
   free slot, blind to its inputs; here a free worker holding more of its input bytes
   goes first, so a tester runs where its developer's context is, and a retry where the
@@ -41,8 +44,9 @@ arrivals at ~80% load; ``docs/design.md``, "Late binding"):
   session that submits nothing more gives the thread back when it expires.
 
 Dask has no hooks for any of these, so, as the ``hints`` extension does, the wrapper
-replaces entries of *this* scheduler's transition table and two of its methods
-(instance attributes over the class's), and ``uninstall`` gives them back.
+replaces entries of *this* scheduler's transition table and three of its methods
+(``is_rootish``, ``check_idle_saturated``, ``stimulus_queue_slots_maybe_opened``;
+instance attributes over the class's), and ``uninstall`` gives back what is still its.
 """
 
 from __future__ import annotations
