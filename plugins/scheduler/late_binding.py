@@ -82,6 +82,7 @@ class LateBinding:
         self.kept: dict = {}  # WorkerState -> (Session, token): a thread kept for the session's next call
         self.kept_for: dict = {}  # Session -> [WorkerState], oldest first
         self._stock: dict = {}  # what this replaced: table edges and scheduler methods
+        self._mine: dict = {}  # what replaced them (empty: this instance installed nothing)
 
     # -- install / uninstall -------------------------------------------------------------
     def install(self) -> None:
@@ -124,13 +125,12 @@ class LateBinding:
             self._stock[edge] = table[edge]
             table[edge] = self._leaf_exit(table[edge])
         s._TRANSITIONS_TABLE = table  # this scheduler only; the class table stays stock
-        self._mine: dict = {edge: table[edge] for edge in (*_DISPATCHES, *_LEAF_EXITS)}
-        self._mine |= methods
+        self._mine = {edge: table[edge] for edge in (*_DISPATCHES, *_LEAF_EXITS)} | methods
         s._kvstate_late_binding = True
 
     def uninstall(self) -> None:
         s = self.scheduler
-        if not getattr(s, "_kvstate_late_binding", False):
+        if not self._mine:  # installed nothing (off, or another instance had installed first)
             return
         # Put back only what is still ours: the hints extension wraps the same table.
         table = s.__dict__.get("_TRANSITIONS_TABLE", {})
@@ -144,6 +144,7 @@ class LateBinding:
                 else:
                     setattr(s, what, self._stock[what])
         s._kvstate_late_binding = False
+        self._mine = {}
         kept = list(self.kept)
         self.kept.clear()
         self.kept_for.clear()
