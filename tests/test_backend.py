@@ -67,7 +67,8 @@ def test_unseeded_sampling_leaves_torchs_global_generator_alone(backend):
     before = torch.random.get_rng_state()
     a = backend.generate(ids, None, Sampling(max_new_tokens=6, temperature=0.9))  # no seed: a fresh one
     assert torch.equal(torch.random.get_rng_state(), before) and torch.initial_seed() == 1234
-    assert len(a.token_ids) == 6
+    # A fresh seed each call, so the draw may end at an end-of-sequence token early.
+    assert len(a.token_ids) == 6 or (0 < len(a.token_ids) < 6 and a.token_ids[-1] in backend.eos_ids)
 
 
 def test_local_model_folder_loads_like_a_named_model(tmp_path, backend):
