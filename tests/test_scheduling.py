@@ -342,7 +342,7 @@ async def test_late_bound_tasks_run_where_their_inputs_are_when_that_thread_is_f
 
 @gen_cluster(client=True, config=FAST)
 async def test_closing_the_extension_gives_the_scheduler_its_stock_dispatch_back(c, s, a, b):
-    methods = ("is_rootish", "check_idle_saturated", "stimulus_queue_slots_maybe_opened")
+    methods = ("check_idle_saturated", "stimulus_queue_slots_maybe_opened")
     await install(c, LateBindingStealing())
     assert all(m in s.__dict__ for m in methods)
     await s.plugins[LateBindingStealing.name].close()  # as the scheduler's close calls it

@@ -45,8 +45,9 @@ arrivals at ~80% load; ``docs/design.md``, "Late binding"):
 
 Dask has no hooks for any of these, so, as the ``hints`` extension does, the wrapper
 replaces entries of *this* scheduler's transition table and three of its methods
-(``is_rootish``, ``check_idle_saturated``, ``stimulus_queue_slots_maybe_opened``;
-instance attributes over the class's), and ``uninstall`` gives back what is still its.
+(``check_idle_saturated``, ``stimulus_queue_slots_maybe_opened``; instance attributes
+over the class's). Dask asks ``is_rootish`` only in ``waiting -> processing``, whose
+wrapper decides late-bound tasks first, so that method is left alone, and ``uninstall`` gives back what is still its.
 """
 
 from __future__ import annotations
@@ -67,14 +68,7 @@ class LateBinding:
     def __init__(
         self, scheduler, tracker, *, fraction: float, min_duration: float, continuation_wait: float, owns: Callable
     ):
-        if fraction < 0:
-            raise ValueError(f"kvstate.scheduling.stealing.late-binding must be >= 0, got {fraction!r}")
-        if min_duration < 0:
-            raise ValueError(
-                f"kvstate.scheduling.stealing.late-binding-min-duration must be >= 0, got {min_duration!r}"
-            )
-        if continuation_wait < 0:
-            raise ValueError(f"kvstate.scheduling.stealing.continuation-wait must be >= 0, got {continuation_wait!r}")
+        # The settings are validated by their one caller, the stealing extension.
         self.scheduler, self.tracker = scheduler, tracker
         self.fraction, self.min_duration = fraction, min_duration
         self.continuation_wait, self.owns = continuation_wait, owns
@@ -89,10 +83,7 @@ class LateBinding:
         s = self.scheduler
         if self.fraction <= 0 or getattr(s, "_kvstate_late_binding", False):
             return
-        stock_rootish, stock_idle = s.is_rootish, s.check_idle_saturated
-
-        def is_rootish(ts):
-            return stock_rootish(ts) or self.binds_late(ts)
+        stock_idle = s.check_idle_saturated
 
         def check_idle_saturated(ws, occ: float = -1.0):
             stock_idle(ws, occ)
@@ -110,7 +101,6 @@ class LateBinding:
                     return
 
         methods = {
-            "is_rootish": is_rootish,
             "check_idle_saturated": check_idle_saturated,
             "stimulus_queue_slots_maybe_opened": stimulus_queue_slots_maybe_opened,
         }
