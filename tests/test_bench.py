@@ -63,3 +63,33 @@ def test_non_llm_graph_has_the_asked_size():
     g = non_llm_graph(1000, "t")
     assert 990 <= len(g.__dask_graph__()) <= 1000
     assert dask.compute(g, scheduler="sync")[0] == sum(range(1, 501))
+
+
+def test_vllm_rows_table_reads_every_row_of_a_result():
+    """The vLLM bench's table from a result of its shape: ratios against the best baseline,
+    and the shared-cores row only where that run was made."""
+    from dask_kvstate.bench.vllm_rows import table
+
+    agents = {
+        "vllm_local_prefix_each_worker": {"wall_s": 20.0, "computed_prompt_tokens": 9000},
+        "kvstate": {"wall_s": 16.0, "computed_prompt_tokens": 4500},
+        "one_engine_both_cores": {"wall_s": 12.0, "computed_prompt_tokens": 5000},
+    }
+    res = {
+        "length": 4096,
+        "n_agents": 16,
+        "new_tokens": 64,
+        "branch_ttft": {"vllm_local_prefill_on_b": 10.0, "kvstate_pull_into_b": 0.5, "single_engine_hit": 0.4},
+        "agents": agents,
+        "arrivals": {
+            "vllm_local_prefix_each_worker": {"mean_ttft_s": 3.0, "ttfts": [3.0] * 6},
+            "kvstate": {"mean_ttft_s": 0.3, "ttfts": [0.3] * 6},
+        },
+    }
+    text = table(res)
+    assert "| 20.0x lower |" in text and "1.25x of the hit" in text
+    assert "one engine on both cores (12.0 s) | 16.0 s | 0.75x |" in text
+    assert "2.00x fewer" in text and "10.0x lower" in text
+    assert "bound to both cores" not in text
+    res["agents_shared_cores"] = {"local": {"wall_s": 18.0}, "kvstate": {"wall_s": 15.0}}
+    assert "one engine on both cores 12.0 s | 15.0 s | 0.80x |" in table(res)
