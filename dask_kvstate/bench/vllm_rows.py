@@ -263,7 +263,7 @@ def main(argv=None) -> None:
         cluster.close()
 
     if args.shared_cores:
-        both = set(range(os.cpu_count() or 2))
+        both = os.sched_getaffinity(0)  # every core this process may use
         cluster, client, workers = _cluster(2, [both, both])
         try:
             shared = {m: agents_wall(client, workers, context, args.agents, args.new_tokens, m) for m in MODES}
