@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import numpy as np
 from distributed import Client, LocalCluster
+from distributed.utils_test import poll_for
 
 from dask_kvstate.bench import nalar
 from dask_kvstate.bench.nalar import report
@@ -96,10 +96,8 @@ def _priority(key, dask_scheduler=None):
 
 def _priority_of(c: Client, key: str) -> tuple:
     """The key's priority on the scheduler, once its graph arrived there (submit does not wait)."""
-    deadline = time.monotonic() + 10
-    while (prio := c.run_on_scheduler(_priority, key)) is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return prio
+    poll_for(lambda: c.run_on_scheduler(_priority, key) is not None, timeout=10, period=0.01)
+    return c.run_on_scheduler(_priority, key)
 
 
 def test_naive_priority_is_the_requests_completed_calls_and_reaches_the_scheduler():
@@ -117,9 +115,8 @@ def test_naive_priority_is_the_requests_completed_calls_and_reaches_the_schedule
         r = Request(c, wf, 0, naive=True)
         first = r.submit(work, 0.0, key="developer-0", role="developer")
         first.result()
-        deadline = time.monotonic() + 10
-        while r.completed < 1 and time.monotonic() < deadline:  # done callbacks run on a thread of their own
-            time.sleep(0.01)
+        # done callbacks run on a thread of their own
+        poll_for(lambda: r.completed >= 1, timeout=10, period=0.01)
         second = r.submit(work, 1.0, first, key="tester-0", role="tester")
         # user priority is negated into the first element of Dask's priority tuple
         assert _priority_of(c, "developer-0")[0] == 0

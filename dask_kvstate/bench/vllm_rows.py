@@ -105,9 +105,9 @@ def branch_ttft(client, a: str, b: str, context: str, repeats: int) -> dict:
     would time the machine's warm-up rather than the path.
     """
     rows: dict[str, list[float]] = {"vllm_local_prefill_on_b": [], "kvstate_pull_into_b": [], "single_engine_hit": []}
-    for r in range(-1, repeats):
+    for r in range(repeats + 1):  # round 0 is the warm-up
         _reset(client)
-        sfx, sfx2 = workload.suffix(2 * r + 2), workload.suffix(2 * r + 3)
+        sfx, sfx2 = workload.suffix(2 * r), workload.suffix(2 * r + 1)
         with on(b):
             cold = kvs.generate(context, sfx, max_new_tokens=4).compute()
         _reset(client)
@@ -120,7 +120,7 @@ def branch_ttft(client, a: str, b: str, context: str, repeats: int) -> dict:
         with on(a):  # A's engine holds the prefix: a plain request hits its prefix cache
             hit = kvs.generate(context, sfx2, max_new_tokens=4).compute()
         del state
-        if r >= 0:
+        if r > 0:
             rows["vllm_local_prefill_on_b"].append(cold.ttft)
             rows["kvstate_pull_into_b"].append(resumed.ttft)
             rows["single_engine_hit"].append(hit.ttft)

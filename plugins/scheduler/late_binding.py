@@ -46,8 +46,9 @@ arrivals at ~80% load; ``docs/design.md``, "Late binding"):
 Dask has no hooks for any of these, so, as the ``hints`` extension does, the wrapper
 replaces entries of *this* scheduler's transition table and three of its methods
 (``check_idle_saturated``, ``stimulus_queue_slots_maybe_opened``; instance attributes
-over the class's). Dask asks ``is_rootish`` only in ``waiting -> processing``, whose
-wrapper decides late-bound tasks first, so that method is left alone, and ``uninstall`` gives back what is still its.
+over the class's), and ``uninstall`` gives back what is still its. ``is_rootish`` is
+left alone: Dask asks it only in ``waiting -> processing``, whose wrapper decides
+late-bound tasks first.
 """
 
 from __future__ import annotations
