@@ -55,7 +55,7 @@ def client(cluster):
 
 @pytest.fixture(scope="session")
 def workers(client):
-    return sorted(client.scheduler_info()["workers"])
+    return sorted(client.nthreads())
 
 
 @pytest.fixture(scope="session")

@@ -70,7 +70,7 @@ def kv(kv_cluster_client):
 
 @pytest.fixture
 def kv_workers(kv):
-    return sorted(kv.scheduler_info()["workers"])
+    return sorted(kv.nthreads())
 
 
 @pytest.fixture
@@ -278,7 +278,7 @@ async def _spills_done(dask_worker) -> None:
 @every_family
 def test_blocks_spilled_to_disk_and_back(tight, folders, family):
     m = folders[family]
-    (w,) = tight.scheduler_info()["workers"]
+    (w,) = tight.nthreads()
     before = kvs.stats(tight).workers[w]
     state = tight.persist(kvs.materialize(PREFIX, model=m, namespace="spill"))
     wait(state)

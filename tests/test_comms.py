@@ -42,7 +42,7 @@ def comm_client(request):
 
 def test_resume_on_another_worker_pulls_over_the_comm(comm_client):
     protocol, client = comm_client
-    a, b = sorted(client.scheduler_info()["workers"])
+    a, b = sorted(client.nthreads())
     assert a.startswith(f"{protocol}://") and b.startswith(f"{protocol}://")
     before = kvs.stats(client).workers[b]
     with on(a):
@@ -59,7 +59,7 @@ def test_resume_on_another_worker_pulls_over_the_comm(comm_client):
 
 def test_explicit_transfer_and_fork_across_workers(comm_client):
     protocol, client = comm_client
-    a, b = sorted(client.scheduler_info()["workers"])
+    a, b = sorted(client.nthreads())
     with on(a):
         state = kvs.materialize(CONTEXT, " moved by hand")
     with on(b):
@@ -74,7 +74,7 @@ def test_explicit_transfer_and_fork_across_workers(comm_client):
 
 def test_placement_decides_with_numbers_measured_on_this_comm(comm_client):
     protocol, client = comm_client
-    a, b = sorted(client.scheduler_info()["workers"])
+    a, b = sorted(client.nthreads())
     with on(a):
         state = kvs.materialize(CONTEXT, f" placed over {protocol}")
     with on(b):

@@ -85,7 +85,7 @@ def test_nothing_shared_leaves_the_graph_unchanged():
 
 
 def test_output_keys_survive_and_annotations_too(client):
-    a, b = client.scheduler_info()["workers"]
+    a, b = client.nthreads()
     with dask.annotate(workers=[b], allow_other_workers=False):
         outs = shapes.tree_of_thought(k=2, n=4)
     with kvs.stateflow():

@@ -85,7 +85,7 @@ def test_cli_cluster_with_the_preload_runs_the_compiler_and_moves_state(tmp_path
             )
         with Client(scheduler_file=str(sched_file), timeout=60) as c:
             c.wait_for_workers(2, timeout=120)
-            a, b = sorted(c.scheduler_info()["workers"])
+            a, b = sorted(c.nthreads())
             assert a.startswith("tcp://127.0.0.1:")
             # The preload alone installed the model and the scheduler's placement extension.
             assert {s["installed"] for s in kvs.stats(c).workers.values()} == {True}

@@ -7,7 +7,7 @@ import os
 import dask
 import pytest
 from distributed import wait
-from distributed.utils_test import async_poll_for
+from distributed.utils_test import poll_for
 
 import dask_kvstate as kvs
 
@@ -29,13 +29,13 @@ async def _die(dask_worker):
 def kill(client, address):
     """Kill a worker process; its nanny starts a replacement on a new address."""
     client.run(_die, workers=[address], wait=False)
-    client.sync(async_poll_for, lambda: address not in client.scheduler_info()["workers"], timeout=30)
+    poll_for(lambda: address not in client.nthreads(), timeout=30)
     client.wait_for_workers(2, timeout=60)
 
 
 def test_holder_killed_consumer_recomputes_identically(fresh_client):
     client = fresh_client
-    a, b = sorted(client.scheduler_info()["workers"])
+    a, b = sorted(client.nthreads())
     with on(a):
         ref = client.compute(kvs.materialize(CONTEXT)).result()
     assert ref.placement.worker == a
@@ -53,7 +53,7 @@ def test_holder_killed_consumer_recomputes_identically(fresh_client):
 
 def test_holder_killed_before_a_future_consumer_runs(fresh_client):
     client = fresh_client
-    a, b = sorted(client.scheduler_info()["workers"])
+    a, b = sorted(client.nthreads())
     # A loose restriction: after the holder dies Dask may rebuild the ref elsewhere.
     with dask.annotate(workers=[a], allow_other_workers=True):
         state = kvs.materialize("Second. " + CONTEXT)

@@ -13,7 +13,7 @@ import os
 import dask
 import pytest
 from distributed import wait
-from distributed.utils_test import async_poll_for
+from distributed.utils_test import async_poll_for, poll_for
 
 import dask_kvstate as kvs
 from dask_kvstate.protocol import GET_BLOCKS
@@ -56,7 +56,7 @@ def _mend_placement(dask_scheduler):
 
 def test_placement_failure_is_logged_and_tasks_keep_running(fault_client, caplog):
     client = fault_client
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = sorted(client.nthreads())
     text = "Placement. " + CONTEXT
     state = kvs.materialize(text)
     dask.compute(*[kvs.resume(s, f" Q{i}?", max_new_tokens=8) for i, s in enumerate(kvs.fork(state, 3))])
@@ -78,7 +78,7 @@ def test_placement_failure_is_logged_and_tasks_keep_running(fault_client, caplog
     )
     assert [o.token_ids for o in outs] == [w.token_ids for w in want]
     assert after["errors"] >= 1 and after["decisions"] == before["decisions"]  # no new decision, no crash
-    assert sorted(client.scheduler_info()["workers"]) == workers  # no worker lost its stream
+    assert sorted(client.nthreads()) == workers  # no worker lost its stream
     events = [e for _, e in client.get_events("kvstate-error")]
     assert {e["where"] for e in events} >= {"a transition", "a ref report"}  # a hook and a stream handler
     assert any("injected placement failure" in e["error"] for e in events)
@@ -119,7 +119,7 @@ def _blocks_here(dask_worker) -> list:
 @pytest.mark.parametrize("how", ["abort", "die"])
 def test_block_pull_broken_mid_stream_uses_no_partial_block(fault_client, how):
     client = fault_client
-    a, b = sorted(client.scheduler_info()["workers"])
+    a, b = sorted(client.nthreads())
     text = f"Midstream {how}. " + CONTEXT
     with on(a):
         state = client.persist(kvs.materialize(text))
@@ -130,7 +130,7 @@ def test_block_pull_broken_mid_stream_uses_no_partial_block(fault_client, how):
     with on(b):
         out = client.compute(kvs.resume(state, QUESTION, max_new_tokens=12)).result()
     if how == "die":
-        client.sync(async_poll_for, lambda: a not in client.scheduler_info()["workers"], timeout=30)
+        poll_for(lambda: a not in client.nthreads(), timeout=30)
         client.wait_for_workers(2, timeout=60)
     s = kvs.stats(client).workers[b]
     print(
@@ -172,7 +172,7 @@ async def _flip_a_byte_of_the_next_reply(dask_worker):
 
 def test_a_corrupted_frame_is_caught_by_its_checksum_and_recomputed(fault_client):
     client = fault_client
-    a, b = sorted(client.scheduler_info()["workers"])
+    a, b = sorted(client.nthreads())
     client.run(_holder_checksums, on=True, workers=[a])
     try:
         text = "A flipped byte. " + CONTEXT
@@ -226,7 +226,7 @@ def _shape_here(dask_worker, h: bytes):
 
 def test_a_pulled_block_of_the_wrong_shape_is_recomputed_not_stored(fault_client):
     client = fault_client
-    a, b = sorted(client.scheduler_info()["workers"])
+    a, b = sorted(client.nthreads())
     text = "A wrong shape. " + CONTEXT
     with on(a):
         state = client.persist(kvs.materialize(text))
@@ -258,7 +258,7 @@ def gate(name: str) -> str:
 
 def test_holder_killed_mid_workflow_every_output_arrives_identical(fault_client):
     client = fault_client
-    a, b = sorted(client.scheduler_info()["workers"])
+    a, b = sorted(client.nthreads())
     text = "Killed mid-workflow. " + CONTEXT
     questions = [f" Question {i}: who is next?" for i in range(8)]
     want = [replay(client, text, q, n=16).token_ids for q in questions]

@@ -64,7 +64,7 @@ def replay(client, text: str, n: int = 12):
 
 def test_hosts_speak_tls_only(hosts):
     assert hosts.scheduler_address.startswith("tls://")
-    assert set(hosts.kv_client.scheduler_info()["workers"]) == set(hosts.workers.values())
+    assert set(hosts.kv_client.nthreads()) == set(hosts.workers.values())
     assert all(w.startswith("tls://") for w in hosts.workers.values())
     # without the throwaway CA's certificates, or in plain TCP, nobody gets in
     s = hosts.hosts["s"]
@@ -209,7 +209,7 @@ def test_holder_cut_off_then_back_is_replaced_and_its_stale_blocks_never_serve(h
         assert [g.token_ids for g in got] == [want.token_ids] * 2
         # the connect timeout and two worker-ttl periods (the scheduler checks once per period)
         assert seconds < CONNECT + 2 * TTL + 10
-        poll_for(lambda: a not in client.scheduler_info()["workers"], timeout=CONNECT + 2 * TTL + 10)
+        poll_for(lambda: a not in client.nthreads(), timeout=CONNECT + 2 * TTL + 10)
         # meanwhile the state changes: a new text sharing only the start of the old one
         new = client.submit(tasks.materialize, changed, workers=[b], pure=False).result()
     finally:

@@ -67,7 +67,7 @@ def where(hashes, dask_worker=None):
 
 def test_invalidation_leaves_zero_bytes_and_keeps_shared_blocks(lc_client):
     c = lc_client
-    w = min(c.scheduler_info()["workers"])
+    w = min(c.nthreads())
     with on(w):
         with kvs.session("a") as sa:
             fa = c.compute(kvs.extend(kvs.materialize(CONTEXT), " Session A keeps its own notes here. " * 3))
@@ -107,7 +107,7 @@ def test_invalidation_leaves_zero_bytes_and_keeps_shared_blocks(lc_client):
 
 def test_session_state_survives_between_invocations(lc_client):
     c = lc_client
-    w = min(c.scheduler_info()["workers"])
+    w = min(c.nthreads())
     text = CONTEXT + " The developer's conversation so far. "
     with on(w), kvs.session("dev"):
         f = c.compute(kvs.materialize(text))
@@ -128,7 +128,7 @@ def test_session_state_survives_between_invocations(lc_client):
 
 def test_suspended_session_is_offloaded_then_prefetched(lc_client):
     c = lc_client
-    w = sorted(c.scheduler_info()["workers"])[1]
+    w = sorted(c.nthreads())[1]
     with on(w), kvs.component("tester"):  # history: the scheduler learns how long a test run takes
         c.compute(dask.delayed(run_tests)(0.8, "warm-up", dask_key_name="run_tests-history")).result()
     with on(w), kvs.session("swe") as s:
@@ -207,7 +207,7 @@ def session_bytes(hashes, dask_worker=None):
 
 def test_session_end_drops_the_pulled_replica_too(lc_client):
     c = lc_client
-    a, b = sorted(c.scheduler_info()["workers"])
+    a, b = sorted(c.nthreads())
     text = "Replicas: " + CONTEXT + " Each fork answers one question."
     with kvs.session("replicas") as s:
         with on(a):
@@ -257,7 +257,7 @@ async def track_after_end(sid, hashes, dask_worker=None):
 
 def test_an_ended_session_stays_ended_when_a_late_graph_names_it(lc_client):
     c = lc_client
-    a, _ = sorted(c.scheduler_info()["workers"])
+    a, _ = sorted(c.nthreads())
     with on(a), kvs.session("once") as s:
         f = c.compute(kvs.materialize("Once: " + CONTEXT))
         f.result()
@@ -294,7 +294,7 @@ def test_a_close_notice_that_overtakes_its_graph_does_not_end_the_session(lc_cli
     import distributed.scheduler
 
     c = lc_client
-    a, _ = sorted(c.scheduler_info()["workers"])
+    a, _ = sorted(c.nthreads())
     build = distributed.scheduler._materialize_graph
     built: list = []
 
@@ -340,7 +340,7 @@ def restore_invalidation(dask_worker=None):
 
 def test_a_failed_invalidation_is_retried_until_the_worker_answers(lc_client):
     c = lc_client
-    a, b = sorted(c.scheduler_info()["workers"])
+    a, b = sorted(c.nthreads())
     c.run(fail_the_first_invalidation, workers=[b])
     retries = kvs.stats(c).lifecycle.get("invalidation_retries", 0)
     with kvs.session("flaky") as s:
@@ -390,7 +390,7 @@ async def report_with_many_sessions(sessions, blocks, dask_worker=None):
 
 def test_the_lifecycle_report_stays_off_the_event_loop(lc_client):
     c = lc_client
-    a, _ = sorted(c.scheduler_info()["workers"])
+    a, _ = sorted(c.nthreads())
     longest, seconds = c.run(report_with_many_sessions, 400, 400, workers=[a])[a]
     # 400 sessions x 400 shared blocks: 64 million set operations per report when every
     # session's own blocks are found by comparing it with every other one.

@@ -79,7 +79,7 @@ def tiers(dask_worker=None) -> dict:
 def longest_ticks(client, act, prepare=lambda attempt: None) -> list[float]:
     """The longest tick (s) during each run of ``act(attempt)`` (after an unmeasured
     ``prepare(attempt)``), up to the first run under :data:`LIMIT`."""
-    (w,) = client.scheduler_info()["workers"]
+    (w,) = client.nthreads()
     seen: list[float] = []
     for attempt in range(ATTEMPTS):
         prepare(attempt)
@@ -95,7 +95,7 @@ def test_a_state_spilling_to_disk_at_task_end_leaves_the_event_loop_free(latency
     client = latency_client
     budget = 8 * BLOCK
     kvs.install(client, "tiny-llama", torch_threads=1, device_bytes=budget, host_bytes=budget, disk_bytes="1GiB")
-    (w,) = client.scheduler_info()["workers"]
+    (w,) = client.nthreads()
 
     def spill(attempt: int) -> None:
         before = client.run(tiers)[w]["disk"][0]
@@ -131,7 +131,7 @@ def test_offloading_a_session_to_disk_leaves_the_event_loop_free(latency_client)
     # lifecycle extension, which would drop the session's KV when its block ends) is what is timed.
     kvs.install(client, "tiny-llama", torch_threads=1, lifecycle=False)
     client.register_plugin(KVLifecycleWorkerPlugin())
-    (w,) = client.scheduler_info()["workers"]
+    (w,) = client.nthreads()
     made: dict = {}
 
     def materialize(attempt: int) -> None:

@@ -23,7 +23,7 @@ def auto_client(request):
 
 def test_worker_decides_with_measured_numbers_and_output_is_identical(auto_client):
     client, link = auto_client
-    a, b = sorted(client.scheduler_info()["workers"])
+    a, b = sorted(client.nthreads())
     text = "Rule test. " + CONTEXT * 3
     with on(a):
         state = kvs.materialize(text)
@@ -45,7 +45,7 @@ def test_worker_decides_with_measured_numbers_and_output_is_identical(auto_clien
 
 def test_scheduler_places_consumers_of_a_state(auto_client):
     client, _ = auto_client
-    a, _ = sorted(client.scheduler_info()["workers"])
+    a, _ = sorted(client.nthreads())
     text = "Placement test. " + CONTEXT * 2
     with on(a):
         state = kvs.materialize(text)
@@ -75,7 +75,7 @@ def test_placement_can_be_switched_off():
 def test_a_long_prefill_borrows_the_idle_workers_threads():
     """While one worker materializes, the other is idle: the prefill runs with its thread too."""
     with kv_cluster({**AUTO, "kvstate.worker.borrow-idle-threads": 16}) as client:
-        a, b = sorted(client.scheduler_info()["workers"])
+        a, b = sorted(client.nthreads())
         with on(a):
             state = kvs.materialize(CONTEXT)
             outs = [kvs.resume(state, f" Question {i}?", max_new_tokens=8) for i in range(2)]
@@ -92,7 +92,7 @@ def _two_long_resumes(client, tag: str):
 
     Both consume the state's own key, so one pass (its transition to memory) places both.
     """
-    a, _ = sorted(client.scheduler_info()["workers"])
+    a, _ = sorted(client.nthreads())
     text = f"{tag} test. " + CONTEXT * 2
     with on(a):
         state = kvs.materialize(text)
@@ -115,7 +115,7 @@ def test_consumers_placed_in_one_pass_spread_over_the_workers():
     expected duration.
     """
     with kv_cluster(LONG_RESUMES) as client:
-        a, b = sorted(client.scheduler_info()["workers"])
+        a, b = sorted(client.nthreads())
         decisions = _two_long_resumes(client, "Spread")
         assert sorted(d["worker"] for d in decisions) == [a, b]
         on_b = next(d for d in decisions if d["worker"] == b)
@@ -125,7 +125,7 @@ def test_consumers_placed_in_one_pass_spread_over_the_workers():
 def test_max_copies_keeps_consumers_on_the_holder():
     """The same two long resumes with ``placement.max-copies: 1``: both stay with the one copy."""
     with kv_cluster({**LONG_RESUMES, "kvstate.placement.max-copies": 1}) as client:
-        a, b = sorted(client.scheduler_info()["workers"])
+        a, b = sorted(client.nthreads())
         decisions = _two_long_resumes(client, "Copies")
         assert [d["worker"] for d in decisions] == [a, a] and all(d["capped"] for d in decisions)
         assert kvs.stats(client).workers[b].get("transfers", 0) == 0  # no second copy was made
@@ -171,7 +171,7 @@ def test_blocks_gone_before_the_next_block_report_leave_the_placement_extension(
     holder's next block report (released, then dropped for room or at a session's end).
     That report must still say they went, or the extension keeps them forever."""
     with kv_cluster({**AUTO, "kvstate.placement.report-interval": "1h"}) as client:  # reports only when told
-        a, _ = sorted(client.scheduler_info()["workers"])
+        a, _ = sorted(client.nthreads())
         with on(a):
             future = client.compute(kvs.materialize("Gone before the report. " + CONTEXT))
         ref = future.result()

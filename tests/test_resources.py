@@ -76,7 +76,7 @@ def test_disk_tier_on_a_full_disk_keeps_or_recomputes_blocks(tmp_path):
             kvs.install(
                 client, "tiny-llama", torch_threads=1, device_bytes=4 * BLOCK, host_bytes=4 * BLOCK, disk_bytes="1GiB"
             )
-            (w,) = client.scheduler_info()["workers"]
+            (w,) = client.nthreads()
             refs, got, want = fork_workflow(client, w, 24, CONTEXT[:200])
             s = kvs.stats(client).workers[w]
             (files,) = client.run(_check_spill_files).values()
@@ -110,7 +110,7 @@ def test_budgets_far_below_the_working_set_complete_without_oom(tmp_path):
             kvs.install(
                 client, "tiny-llama", torch_threads=1, device_bytes=budget, host_bytes=budget, disk_bytes=budget
             )
-            (w,) = client.scheduler_info()["workers"]
+            (w,) = client.nthreads()
             (before,) = client.run(_check_spill_files).values()
             refs, got, want = fork_workflow(client, w, 16, CONTEXT[:200])
             # A second round over new text; the first round's states are released (their
@@ -118,7 +118,7 @@ def test_budgets_far_below_the_working_set_complete_without_oom(tmp_path):
             _, got2, want2 = fork_workflow(client, w, 8, CONTEXT[200:400])
             s = kvs.stats(client).workers[w]
             (after,) = client.run(_check_spill_files).values()
-            workers_now = list(client.scheduler_info()["workers"])
+            workers_now = list(client.nthreads())
     unique = set().union(*(r.blocks for r in refs))
     print(
         f"tiny budgets: working set {len(unique) * BLOCK} B vs 3 x {budget} B; "

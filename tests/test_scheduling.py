@@ -581,7 +581,7 @@ def test_kv_missing_at_the_thief_is_priced_into_the_move_and_residency_into_prio
             Client(cluster) as client,
         ):
             kvs.install(client, "tiny-llama", torch_threads=1)
-            a, b = sorted(client.scheduler_info()["workers"])
+            a, b = sorted(client.nthreads())
             state = client.submit(tasks.materialize, "Move cost. " + CONTEXT * 2, workers=[a], pure=False)
             state.result()
             hold = client.submit(blocker, "gate-kv", workers=[a], pure=False)  # a is busy: the consumer queues

@@ -20,7 +20,7 @@ def test_smollm2_reuse_across_workers_is_token_identical_to_text_replay():
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
         with Client(cluster) as client:
             kvs.install(client, "smollm2-135m", torch_threads=1)
-            a, b = sorted(client.scheduler_info()["workers"])
+            a, b = sorted(client.nthreads())
             with on(a):
                 state = kvs.materialize(prefix)
             branches = kvs.fork(state, 3)

@@ -42,7 +42,7 @@ MAX_NEW = 6
 def tenants():
     """``(admin, tenant_a, tenant_b, worker)``: three clients of one fresh two-worker cluster."""
     with kv_cluster() as admin:
-        worker = sorted(admin.scheduler_info()["workers"])[0]
+        worker = sorted(admin.nthreads())[0]
         with (
             Client(admin.cluster, set_as_default=False) as a,
             Client(admin.cluster, set_as_default=False) as b,

@@ -39,7 +39,7 @@ def test_fork_heavy_workflow_ten_times_over_budget(tight_client):
     context = CONTEXT[:200]  # 3 blocks shared by every branch
     budget = 11 * BLOCK  # one branch state in use, plus a little
     kvs.install(client, "tiny-llama", torch_threads=1, device_bytes=budget, host_bytes=budget, disk_bytes="1GiB")
-    (w,) = client.scheduler_info()["workers"]
+    (w,) = client.nthreads()
     with on(w):
         root = kvs.materialize(context)
         branches = [kvs.extend(s, branch_text(i)) for i, s in enumerate(kvs.fork(root, 16))]

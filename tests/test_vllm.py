@@ -157,7 +157,7 @@ def test_every_path_on_two_engines_is_token_identical_to_replay():
     with pull, LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0") as cluster:
         with Client(cluster) as client:
             kvs.install(client, "smollm2-135m", backend="vllm")
-            a, b = sorted(client.scheduler_info()["workers"])
+            a, b = sorted(client.nthreads())
             with on(a):
                 state = kvs.materialize(PREFIX)
             with on(b):

@@ -84,7 +84,7 @@ class KVThroughput:
                 with crossover.two_workers(protocol) as client:
                     for model in self.params[1]:
                         kvs.install(client, model, torch_threads=1)
-                        a, b = sorted(client.scheduler_info()["workers"])
+                        a, b = sorted(client.nthreads())
                         nbytes = min(STATE_BYTES, STATE_TOKENS * workload.kv_bytes_per_token(client))
                         cells[protocol, model] = crossover.throughput(client, a, b, nbytes, packed=True)
             except Exception:  # one comm's failure fails its cells, not the other comms'

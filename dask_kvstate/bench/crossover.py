@@ -177,7 +177,7 @@ def sweep(model: str, protocol: str, repeats: int) -> list[dict]:
         cfg = {"kvstate.transport.emulated-bandwidth": bw}
         with dask.config.set(cfg), two_workers(protocol) as client:
             kvs.install(client, model, torch_threads=1)
-            a, b = sorted(client.scheduler_info()["workers"])
+            a, b = sorted(client.nthreads())
             for n in CONTEXTS:
                 cell = sweep_cell(client, a, b, n, f"{bw} {n}", repeats)
                 cells.append({"bandwidth": bw, **cell})
@@ -202,7 +202,7 @@ def throughputs(
     for protocol in protocols:
         with two_workers(protocol) as client:
             kvs.install(client, model, torch_threads=1)
-            a, b = sorted(client.scheduler_info()["workers"])
+            a, b = sorted(client.nthreads())
             tp = rates[protocol] = throughput(client, a, b, mib * 2**20, repeats, packed=packed, checksum=checksum)
         print(
             f"{protocol} throughput, {tp['mib']:.0f} MiB in {tp['blocks']} blocks: "

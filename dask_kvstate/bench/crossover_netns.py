@@ -155,7 +155,7 @@ def compare(model: str, repeats: int, rates=RATES, contexts=CONTEXTS) -> dict:
     for rate in rates:
         with dask.config.set({"kvstate.transport.emulated-bandwidth": rate}), crossover.two_workers("tcp") as client:
             kvs.install(client, model, torch_threads=1)
-            a, b = sorted(client.scheduler_info()["workers"])
+            a, b = sorted(client.nthreads())
             for n in contexts:
                 throttle.append(
                     {"rate": rate or "unshaped", **crossover.sweep_cell(client, a, b, n, f"t {rate} {n}", repeats)}

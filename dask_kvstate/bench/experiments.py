@@ -233,7 +233,7 @@ def crossover_sweep(model: str, bandwidths, contexts, repeats: int, bar) -> list
             Client(cluster) as client,
         ):
             kvs.install(client, model, torch_threads=1)
-            a, b = sorted(client.scheduler_info()["workers"])
+            a, b = sorted(client.nthreads())
             for n in contexts:
                 bar.set_postfix_str(f"crossover {bw} {n}")
                 cell = crossover.sweep_cell(client, a, b, n, f"bench {bw} {n}", repeats)

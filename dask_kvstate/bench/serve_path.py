@@ -138,7 +138,7 @@ def wire(mib: int, repeats: int) -> dict:
         LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
         Client(cluster) as client,
     ):
-        a, b = sorted(client.scheduler_info()["workers"])
+        a, b = sorted(client.nthreads())
         client.run(install, workers=[a])
         nbytes = client.run(lambda dask_worker: dask_worker._bench_keep.nbytes, workers=[a])[a]
         arr = client.submit(

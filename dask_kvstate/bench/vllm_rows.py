@@ -83,7 +83,7 @@ def on(worker):
 def _cluster(n_workers: int, cores: list[set[int]]):
     cluster = LocalCluster(n_workers=n_workers, threads_per_worker=16, processes=True, dashboard_address=":0")
     client = Client(cluster)
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = sorted(client.nthreads())
     for w, core_set in zip(workers, cores):
         client.run(_pin, tuple(core_set), workers=[w])
     kvs.install(client, "smollm2-135m", backend="vllm")

@@ -73,7 +73,7 @@ def _fit_lines(tokens: int, dask_worker=None) -> int:
 
 def contexts(client, lengths) -> dict[int, str]:
     """A context of at most ``L`` tokens for every ``L``, measured with the cluster's tokenizer."""
-    w = sorted(client.scheduler_info()["workers"])[0]
+    w = sorted(client.nthreads())[0]
     return {L: context_text(client.run(_fit_lines, L, workers=[w])[w]) for L in lengths}
 
 
@@ -143,7 +143,7 @@ def run(client, mode: str, context: str, k: int, new_tokens: int, *, batch: int 
     split evenly over the workers, so every worker decodes one batch.
     """
     settle(client)
-    n_workers = len(client.scheduler_info()["workers"])
+    n_workers = len(client.nthreads())
     batch = batch or max(1, -(-k // n_workers))
     outs = build(mode, context, k, new_tokens)
     before = _counters(client)

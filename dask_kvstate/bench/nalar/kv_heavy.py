@@ -237,10 +237,7 @@ async def run_config(name: str, opts: Options, seed: int) -> dict:
             await cast(Awaitable[dict], kvs.install(c, "tiny-llama", torch_threads=1, **CONFIGS[name]))
             # Every worker runs the model once, and the tester once, before the clock starts.
             await c.wait_for_workers(opts.workers)
-            warm = [
-                c.compute(kvs.generate(f"Warm-up {w}.", max_new_tokens=2), workers=[w])
-                for w in c.scheduler_info(n_workers=-1)["workers"]
-            ]
+            warm = [c.compute(kvs.generate(f"Warm-up {w}.", max_new_tokens=2), workers=[w]) for w in await c.nthreads()]
             await c.gather([*warm, c.submit(run_tests, opts.tool_seconds, True, "", key="tester-warm")])
             del warm
             latencies: list[float] = []
