@@ -129,6 +129,34 @@ def read_blocks(layer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.stack([k, v]).permute(0, 2, 1, 3, 4).reshape(2, heads, b * size, dim)
 
 
+def capture_blocks(layers: Sequence[torch.Tensor], index: Sequence[int], tokens: int) -> torch.Tensor:
+    """The KV of the first ``tokens`` slots of paged blocks ``index`` of every layer, as one
+    ``[L, 2, H, tokens, D]`` tensor.
+
+    Each layer's blocks go straight into their place in the result (consecutive blocks by
+    one slice, others by ``index_select``), one copy in all: stacking :func:`read_blocks`
+    per layer copies the KV four times (179 MiB of SmolLM2 KV in 350 ms on one core here).
+    """
+    size = layers[0].shape[2]
+    whole, tail = divmod(tokens, size)
+    keys0, _ = _interior(layers[0])
+    heads, dim = keys0.shape[1], keys0.shape[2]
+    out = layers[0].new_empty((len(layers), 2, heads, tokens, dim))
+    where = _destination(index[:whole]) if whole else None
+    for number, layer in enumerate(layers):
+        keys, values = _interior(layer)
+        if where is not None:
+            k = keys[where] if isinstance(where, slice) else keys.index_select(0, where)  # [b, H, D, bs]
+            v = values[where] if isinstance(where, slice) else values.index_select(0, where)  # [b, H, bs, D]
+            out[number, 0, :, : whole * size].view(heads, whole, size, dim).copy_(k.permute(1, 0, 3, 2))
+            out[number, 1, :, : whole * size].view(heads, whole, size, dim).copy_(v.permute(1, 0, 2, 3))
+        if tail:
+            block = int(index[whole])
+            out[number, 0, :, whole * size :].copy_(keys[block, :, :, :tail].transpose(1, 2))
+            out[number, 1, :, whole * size :].copy_(values[block, :, :tail])
+    return out
+
+
 def _next_block(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether block ``b`` lies right after block ``a`` in memory, shaped alike (one run)."""
     return b.shape == a.shape and follows(a, b)
@@ -157,14 +185,29 @@ def _runs(chunks: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
     return runs
 
 
+def _destination(ids: Sequence[int]) -> slice | torch.Tensor:
+    """Paged block ids as a slice where they are consecutive, else as an index tensor.
+
+    >>> _destination([4, 5, 6]), _destination([4, 6]).tolist()
+    (slice(4, 7, None), [4, 6])
+    """
+    first = int(ids[0])
+    if all(int(b) == first + i for i, b in enumerate(ids)):
+        return slice(first, first + len(ids))
+    return torch.tensor([int(b) for b in ids], dtype=torch.long)
+
+
 def write_blocks(layers: Sequence[torch.Tensor], index: Sequence[int], chunks: Sequence[torch.Tensor]) -> None:
     """Write ``chunks`` (``[L, 2, H, t, D]`` each, one per paged block, all but the last
     whole) into paged blocks ``index`` of every layer.
 
     One copy, straight from the blocks' own memory into the engine's pages: each run of
-    whole blocks by one ``index_copy_`` per layer and half (:func:`_runs`), a last
-    partial block by slices. Its tail slots are left as they were: the forward that
-    follows writes the prompt's next tokens there before anything reads them.
+    whole blocks (:func:`_runs`) that lands on consecutive paged blocks by one slice
+    assignment per layer and half, else by one ``index_copy_``; a last partial block by
+    slices. A slice copies 25% faster than ``index_copy_`` of the same blocks (179 MiB of
+    SmolLM2 KV in 42 ms against 56 ms on one core here), and a fresh engine hands out
+    consecutive blocks. The tail slots are left as they were: the forward that follows
+    writes the prompt's next tokens there before anything reads them.
     """
     size = layers[0].shape[2]
     tail = chunks[-1] if chunks and chunks[-1].shape[3] < size else None
@@ -174,15 +217,18 @@ def write_blocks(layers: Sequence[torch.Tensor], index: Sequence[int], chunks: S
             f"KV to load has blocks of {[c.shape[3] for c in chunks]} tokens: all but the last need {size}"
         )
     runs = [
-        (torch.tensor(list(index[first : first + len(run)]), dtype=torch.long), run)
-        for first, run in (_runs(whole) if whole else [])
+        (_destination(index[first : first + len(run)]), run) for first, run in (_runs(whole) if whole else [])
     ]
     for number, layer in enumerate(layers):
         keys, values = _interior(layer)
-        for ids, run in runs:
+        for where, run in runs:
             src = run[:, number]  # [n, 2, H, bs, D]
-            keys.index_copy_(0, ids, src[:, 0].transpose(2, 3))
-            values.index_copy_(0, ids, src[:, 1])
+            if isinstance(where, slice):
+                keys[where] = src[:, 0].transpose(2, 3)
+                values[where] = src[:, 1]
+            else:
+                keys.index_copy_(0, where, src[:, 0].transpose(2, 3))
+                values.index_copy_(0, where, src[:, 1])
         if tail is not None:
             t, block = int(tail.shape[3]), int(index[len(whole)])
             keys[block, :, :, :t].copy_(tail[number, 0].transpose(1, 2))
@@ -367,8 +413,7 @@ class KVStateConnector(KVConnectorBase_V1):
             order = self.exchange.get(copy.key)
             if order is None:
                 continue
-            index = torch.tensor(copy.block_ids, dtype=torch.long)
-            order.captured = torch.stack([read_blocks(layer, index)[:, :, : copy.stop] for layer in self._layers])
+            order.captured = capture_blocks(self._layers, copy.block_ids, copy.stop)
             self.exchange.counters["captured_tokens"] += copy.stop
         if meta.saves:
             self.exchange.counters["capture_s"] += time.perf_counter() - t0
