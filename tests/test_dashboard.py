@@ -144,9 +144,12 @@ def test_refusals_and_evictions_reach_the_event_log(client):
     poll_for(lambda: logged(protocol.COMPATIBILITY_TOPIC, state=ref.state_id), timeout=10)
     (refusal,) = logged(protocol.COMPATIBILITY_TOPIC, state=ref.state_id)
     assert refusal["kind"] == "refused" and "config" in refusal["reason"] and refusal["tokens"] == ref.num_tokens
-    poll_for(lambda: logged(protocol.STORE_TOPIC, kind="evict", state=ref.state_id), timeout=10)
-    evictions = logged(protocol.STORE_TOPIC, kind="evict", state=ref.state_id)
-    assert sum(e["freed_bytes"] for e in evictions) == freed and freed > 0
+    # Each worker that held blocks logs its own eviction, on its own stream: wait for them all.
+    assert freed > 0
+    poll_for(
+        lambda: sum(e["freed_bytes"] for e in logged(protocol.STORE_TOPIC, kind="evict", state=ref.state_id)) == freed,
+        timeout=10,
+    )
 
 
 def test_spills_are_logged_aggregated_per_report():

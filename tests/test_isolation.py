@@ -56,8 +56,11 @@ def test_namespace_comes_from_the_client_config(client, workers):
     assert set(r.blocks).isdisjoint(d.blocks)
 
 
-def _local_files(dask_worker) -> dict:
+async def _local_files(dask_worker) -> dict:
+    import asyncio
+
     store = dask_worker.plugins["kvstate"].runtime.store
+    await asyncio.wrap_future(store.settled())  # the spills the task's end asked for have run
     files = {}
     for root, _, names in os.walk(dask_worker.local_directory):
         for name in names:

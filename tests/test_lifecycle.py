@@ -83,7 +83,8 @@ def test_invalidation_leaves_zero_bytes_and_keeps_shared_blocks(lc_client):
     assert None not in c.run(where, ra.blocks + rb.blocks, workers=[w])[w]
 
     del fa  # session a ends: its tasks are gone and its block has exited
-    poll_for(lambda: events(c, "invalidate", session=sa.id), timeout=20)
+    # Every worker is asked and logs its answer as it comes: wait for the holder's own.
+    poll_for(lambda: [e for e in events(c, "invalidate", session=sa.id) if e["worker"] == w], timeout=20)
     (done,) = [e for e in events(c, "invalidate", session=sa.id) if e["worker"] == w]
     assert done["left"] == 0 and done["freed"] > 0
     # Shared: the blocks both final states hold, and the materialized context's last partial block.
@@ -391,10 +392,16 @@ async def report_with_many_sessions(sessions, blocks, dask_worker=None):
 def test_the_lifecycle_report_stays_off_the_event_loop(lc_client):
     c = lc_client
     a, _ = sorted(c.nthreads())
-    longest, seconds = c.run(report_with_many_sessions, 400, 400, workers=[a])[a]
     # 400 sessions x 400 shared blocks: 64 million set operations per report when every
-    # session's own blocks are found by comparing it with every other one.
-    assert longest < 0.1, (longest, seconds)
+    # session's own blocks are found by comparing it with every other one; on the loop,
+    # that stalls every run. A loaded machine may starve one run too, so up to three run
+    # (as in test_loop_latency) and the first one without a stall passes.
+    runs = []
+    for _ in range(3):
+        runs.append(c.run(report_with_many_sessions, 400, 400, workers=[a])[a])
+        if runs[-1][0] < 0.1:
+            break
+    assert runs[-1][0] < 0.1, runs  # (longest tick, report seconds) of each run
 
 
 def invalidation_view(dask_scheduler=None):

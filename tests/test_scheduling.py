@@ -146,8 +146,11 @@ def test_tasks_submitted_by_a_task_inherit_its_session():
     ):
         kvs.install(client, model=False)
         with kvs.session("parent", client=client) as sess:
-            assert client.submit(spawn, 1, pure=False).result() == 0.0
+            fut = client.submit(spawn, 1, pure=False)
+            assert fut.result() == 0.0
+        # The live future keeps the closed session from being swept (every 20 ms here) before it is read.
         info = client.run_on_scheduler(_session_summary, sess.id)
+        del fut
     assert info["inherited"] == 1
     assert info["visits"] == {"spawn": 1, "nap": 1} and info["completed"] == 2
 

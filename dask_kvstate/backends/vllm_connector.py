@@ -216,9 +216,7 @@ def write_blocks(layers: Sequence[torch.Tensor], index: Sequence[int], chunks: S
         raise ValueError(
             f"KV to load has blocks of {[c.shape[3] for c in chunks]} tokens: all but the last need {size}"
         )
-    runs = [
-        (_destination(index[first : first + len(run)]), run) for first, run in (_runs(whole) if whole else [])
-    ]
+    runs = [(_destination(index[first : first + len(run)]), run) for first, run in (_runs(whole) if whole else [])]
     for number, layer in enumerate(layers):
         keys, values = _interior(layer)
         for where, run in runs:
