@@ -123,6 +123,21 @@ def test_write_blocks_puts_every_layout_in_the_engines_pages():
         assert torch.equal(torch.cat(chunks, dim=3), kv[:, :, :, 64:130]), name
 
 
+def test_a_prefill_over_a_past_copies_out_only_the_kv_from_keep_from(backend):
+    """An extend stores only its new blocks: the engine copies out the KV from the block
+    holding ``keep_from`` on, and that is the whole prefill's KV of those tokens."""
+    ids = backend.tokenize(PREFIX + PARTS[0][1])
+    size = backend.block_tokens
+    assert len(ids) > 2 * size + 1
+    backend.reset_engine_cache()
+    whole, _ = backend.prefill(ids)
+    for keep_from in (2 * size, 2 * size + 5):  # on a block boundary, and inside a block
+        backend.reset_engine_cache()  # the tail is computed over the loaded past, not found in the engine
+        tail, _ = backend.prefill(ids, whole[:, :, :, : 2 * size + 7], keep_from=keep_from)
+        assert tail.shape[3] == len(ids) - 2 * size, keep_from
+        torch.testing.assert_close(tail, whole[:, :, :, 2 * size :], atol=1e-4, rtol=1e-4)
+
+
 def test_every_form_of_a_loaded_state_resumes_token_identical(backend):
     ids = backend.tokenize(PREFIX)
     kv, _ = backend.prefill(ids)
@@ -178,10 +193,12 @@ def test_every_path_on_two_engines_is_token_identical_to_replay():
             ref, got, got_batched, got_longer, want, want_longer = dask.compute(
                 state, resumed, batched, from_longer, replay, replay_longer
             )
+            with on(a):  # the extension's own blocks, stored on B from its engine, pulled back to A
+                got_longer_on_a = kvs.resume(longer, " In short,", max_new_tokens=16).compute()
             stats = kvs.stats(client).workers
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert [g.token_ids for g in got_batched] == [w.token_ids for w in want]
-    assert got_longer.token_ids == want_longer.token_ids
+    assert got_longer.token_ids == want_longer.token_ids == got_longer_on_a.token_ids
     assert all(g.reused_tokens >= ref.num_tokens // 64 * 64 for g in got)
     assert stats[b]["transfer_bytes"] >= ref.nbytes // 2  # B pulled A's blocks over the comm
     assert stats[b]["engine"]["loaded_tokens"] > 0  # and its engine got them through our connector

@@ -150,11 +150,12 @@ class HFBackend:
             )
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int], past_kv: torch.Tensor | None = None):
+    def prefill(self, ids: list[int], past_kv: torch.Tensor | None = None, keep_from: int = 0):
         """Run ``ids[past_len:]`` through the model on top of ``past_kv``.
 
-        Returns ``(cache, last_logits)``: the cache covers all of ``ids``; the logits
-        are those of the last position (only those are computed).
+        Returns ``(cache, last_logits)``: the cache covers all of ``ids`` (``keep_from``,
+        where the caller's use of the KV starts, changes nothing here: the cache holds it
+        all anyway); the logits are those of the last position (only those are computed).
         """
         past_len = 0 if past_kv is None else int(past_kv.shape[3])
         assert past_len < len(ids), f"prefill needs at least one new token ({past_len} cached of {len(ids)})"

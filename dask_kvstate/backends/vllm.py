@@ -161,15 +161,21 @@ class VLLMBackend:
         """This backend's "cache" is already the captured ``[L, 2, H, T, D]`` tensor."""
         return cache
 
-    def prefill(self, ids: list[int], past_kv: torch.Tensor | None = None):
-        """The KV of all of ``ids`` (``past_kv`` covering their leading tokens); ``(kv, None)``.
+    def prefill(self, ids: list[int], past_kv: torch.Tensor | BlockKV | None = None, keep_from: int = 0):
+        """``(kv, None)``: the KV of ``ids`` from the block holding token ``keep_from`` on
+        (``past_kv`` covering their leading tokens; ``keep_from`` no later than its end).
 
         The engine computes the tokens neither ``past_kv`` nor its own prefix cache holds
-        and decodes one token, whose logits are not kept.
+        and decodes one token, whose logits are not kept. Only the KV from ``keep_from``'s
+        block on is copied out of the engine: an extend of a 4,096-token state by 72
+        tokens copied all 4,146 tokens (179 MiB, 0.08-0.34 s) for the one or two blocks it
+        stores.
         """
         if not ids:
             raise ValueError("cannot prefill an empty prompt")
-        order = vllm_connector.Order(load=self._load(ids, past_kv), capture=len(ids))
+        past_tokens = 0 if past_kv is None else self._blocks(past_kv).tokens
+        start = min(max(keep_from, 0), past_tokens) // self.block_tokens * self.block_tokens
+        order = vllm_connector.Order(load=self._load(ids, past_kv), capture=len(ids), capture_from=start)
         self._run([Job(list(ids), self._params(Sampling(max_new_tokens=1, temperature=0.0)), order)])
         if order.captured is None:
             raise RuntimeError(f"the vLLM engine returned no KV for a {len(ids)}-token prefill")

@@ -65,7 +65,8 @@ class Order:
     """What one request wants from the connector."""
 
     load: BlockKV | None = None  # KV of the prompt's leading tokens, as blocks of the engine's size
-    capture: int = 0  # leading prompt tokens whose KV to copy out
+    capture: int = 0  # leading prompt tokens whose KV to copy out...
+    capture_from: int = 0  # ...from this one on (a block boundary)
     captured: torch.Tensor | None = None  # set by the worker half
     loaded_tokens: int = 0  # tokens written into the engine from ``load``
     engine_hit_tokens: int = 0  # tokens vLLM's own prefix cache already held
@@ -353,8 +354,9 @@ class KVStateConnector(KVConnectorBase_V1):
             tracked.load = None
         order = self.exchange.get(tracked.key)
         if order is not None and 0 < order.capture <= tracked.computed and order.captured is None:
-            ids = tracked.block_ids[: -(-order.capture // bs)]
-            meta.saves.append(Copy(tracked.key, ids, 0, order.capture))
+            first = order.capture_from // bs
+            ids = tracked.block_ids[first : -(-order.capture // bs)]
+            meta.saves.append(Copy(tracked.key, ids, first * bs, order.capture))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._tracked.pop(request.request_id, None)
@@ -412,7 +414,7 @@ class KVStateConnector(KVConnectorBase_V1):
             order = self.exchange.get(copy.key)
             if order is None:
                 continue
-            order.captured = capture_blocks(self._layers, copy.block_ids, copy.stop)
-            self.exchange.counters["captured_tokens"] += copy.stop
+            order.captured = capture_blocks(self._layers, copy.block_ids, copy.stop - copy.start)
+            self.exchange.counters["captured_tokens"] += copy.stop - copy.start
         if meta.saves:
             self.exchange.counters["capture_s"] += time.perf_counter() - t0

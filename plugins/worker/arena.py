@@ -131,15 +131,17 @@ def overhang(tensors: Iterable) -> int:
     return max(0, sum(storages.values()) - own)
 
 
-def split_blocks(kv, hashes: Sequence[bytes], block_tokens: int, first: int = 0) -> list[KVBlock]:
-    """Cut a sequence KV tensor ``[L, 2, H, T, D]`` into blocks ``first, first+1, ...``.
+def split_blocks(kv, hashes: Sequence[bytes], block_tokens: int, first: int = 0, first_token: int = 0) -> list[KVBlock]:
+    """Cut a sequence KV tensor ``[L, 2, H, T, D]`` (the KV of tokens ``first_token...``,
+    a block boundary no later than block ``first``) into blocks ``first, first+1, ...``.
 
     The blocks are contiguous views of one new buffer, laid out block-major
     (:func:`lay_out`): one copy for all of them, and a pull of
     consecutive blocks is one run of memory the holder sends without packing.
     """
-    total = kv.shape[3]
+    total = first_token + kv.shape[3]
     assert total <= len(hashes) * block_tokens, "more tokens than hashed blocks"
-    tensors = lay_out(kv, block_tokens, first * block_tokens)
+    assert first_token % block_tokens == 0 and first_token <= first * block_tokens, "KV starts after its first block"
+    tensors = lay_out(kv, block_tokens, first * block_tokens - first_token)
     assert len(tensors) == len(hashes) - first, f"{len(tensors)} blocks for {len(hashes) - first} hashes"
     return [KVBlock(hashes[first + i], (first + i) * block_tokens, t) for i, t in enumerate(tensors)]

@@ -20,7 +20,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from dask_kvstate.blocks import block_hashes
+from dask_kvstate.blocks import BlockKV, block_hashes
 from dask_kvstate.plugins.worker import scheduler_link
 from dask_kvstate.plugins.worker.accounting import LiveKV
 from dask_kvstate.plugins.worker.arena import split_blocks
@@ -93,26 +93,43 @@ class KVEngine:
             placement=Placement(self.address, self.store.tier),
         )
 
-    def store_kv(self, kv: torch.Tensor, hashes: tuple[bytes, ...], first_block: int) -> list:
-        """Cut ``kv`` into blocks ``first_block...``, store them, return their tensors."""
-        blocks = split_blocks(kv, hashes, self.block_tokens, first_block)
+    def store_kv(self, kv: torch.Tensor, hashes: tuple[bytes, ...], first_block: int, first_token: int = 0) -> list:
+        """Cut ``kv`` (the KV of tokens ``first_token...``) into blocks ``first_block...``,
+        store them, return their tensors."""
+        blocks = split_blocks(kv, hashes, self.block_tokens, first_block, first_token)
         for block in blocks:
             self.store.put(block.hash, block.tensor)
         return [block.tensor for block in blocks]
 
-    def prefill(self, ids: Sequence[int], past: torch.Tensor | None) -> torch.Tensor:
-        """The KV of ``ids``, ``past`` being that of their leading tokens; counted and metered."""
-        past_len = 0 if past is None else past.shape[3]
+    def prefill(
+        self, ids: Sequence[int], past: torch.Tensor | BlockKV | None, keep_from: int = 0
+    ) -> tuple[torch.Tensor, int]:
+        """``(kv, first)``: the KV of ``ids`` from token ``first`` on, ``past`` being that of
+        their leading tokens; counted and metered.
+
+        ``keep_from`` (a block boundary no later than ``past`` ends) is where the caller's
+        use of the KV starts: the tokens before are ``past``'s, already stored. A backend
+        that copies KV out of an engine's own cache (vLLM) copies from there on only, so
+        ``first`` is ``keep_from`` or earlier; the transformers backend gives it all (0).
+        """
+        past_len = 0 if past is None else past.tokens if isinstance(past, BlockKV) else int(past.shape[3])
         self.counters["prefill_tokens"] += len(ids) - past_len
         self.counters["reused_tokens"] += past_len
         with self._borrowed_threads(len(ids) - past_len) as threads:
             t0 = time.perf_counter()
-            cache, _ = self.backend.prefill(list(ids), past)
+            cache, _ = self.backend.prefill(list(ids), past, keep_from=min(keep_from, past_len))
             seconds = time.perf_counter() - t0
         if threads == torch.get_num_threads():
             # The meter predicts recompute time at this worker's own thread count.
             self.prefill_meter.add(len(ids) - past_len, past_len, seconds)
-        return self.backend.kv_from_cache(cache)
+        kv = self.backend.kv_from_cache(cache)
+        first = len(ids) - int(kv.shape[3])
+        if not 0 <= first <= keep_from or first % self.block_tokens:
+            raise RuntimeError(
+                f"{self.backend.name!r} returned the KV of {int(kv.shape[3])} of {len(ids)} tokens: it must "
+                f"start on a block boundary no later than token {keep_from}"
+            )
+        return kv, first
 
     @contextlib.contextmanager
     def _borrowed_threads(self, tokens: int):

@@ -270,7 +270,8 @@ class Resolver:
         """``tensors`` with blocks ``first...`` rebuilt by a prefill over the ones before, and stored."""
         kv = self.kv
         past = join_blocks(tensors[:first])
-        rebuilt = kv.store_kv(kv.prefill(ids, past), hashes, first)
+        state, at = kv.prefill(ids, past, keep_from=first * kv.block_tokens)
+        rebuilt = kv.store_kv(state, hashes, first, at)
         kv.counters["recomputes"] += len(hashes) - first
         kv.counters["recompute_tokens"] += len(ids) - first * kv.block_tokens
         return tensors[:first] + rebuilt

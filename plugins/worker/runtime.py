@@ -91,8 +91,8 @@ class StateRuntime(KVEngine):
             present.append(t)
         self.counters["block_hits"] += len(present)
         if len(present) < len(hashes):
-            kv = self.prefill(ids, join_blocks(present))
-            self.store_kv(kv, hashes, len(present))
+            kv, at = self.prefill(ids, join_blocks(present), keep_from=len(present) * self.block_tokens)
+            self.store_kv(kv, hashes, len(present), at)
         else:
             self.counters["reused_tokens"] += len(ids)
         self.counters["materializations"] += 1
@@ -101,20 +101,25 @@ class StateRuntime(KVEngine):
     def extend(self, ref: KVStateRef, text: str) -> KVStateRef:
         """``ref`` followed by ``text``: the KV of tokenize(ref.text + text)."""
         full = ref.text + text
-        old = self.resolve(ref)
+        # A backend with its own paged cache is handed the blocks as they are (see BlockKV):
+        # joining them would copy the whole state into fresh memory for a few new tokens.
+        old = self.resolve(ref, joined=not self.backend.reads_blocks)
         ids = self.backend.tokenize(full)
         if not ids:
             raise ValueError("cannot extend to an empty prompt")
         hashes = self.hashes(ids, ref.namespace)
         self.store.pin(self.task_owner(), ref.blocks + hashes)
-        past = old.kv.joined() if isinstance(old.kv, BlockKV) else old.kv
+        past = old.kv.joined() if isinstance(old.kv, BlockKV) and not self.backend.reads_blocks else old.kv
         keep = common_prefix(old.token_ids, ids) if past is not None else 0
+        first = keep // self.block_tokens
         if past is not None and keep == len(ids):
-            kv = past[:, :, :, :keep]
+            head = _prefix(past, keep)
+            kv, at = (head.joined() if isinstance(head, BlockKV) else head), 0
             self.counters["reused_tokens"] += keep
         else:
-            kv = self.prefill(ids, past[:, :, :, :keep] if past is not None and keep else None)
-        self.store_kv(kv, hashes, keep // self.block_tokens)
+            past = _prefix(past, keep) if past is not None and keep else None
+            kv, at = self.prefill(ids, past, keep_from=first * self.block_tokens)
+        self.store_kv(kv, hashes, first, at)
         self.counters["extensions"] += 1
         return self.new_ref("extend", (ref.state_id,), full, ids, hashes, ref.namespace)
 
@@ -265,3 +270,8 @@ class StateRuntime(KVEngine):
             "cascade_fallbacks": fallbacks,
             "engine": self.backend.engine_stats(),
         }
+
+
+def _prefix(kv: torch.Tensor | BlockKV, tokens: int) -> torch.Tensor | BlockKV:
+    """The KV of the first ``tokens`` tokens of ``kv``, in its own form (views, no copy)."""
+    return kv.head(tokens) if isinstance(kv, BlockKV) else kv[:, :, :, :tokens]
