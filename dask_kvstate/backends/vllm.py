@@ -173,9 +173,9 @@ class VLLMBackend:
         """
         if not ids:
             raise ValueError("cannot prefill an empty prompt")
-        past_tokens = 0 if past_kv is None else self._blocks(past_kv).tokens
-        start = min(max(keep_from, 0), past_tokens) // self.block_tokens * self.block_tokens
-        order = vllm_connector.Order(load=self._load(ids, past_kv), capture=len(ids), capture_from=start)
+        load = self._load(ids, past_kv)
+        start = min(max(keep_from, 0), load.tokens if load else 0) // self.block_tokens * self.block_tokens
+        order = vllm_connector.Order(load=load, capture=len(ids), capture_from=start)
         self._run([Job(list(ids), self._params(Sampling(max_new_tokens=1, temperature=0.0)), order)])
         if order.captured is None:
             raise RuntimeError(f"the vLLM engine returned no KV for a {len(ids)}-token prefill")

@@ -19,12 +19,8 @@ process's :class:`Exchange`:
 - a **capture**: the number of leading prompt tokens whose KV to copy out, in the same
   layout, once the forward that computes the last of them has run.
 
-The paged layout is the CPU attention backend's (``LBHNC``, ``vec`` kernels): per layer
-``[blocks, kv_heads, block_size, 2 * head_dim]``, each head's block holding its keys
-transposed (``[head_dim, block_size]``, the kernel's dot-product order) and then its
-values (``[block_size, head_dim]``). vLLM documents the outer order only, so
-:func:`read_blocks` was checked against transformers' own KV of the same prompt
-(``tests/test_vllm.py``).
+The copies themselves, and the paged layout they read and write, are in
+:mod:`.vllm_pages`.
 """
 
 from __future__ import annotations
@@ -33,7 +29,6 @@ import re
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +39,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from dask_kvstate.blocks import BlockKV, consecutive_view, follows
+from dask_kvstate.backends.vllm_pages import PAGED_ISAS, capture_blocks, load_chunks, write_blocks
+from dask_kvstate.blocks import BlockKV
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -107,144 +103,6 @@ def forget(name: str) -> None:
 def exchange(name: str) -> Exchange:
     """The exchange named ``name`` in this process (made on first use)."""
     return _EXCHANGES.setdefault(name, Exchange())
-
-
-# CPU attention kernels whose paged block interior is keys transposed, then values.
-PAGED_ISAS = frozenset({"vec"})
-
-
-def _interior(layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of one layer's paged keys ``[blocks, H, D, bs]`` and values ``[blocks, H, bs, D]``."""
-    blocks, heads, size, content = layer.shape
-    dim = content // 2
-    halves = layer.view(blocks, heads, 2, size * dim)
-    return halves[:, :, 0].view(blocks, heads, dim, size), halves[:, :, 1].view(blocks, heads, size, dim)
-
-
-def read_blocks(layer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Paged blocks ``index`` of one layer as ``[2, H, len(index) * bs, D]`` (a copy)."""
-    keys, values = _interior(layer)
-    k = keys.index_select(0, index).transpose(2, 3)  # [b, H, bs, D]
-    v = values.index_select(0, index)
-    b, heads, size, dim = v.shape
-    return torch.stack([k, v]).permute(0, 2, 1, 3, 4).reshape(2, heads, b * size, dim)
-
-
-def capture_blocks(layers: Sequence[torch.Tensor], index: Sequence[int], tokens: int) -> torch.Tensor:
-    """The KV of the first ``tokens`` slots of paged blocks ``index`` of every layer, as one
-    ``[L, 2, H, tokens, D]`` tensor.
-
-    Each layer's blocks go straight into their place in the result (consecutive blocks by
-    one slice, others by ``index_select``), one copy in all: stacking :func:`read_blocks`
-    per layer copies the KV four times (a 4,091-token SmolLM2 state, 179 MiB in 64-token
-    blocks, on one core here: 94 ms against 151 ms).
-    """
-    size = layers[0].shape[2]
-    whole, tail = divmod(tokens, size)
-    keys0, _ = _interior(layers[0])
-    heads, dim = keys0.shape[1], keys0.shape[2]
-    out = layers[0].new_empty((len(layers), 2, heads, tokens, dim))
-    where = _destination(index[:whole]) if whole else None
-    for number, layer in enumerate(layers):
-        keys, values = _interior(layer)
-        if where is not None:
-            k = keys[where] if isinstance(where, slice) else keys.index_select(0, where)  # [b, H, D, bs]
-            v = values[where] if isinstance(where, slice) else values.index_select(0, where)  # [b, H, bs, D]
-            out[number, 0, :, : whole * size].view(heads, whole, size, dim).copy_(k.permute(1, 0, 3, 2))
-            out[number, 1, :, : whole * size].view(heads, whole, size, dim).copy_(v.permute(1, 0, 2, 3))
-        if tail:
-            block = int(index[whole])
-            out[number, 0, :, whole * size :].copy_(keys[block, :, :, :tail].transpose(1, 2))
-            out[number, 1, :, whole * size :].copy_(values[block, :, :tail])
-    return out
-
-
-def _next_block(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether block ``b`` lies right after block ``a`` in memory, shaped alike (one run)."""
-    return b.shape == a.shape and follows(a, b)
-
-
-def _runs(chunks: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
-    """``chunks`` (whole blocks of ``[L, 2, H, bs, D]``) as ``(first, run)`` pairs, each
-    ``run`` a ``[n, L, 2, H, bs, D]`` view of blocks ``first...first + n - 1``.
-
-    As few runs as their memory allows: token slices of one joined tensor are one, and
-    so are blocks lying back to back (an arena, each frame a pull arrived in); any other
-    block is a run of its own.
-    """
-    joined = consecutive_view(chunks)
-    if joined is not None:  # token slices of one [L, 2, H, T, D] tensor (a joined state)
-        layers, two, heads, tokens, dim = joined.shape
-        n = len(chunks)
-        return [(0, joined.reshape(layers, two, heads, n, tokens // n, dim).permute(3, 0, 1, 2, 4, 5))]
-    starts = [i for i in range(len(chunks)) if i == 0 or not _next_block(chunks[i - 1], chunks[i])]
-    runs = []
-    for first, stop in zip(starts, [*starts[1:], len(chunks)]):
-        head = chunks[first]  # a block alone keeps whatever strides it has
-        runs.append(
-            (first, head.as_strided((stop - first, *head.shape), (head.numel(), *head.stride()), head.storage_offset()))
-        )
-    return runs
-
-
-def _destination(ids: Sequence[int]) -> slice | torch.Tensor:
-    """Paged block ids as a slice where they are consecutive, else as an index tensor.
-
-    >>> _destination([4, 5, 6]), _destination([4, 6]).tolist()
-    (slice(4, 7, None), [4, 6])
-    """
-    first = int(ids[0])
-    if all(int(b) == first + i for i, b in enumerate(ids)):
-        return slice(first, first + len(ids))
-    return torch.tensor([int(b) for b in ids], dtype=torch.long)
-
-
-def write_blocks(layers: Sequence[torch.Tensor], index: Sequence[int], chunks: Sequence[torch.Tensor]) -> None:
-    """Write ``chunks`` (``[L, 2, H, t, D]`` each, one per paged block, all but the last
-    whole) into paged blocks ``index`` of every layer.
-
-    One copy, straight from the blocks' own memory into the engine's pages: each run of
-    whole blocks (:func:`_runs`) that lands on consecutive paged blocks by one slice
-    assignment per layer and half, else by one ``index_copy_``; a last partial block by
-    slices. A slice is the faster copy (a 4,091-token SmolLM2 state, 179 MiB in 64-token
-    blocks, on one core here: 42.5 ms against 51.0 ms), and a fresh engine hands out
-    consecutive blocks. The tail slots are left as they were: the forward that follows
-    writes the prompt's next tokens there before anything reads them.
-    """
-    size = layers[0].shape[2]
-    tail = chunks[-1] if chunks and chunks[-1].shape[3] < size else None
-    whole = list(chunks[:-1] if tail is not None else chunks)
-    if any(c.shape[3] != size for c in whole):
-        raise ValueError(
-            f"KV to load has blocks of {[c.shape[3] for c in chunks]} tokens: all but the last need {size}"
-        )
-    runs = [(_destination(index[first : first + len(run)]), run) for first, run in (_runs(whole) if whole else [])]
-    for number, layer in enumerate(layers):
-        keys, values = _interior(layer)
-        for where, run in runs:
-            src = run[:, number]  # [n, 2, H, bs, D]
-            if isinstance(where, slice):
-                keys[where] = src[:, 0].transpose(2, 3)
-                values[where] = src[:, 1]
-            else:
-                keys.index_copy_(0, where, src[:, 0].transpose(2, 3))
-                values.index_copy_(0, where, src[:, 1])
-        if tail is not None:
-            t, block = int(tail.shape[3]), int(index[len(whole)])
-            keys[block, :, :, :t].copy_(tail[number, 0].transpose(1, 2))
-            values[block, :, :t].copy_(tail[number, 1])
-
-
-def load_chunks(load: BlockKV, start: int, stop: int, size: int) -> list[torch.Tensor]:
-    """Tokens ``start:stop`` of ``load`` (``start`` on a block boundary) as one view per
-    paged block of ``size`` tokens."""
-    if any(b.shape[3] != size for b in load.blocks[:-1]):  # blocks of another size: cut the joined state
-        load = BlockKV.split(load.joined(), size)
-    picked = list(load.blocks[start // size : -(-stop // size)])
-    cut = stop - (start // size + len(picked) - 1) * size  # tokens of the last picked block to load
-    if picked and cut < picked[-1].shape[3]:
-        picked[-1] = picked[-1][:, :, :, :cut]
-    return picked
 
 
 @dataclass
@@ -388,7 +246,7 @@ class KVStateConnector(KVConnectorBase_V1):
             self.exchange.counters["load_s"] += time.perf_counter() - t0
 
     def _check_isa(self, forward_context: ForwardContext) -> None:
-        """Refuse a paged layout other than the one :func:`read_blocks` knows, before any copy."""
+        """Refuse a paged layout other than the one :mod:`.vllm_pages` knows, before any copy."""
         if self._isa_checked:
             return
         for layer in forward_context.no_compile_layers.values():

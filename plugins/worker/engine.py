@@ -101,6 +101,15 @@ class KVEngine:
             self.store.put(block.hash, block.tensor)
         return [block.tensor for block in blocks]
 
+    def prefill_and_store(
+        self, ids: Sequence[int], past: torch.Tensor | BlockKV | None, hashes: tuple[bytes, ...], first_block: int
+    ) -> list:
+        """Prefill ``ids`` over ``past`` (the KV of blocks ``...first_block - 1`` or more) and
+        store blocks ``first_block...``; their tensors. Only those blocks' KV is asked of the
+        backend (see :meth:`prefill`)."""
+        kv, first_token = self.prefill(ids, past, keep_from=first_block * self.block_tokens)
+        return self.store_kv(kv, hashes, first_block, first_token)
+
     def prefill(
         self, ids: Sequence[int], past: torch.Tensor | BlockKV | None, keep_from: int = 0
     ) -> tuple[torch.Tensor, int]:
@@ -117,7 +126,7 @@ class KVEngine:
         self.counters["reused_tokens"] += past_len
         with self._borrowed_threads(len(ids) - past_len) as threads:
             t0 = time.perf_counter()
-            cache, _ = self.backend.prefill(list(ids), past, keep_from=min(keep_from, past_len))
+            cache, _ = self.backend.prefill(list(ids), past, keep_from=keep_from)
             seconds = time.perf_counter() - t0
         if threads == torch.get_num_threads():
             # The meter predicts recompute time at this worker's own thread count.

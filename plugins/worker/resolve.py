@@ -270,8 +270,7 @@ class Resolver:
         """``tensors`` with blocks ``first...`` rebuilt by a prefill over the ones before, and stored."""
         kv = self.kv
         past = join_blocks(tensors[:first])
-        state, at = kv.prefill(ids, past, keep_from=first * kv.block_tokens)
-        rebuilt = kv.store_kv(state, hashes, first, at)
+        rebuilt = kv.prefill_and_store(ids, past, hashes, first)
         kv.counters["recomputes"] += len(hashes) - first
         kv.counters["recompute_tokens"] += len(ids) - first * kv.block_tokens
         return tensors[:first] + rebuilt

@@ -91,8 +91,7 @@ class StateRuntime(KVEngine):
             present.append(t)
         self.counters["block_hits"] += len(present)
         if len(present) < len(hashes):
-            kv, at = self.prefill(ids, join_blocks(present), keep_from=len(present) * self.block_tokens)
-            self.store_kv(kv, hashes, len(present), at)
+            self.prefill_and_store(ids, join_blocks(present), hashes, len(present))
         else:
             self.counters["reused_tokens"] += len(ids)
         self.counters["materializations"] += 1
@@ -111,15 +110,13 @@ class StateRuntime(KVEngine):
         self.store.pin(self.task_owner(), ref.blocks + hashes)
         past = old.kv.joined() if isinstance(old.kv, BlockKV) and not self.backend.reads_blocks else old.kv
         keep = common_prefix(old.token_ids, ids) if past is not None else 0
-        first = keep // self.block_tokens
         if past is not None and keep == len(ids):
             head = _prefix(past, keep)
-            kv, at = (head.joined() if isinstance(head, BlockKV) else head), 0
+            self.store_kv(head.joined() if isinstance(head, BlockKV) else head, hashes, keep // self.block_tokens)
             self.counters["reused_tokens"] += keep
         else:
             past = _prefix(past, keep) if past is not None and keep else None
-            kv, at = self.prefill(ids, past, keep_from=first * self.block_tokens)
-        self.store_kv(kv, hashes, first, at)
+            self.prefill_and_store(ids, past, hashes, keep // self.block_tokens)
         self.counters["extensions"] += 1
         return self.new_ref("extend", (ref.state_id,), full, ids, hashes, ref.namespace)
 
