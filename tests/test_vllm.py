@@ -161,6 +161,42 @@ def test_replay_equals_transformers_generate(backend, hf_model):
         assert got == out[0, len(ids) :].tolist()[: len(got)]
 
 
+def test_an_engine_sharing_its_cores_with_a_stepping_peer_gives_the_same_tokens(backend):
+    """Another engine of this host given the same cores steps: ours runs on its share, same output."""
+    import subprocess
+    import sys
+
+    board = backend.loop._cores
+    if board is None or board.cores < 2:
+        pytest.skip("the engine has one core: there is nothing to share")
+    ids = backend.tokenize(PREFIX + PARTS[1][1])
+    backend.reset_engine_cache()
+    alone = backend.generate(ids, None, GREEDY)
+    peer = subprocess.Popen(  # a stepping engine's claim on the board, from a process of its own
+        [
+            sys.executable,
+            "-c",
+            "import sys; from dask_kvstate.backends.vllm_cores import CoreShare; "
+            "b = CoreShare(sys.argv[1], sys.argv[2]); b.threads(); print('ready', flush=True); sys.stdin.read()",
+            board.spec,
+            str(board.path.parent),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert peer.stdout.readline().strip() == "ready"
+        before = backend.exchange.counters["steps_on_shared_cores"]
+        backend.reset_engine_cache()
+        shared = backend.generate(ids, None, GREEDY)
+        assert backend.exchange.counters["steps_on_shared_cores"] > before
+    finally:
+        peer.kill()
+        peer.wait(timeout=30)
+    assert shared.token_ids == alone.token_ids
+
+
 def test_a_bad_load_fails_its_call_and_the_engine_goes_on(backend):
     ids = backend.tokenize(PREFIX)
     bad = torch.zeros(backend.num_layers, 2, backend.kv_heads + 1, 8, backend.head_dim)

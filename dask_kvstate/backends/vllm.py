@@ -130,6 +130,7 @@ class VLLMBackend:
             max_model_len=config.get("vllm.max-model-len"),
             kv_cache_bytes=config.get_bytes("vllm.kv-cache-bytes"),
             cpu_cores=config.get("vllm.cpu-cores"),
+            share_cores=bool(config.get("vllm.share-cores")),
             compile=bool(config.get("vllm.compile")),
         )
         return cls(name, options)

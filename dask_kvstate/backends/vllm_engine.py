@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dask_kvstate.backends import vllm_connector
+from dask_kvstate.backends.vllm_cores import CoreShare, cores_of_this_process, count_cores
 
 logger = logging.getLogger("dask_kvstate")
 
@@ -43,26 +44,17 @@ class EngineOptions:
     kv_cache_bytes: int
     cpu_cores: str | None  # "0-1" style; None: every core this process may run on
     compile: bool  # torch.compile the model (slower start, faster steps) or run eager
+    share_cores: bool = True  # split the cores with this host's other engines given the same ones (.vllm_cores)
     exchange: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
-def _cores_of_this_process() -> str:
-    """Every core this process may run on, as vLLM's binding spec ("0,1")."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    return ",".join(str(c) for c in cores)
+def engine_cores(options: EngineOptions) -> str:
+    """The cores the engine runs on: ``options.cpu_cores``, else every core this process may use.
 
-
-def count_cores(spec: str) -> int:
-    """Cores a binding spec names.
-
-    >>> count_cores("0-3"), count_cores("0,2"), count_cores("1")
-    (4, 2, 1)
+    Unbound, the engine takes every core this process may run on (a nanny starts workers
+    with OMP_NUM_THREADS=1, which would leave one core to an engine given several).
     """
-    n = 0
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        n += int(hi) - int(lo) + 1 if hi else 1
-    return n
+    return options.cpu_cores or cores_of_this_process()
 
 
 def start_engine(options: EngineOptions):
@@ -73,10 +65,8 @@ def start_engine(options: EngineOptions):
     import torch
 
     # vLLM's CPU attention plans its work for the bound cores and runs it on torch's
-    # threads: the two counts must agree, or its kernels abort the process. Unbound, the
-    # engine takes every core this process may run on (a nanny starts workers with
-    # OMP_NUM_THREADS=1, which would leave one core to an engine given several).
-    cores = options.cpu_cores or _cores_of_this_process()
+    # threads: the two counts must agree when the engine starts, or its kernels abort the process.
+    cores = engine_cores(options)
     if count_cores(cores) != torch.get_num_threads():
         torch.set_num_threads(count_cores(cores))
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores
@@ -193,8 +183,19 @@ class EngineLoop:
             started.set_exception(e)
             return
         self.engine = engine
+        cores = engine_cores(options)
+        self._full_threads = self._threads = count_cores(cores)
+        try:
+            self._cores = CoreShare(cores) if options.share_cores else None
+        except OSError as e:  # no shared memory to post on: step on every core, as vLLM alone does
+            logger.warning("kvstate: cannot share cores %s with other engines (%s); this engine uses all of them", cores, e)
+            self._cores = None
         started.set_result(engine)
-        self._loop()
+        try:
+            self._loop()
+        finally:
+            if self._cores is not None:
+                self._cores.close()
 
     def submit(self, job: Job) -> Future:
         if self._closed:
@@ -263,7 +264,12 @@ class EngineLoop:
 
     def _take(self) -> list[Job | Call | None]:
         """Every submitted job, waiting for one while the engine has nothing to do."""
-        taken: list[Job | Call | None] = [] if self.engine.has_unfinished_requests() else [self._queue.get()]
+        if self.engine.has_unfinished_requests():
+            taken: list[Job | Call | None] = []
+        else:
+            if self._cores is not None:
+                self._cores.idle()  # nothing to step: the host's other engines may take our cores
+            taken = [self._queue.get()]
         while True:
             try:
                 taken.append(self._queue.get_nowait())
@@ -282,6 +288,7 @@ class EngineLoop:
                     self._add(job)
             if not self.engine.has_unfinished_requests():
                 continue
+            self._take_cores()
             try:
                 outputs = self.engine.step()
             except BaseException as e:  # the engine is broken: fail every waiting task, clearly
@@ -298,6 +305,17 @@ class EngineLoop:
                     job.prefilled.set()
                 if out.finished:
                     self._finish(job, out)
+
+    def _take_cores(self) -> None:
+        """Run the next step on this engine's share of its cores (:mod:`.vllm_cores`)."""
+        if self._cores is None:
+            return
+        threads = self._cores.threads()
+        if threads != self._threads:
+            self._set_num_threads(threads)  # torch's own setter: vLLM replaced the public one with a no-op
+            self._threads = threads
+        if threads < self._full_threads:
+            self.exchange.counters["steps_on_shared_cores"] += 1
 
     def _fail_all(self, error: BaseException) -> None:
         for job in list(self._jobs.values()):

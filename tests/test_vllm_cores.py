@@ -1,0 +1,95 @@
+"""The board on which the vLLM engines of one host share their cores, with real processes on it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from dask_kvstate.backends.vllm_cores import SLOTS, CoreShare, count_cores, parse_cores, share
+
+PEER = """
+import sys
+from dask_kvstate.backends.vllm_cores import CoreShare
+board = CoreShare(sys.argv[1], sys.argv[2])
+if sys.argv[3] == "busy":
+    board.threads()
+print("ready", flush=True)
+sys.stdin.read()  # hold the slot until the test closes our stdin or kills us
+"""
+
+
+def _peer(cores: str, directory, state: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PEER, cores, str(directory), state],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait(timeout=30)
+
+
+def test_an_engine_alone_takes_every_core(tmp_path):
+    board = CoreShare("0-3", tmp_path)
+    assert board.threads() == 4
+    board.close()
+
+
+def test_engines_stepping_together_split_the_cores_and_an_idle_one_leaves_them(tmp_path):
+    peer = _peer("0-3", tmp_path, "busy")
+    try:
+        board = CoreShare("0-3", tmp_path)
+        assert board.threads() == 2  # two stepping on four cores
+        other = _peer("0-3", tmp_path, "idle")  # on the board, not stepping: takes nothing
+        try:
+            assert board.threads() == 2
+        finally:
+            _stop(other)
+    finally:
+        _stop(peer)
+    assert board.threads() == 4  # the stepping peer died: its claim ended with it
+    board.close()
+
+
+def test_a_dead_engines_slot_is_taken_again(tmp_path):
+    peer = _peer("0,1", tmp_path, "busy")
+    _stop(peer)
+    board = CoreShare("0,1", tmp_path)
+    assert board.slot == 0  # the dead process's row
+    assert board.threads() == 2
+    board.close()
+
+
+def test_only_engines_given_the_same_cores_share(tmp_path):
+    peer = _peer("1,0", tmp_path, "busy")  # the same set, written another way
+    other = _peer("2-3", tmp_path, "busy")
+    try:
+        board = CoreShare("0-1", tmp_path)
+        assert board.threads() == 1
+        board.idle()
+        board.close()
+    finally:
+        _stop(peer)
+        _stop(other)
+
+
+def test_shares_add_up_to_the_cores_and_never_drop_below_one():
+    for cores in range(1, 9):
+        for busy in range(1, 12):
+            shares = [share(cores, busy, r) for r in range(busy)]
+            assert min(shares) >= 1
+            assert sum(shares) == max(cores, busy)
+
+
+def test_a_bad_core_list_is_named():
+    assert count_cores("0-1,4") == 3
+    with pytest.raises(ValueError, match="'0-x'"):
+        parse_cores("0-x")
+    assert SLOTS >= 2
