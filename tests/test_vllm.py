@@ -176,8 +176,10 @@ def test_an_engine_sharing_its_cores_with_a_stepping_peer_gives_the_same_tokens(
         [
             sys.executable,
             "-c",
-            "import sys; from dask_kvstate.backends.vllm_cores import CoreShare; "
-            "b = CoreShare(sys.argv[1], sys.argv[2]); b.threads(); print('ready', flush=True); sys.stdin.read()",
+            "import sys, threading, time; from dask_kvstate.backends.vllm_cores import CoreShare\n"
+            "b = CoreShare(sys.argv[1], sys.argv[2]); b.threads()\n"
+            "def steps():\n    while True:\n        b.threads(); time.sleep(0.005)\n"
+            "threading.Thread(target=steps, daemon=True).start(); print('ready', flush=True); sys.stdin.read()",
             board.spec,
             str(board.path.parent),
         ],

@@ -6,23 +6,32 @@ import subprocess
 import sys
 
 import pytest
+from distributed.utils_test import poll_for
 
 from dask_kvstate.backends.vllm_cores import SLOTS, CoreShare, count_cores, parse_cores, share
 
 PEER = """
-import sys
+import sys, threading, time
 from dask_kvstate.backends.vllm_cores import CoreShare
 board = CoreShare(sys.argv[1], sys.argv[2])
-if sys.argv[3] == "busy":
+mode = sys.argv[3]
+if mode == "stuck":  # one step begun alone, never ended
     board.threads()
+elif mode == "stepping":  # an engine stepping on and on, 5 ms a step
+    board.threads()
+    def steps():
+        while True:
+            board.threads()
+            time.sleep(0.005)
+    threading.Thread(target=steps, daemon=True).start()
 print("ready", flush=True)
-sys.stdin.read()  # hold the slot until the test closes our stdin or kills us
+sys.stdin.read()  # hold the slot until the test kills us
 """
 
 
-def _peer(cores: str, directory, state: str) -> subprocess.Popen:
+def _peer(cores: str, directory, mode: str) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-c", PEER, cores, str(directory), state],
+        [sys.executable, "-c", PEER, cores, str(directory), mode],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -36,6 +45,11 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+def _using(board: CoreShare, pid: int) -> int:
+    rows = board._rows
+    return next(int(rows[s, 2]) for s in range(SLOTS) if rows[s, 0] == pid)
+
+
 def test_an_engine_alone_takes_every_core(tmp_path):
     board = CoreShare("0-3", tmp_path)
     assert board.threads() == 4
@@ -43,23 +57,36 @@ def test_an_engine_alone_takes_every_core(tmp_path):
 
 
 def test_engines_stepping_together_split_the_cores_and_an_idle_one_leaves_them(tmp_path):
-    peer = _peer("0-3", tmp_path, "busy")
+    peer = _peer("0-3", tmp_path, "stepping")
     try:
         board = CoreShare("0-3", tmp_path)
         assert board.threads() == 2  # two stepping on four cores
+        assert _using(board, peer.pid) <= 2  # it stepped on its share before ours began
         other = _peer("0-3", tmp_path, "idle")  # on the board, not stepping: takes nothing
         try:
             assert board.threads() == 2
         finally:
             _stop(other)
+        board.idle()
+        poll_for(lambda: _using(board, peer.pid) == 4, timeout=10)  # ours idle: the peer's next steps take all four
     finally:
         _stop(peer)
     assert board.threads() == 4  # the stepping peer died: its claim ended with it
     board.close()
 
 
+def test_a_step_begun_alone_delays_a_newcomer_only_so_long(tmp_path):
+    peer = _peer("0,1", tmp_path, "stuck")  # on both cores, and it never posts again
+    try:
+        board = CoreShare("0,1", tmp_path)
+        assert board.threads() == 1  # waited for the step to end, then went ahead on its share
+        board.close()
+    finally:
+        _stop(peer)
+
+
 def test_a_dead_engines_slot_is_taken_again(tmp_path):
-    peer = _peer("0,1", tmp_path, "busy")
+    peer = _peer("0,1", tmp_path, "stepping")
     _stop(peer)
     board = CoreShare("0,1", tmp_path)
     assert board.slot == 0  # the dead process's row
@@ -68,8 +95,8 @@ def test_a_dead_engines_slot_is_taken_again(tmp_path):
 
 
 def test_only_engines_given_the_same_cores_share(tmp_path):
-    peer = _peer("1,0", tmp_path, "busy")  # the same set, written another way
-    other = _peer("2-3", tmp_path, "busy")
+    peer = _peer("1,0", tmp_path, "stepping")  # the same set, written another way
+    other = _peer("2-3", tmp_path, "stepping")
     try:
         board = CoreShare("0-1", tmp_path)
         assert board.threads() == 1

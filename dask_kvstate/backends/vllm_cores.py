@@ -25,12 +25,18 @@ import hashlib
 import mmap
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
 SLOTS = 64  # engines one board can hold; more on one core set would be far past its cores
-_PID, _BUSY = 0, 1
+_PID, _WANT, _USING = 0, 1, 2  # a row: the engine's process, whether it has work, threads its current step runs on
+_COLUMNS = 3
+# How long an engine waits for another's step, begun while it stepped alone, to end before
+# starting its own on too many threads: a step is usually shorter, but a long prefill
+# should not hold a short request back for seconds.
+MAX_WAIT_S = 0.5
 
 
 def cores_of_this_process() -> str:
@@ -96,8 +102,9 @@ def _board_dir() -> Path:
 class CoreShare:
     """This engine's slot on the board of the engines given ``cores`` on this host.
 
-    The board is a file of ``SLOTS`` rows ``(pid, busy)`` mapped by every such engine; a
-    row whose process died is free again, so a killed worker leaves no lasting claim.
+    The board is a file of ``SLOTS`` rows ``(pid, has work, threads in use)`` mapped by
+    every such engine; a row whose process died is free again, so a killed worker leaves
+    no lasting claim.
     """
 
     def __init__(self, cores: str, directory: str | Path | None = None):
@@ -106,7 +113,7 @@ class CoreShare:
         key = hashlib.sha1(",".join(map(str, sorted(set(parse_cores(cores))))).encode()).hexdigest()[:16]
         # Per user: another user's engines are not ours to yield to, nor theirs to read.
         self.path = Path(directory or _board_dir()) / f"dask-kvstate-cores-{os.getuid()}-{key}"
-        size = SLOTS * 2 * 8
+        size = SLOTS * _COLUMNS * 8
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -114,7 +121,7 @@ class CoreShare:
                 if os.fstat(fd).st_size < size:
                     os.ftruncate(fd, size)
                 self._map = mmap.mmap(fd, size)
-                self._rows = np.ndarray((SLOTS, 2), dtype=np.int64, buffer=self._map)
+                self._rows = np.ndarray((SLOTS, _COLUMNS), dtype=np.int64, buffer=self._map)
                 self.slot = self._claim()
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
@@ -128,28 +135,42 @@ class CoreShare:
         for slot in range(SLOTS):
             owner = int(self._rows[slot, _PID])
             if owner == 0 or owner == pid or not _alive(owner):
-                self._rows[slot] = (pid, 0)
+                self._rows[slot] = (pid, 0, 0)
                 return slot
         raise RuntimeError(f"{SLOTS} engines already share cores on {self.path}: no slot left")
 
     def threads(self) -> int:
-        """Mark this engine stepping, and the threads its next step should run on."""
-        if not self._busy:
-            self._rows[self.slot, _BUSY] = 1
-            self._busy = True
-        rows = self._rows.copy()
-        me = os.getpid()
-        busy = [
-            s
-            for s in np.flatnonzero(rows[:, _BUSY]).tolist()
-            if s == self.slot or (rows[s, _PID] != me and _alive(int(rows[s, _PID])))
-        ]
-        return share(self.cores, len(busy), busy.index(self.slot))
+        """Mark this engine as having work, and the threads its next step should run on.
+
+        Its share counts every engine with work; if those stepping now already use more
+        cores than the share leaves (a step one of them began alone), it waits for their
+        steps to end, up to ``MAX_WAIT_S``, rather than oversubscribe the cores.
+        """
+        rows = self._rows
+        rows[self.slot, _USING] = 0  # between steps: running on nothing
+        rows[self.slot, _WANT] = 1
+        self._busy = True
+        deadline = time.monotonic() + MAX_WAIT_S
+        while True:
+            now = rows.copy()
+            live = [s for s in range(SLOTS) if s == self.slot or self._live(now, s)]
+            wanting = [s for s in live if now[s, _WANT]]
+            threads = share(self.cores, len(wanting), wanting.index(self.slot))
+            in_use = sum(int(now[s, _USING]) for s in live if s != self.slot)
+            if in_use + threads <= self.cores or time.monotonic() > deadline:
+                rows[self.slot, _USING] = threads
+                return threads
+            time.sleep(0.001)
+
+    def _live(self, rows: np.ndarray, slot: int) -> bool:
+        pid = int(rows[slot, _PID])
+        return pid != 0 and pid != os.getpid() and _alive(pid)
 
     def idle(self) -> None:
         """Mark this engine idle: its cores go to the others' next steps."""
         if self._busy:
-            self._rows[self.slot, _BUSY] = 0
+            self._rows[self.slot, _WANT] = 0
+            self._rows[self.slot, _USING] = 0
             self._busy = False
 
     def close(self) -> None:
@@ -157,6 +178,6 @@ class CoreShare:
         if self._closed:
             return
         self._closed = True
-        self._rows[self.slot] = (0, 0)
+        self._rows[self.slot] = (0, 0, 0)
         del self._rows  # the map cannot close while a view of it lives
         self._map.close()
