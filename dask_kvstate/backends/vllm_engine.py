@@ -188,7 +188,9 @@ class EngineLoop:
         try:
             self._cores = CoreShare(cores) if options.share_cores else None
         except OSError as e:  # no shared memory to post on: step on every core, as vLLM alone does
-            logger.warning("kvstate: cannot share cores %s with other engines (%s); this engine uses all of them", cores, e)
+            logger.warning(
+                "kvstate: cannot share cores %s with other engines (%s); this engine uses them all", cores, e
+            )
             self._cores = None
         started.set_result(engine)
         try:
