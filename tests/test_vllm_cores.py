@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -47,7 +48,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _using(board: CoreShare, pid: int) -> int:
     rows = board._rows
-    return next(int(rows[s, 2]) for s in range(SLOTS) if rows[s, 0] == pid)
+    return next(int(rows[s, 3]) for s in range(SLOTS) if rows[s, 0] == pid)
 
 
 def test_an_engine_alone_takes_every_core(tmp_path):
@@ -61,7 +62,7 @@ def test_engines_stepping_together_split_the_cores_and_an_idle_one_leaves_them(t
     try:
         board = CoreShare("0-3", tmp_path)
         assert board.threads() == 2  # two stepping on four cores
-        assert _using(board, peer.pid) <= 2  # it stepped on its share before ours began
+        poll_for(lambda: _using(board, peer.pid) == 2, timeout=10)  # and the peer's next steps on its share
         other = _peer("0-3", tmp_path, "idle")  # on the board, not stepping: takes nothing
         try:
             assert board.threads() == 2
@@ -96,15 +97,37 @@ def test_a_dead_engines_slot_is_taken_again(tmp_path):
 
 def test_only_engines_given_the_same_cores_share(tmp_path):
     peer = _peer("1,0", tmp_path, "stepping")  # the same set, written another way
-    other = _peer("2-3", tmp_path, "stepping")
+    other = None
     try:
+        other = _peer("2-3", tmp_path, "stepping")
         board = CoreShare("0-1", tmp_path)
         assert board.threads() == 1
         board.idle()
         board.close()
     finally:
         _stop(peer)
-        _stop(other)
+        if other is not None:
+            _stop(other)
+
+
+def test_more_engines_than_cores_step_at_once_on_a_thread_each(tmp_path):
+    peers = [_peer("0,1", tmp_path, "stepping") for _ in range(2)]
+    try:
+        board = CoreShare("0,1", tmp_path)
+        for _ in range(20):  # one thread each: three on two cores is the least the split can do
+            assert board.threads() == 1
+        board.close()
+    finally:
+        for p in peers:
+            _stop(p)
+
+
+def test_a_reused_pid_does_not_keep_a_dead_engines_row(tmp_path):
+    board = CoreShare("0,1", tmp_path)
+    other = board.slot + 1
+    board._rows[other] = (os.getpid(), 12345, 1, 2)  # this process's pid, but another start: a reused pid
+    assert board.threads() == 2
+    board.close()
 
 
 def test_shares_add_up_to_the_cores_and_never_drop_below_one():

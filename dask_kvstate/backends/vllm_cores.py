@@ -31,8 +31,10 @@ from pathlib import Path
 import numpy as np
 
 SLOTS = 64  # engines one board can hold; more on one core set would be far past its cores
-_PID, _WANT, _USING = 0, 1, 2  # a row: the engine's process, whether it has work, threads its current step runs on
-_COLUMNS = 3
+# A row: the engine's process (pid, and its start time, so a reused pid is not taken for
+# it), whether it has work, and the threads its current step runs on.
+_PID, _BORN, _WANT, _USING = 0, 1, 2, 3
+_COLUMNS = 4
 # How long an engine waits for another's step, begun while it stepped alone, to end before
 # starting its own on too many threads: a step is usually shorter, but a long prefill
 # should not hold a short request back for seconds.
@@ -84,14 +86,29 @@ def share(cores: int, busy: int, rank: int) -> int:
     return max(1, whole + (1 if rank < left else 0))
 
 
-def _alive(pid: int) -> bool:
+def _born(pid: int) -> int:
+    """When process ``pid`` started (clock ticks since boot), -1 if it is gone; 0 where
+    ``/proc`` cannot say (then a live pid is taken as the same process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except FileNotFoundError:
+        return -1
+    except OSError:
+        return 0
+    # Field 22, counted after the command name, which is in parentheses and may hold spaces.
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+
+
+def _alive(pid: int, born: int) -> bool:
+    """Whether the process of a row still runs: pid ``pid``, started at ``born``."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
+    except PermissionError:  # boards are per user: another user's process is a reused pid
+        return False
+    now = _born(pid)
+    return now != -1 and (now == born or 0 in (now, born))
 
 
 def _board_dir() -> Path:
@@ -102,9 +119,9 @@ def _board_dir() -> Path:
 class CoreShare:
     """This engine's slot on the board of the engines given ``cores`` on this host.
 
-    The board is a file of ``SLOTS`` rows ``(pid, has work, threads in use)`` mapped by
-    every such engine; a row whose process died is free again, so a killed worker leaves
-    no lasting claim.
+    The board is a file of ``SLOTS`` rows ``(pid, process start, has work, threads in
+    use)`` mapped by every such engine; a row whose process died is free again (a pid
+    reused by another process does not keep it), so a killed worker leaves no lasting claim.
     """
 
     def __init__(self, cores: str, directory: str | Path | None = None):
@@ -112,7 +129,7 @@ class CoreShare:
         self.cores = count_cores(cores)
         key = hashlib.sha1(",".join(map(str, sorted(set(parse_cores(cores))))).encode()).hexdigest()[:16]
         # Per user: another user's engines are not ours to yield to, nor theirs to read.
-        self.path = Path(directory or _board_dir()) / f"dask-kvstate-cores-{os.getuid()}-{key}"
+        self.path = Path(directory or _board_dir()) / f"dask-kvstate-cores-v2-{os.getuid()}-{key}"
         size = SLOTS * _COLUMNS * 8
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -134,8 +151,8 @@ class CoreShare:
         pid = os.getpid()
         for slot in range(SLOTS):
             owner = int(self._rows[slot, _PID])
-            if owner == 0 or owner == pid or not _alive(owner):
-                self._rows[slot] = (pid, 0, 0)
+            if owner == 0 or not _alive(owner, int(self._rows[slot, _BORN])):
+                self._rows[slot] = (pid, _born(pid), 0, 0)
                 return slot
         raise RuntimeError(f"{SLOTS} engines already share cores on {self.path}: no slot left")
 
@@ -154,17 +171,20 @@ class CoreShare:
         while True:
             now = rows.copy()
             live = [s for s in range(SLOTS) if s == self.slot or self._live(now, s)]
-            wanting = [s for s in live if now[s, _WANT]]
+            wanting = [s for s in live if s == self.slot or now[s, _WANT]]
             threads = share(self.cores, len(wanting), wanting.index(self.slot))
             in_use = sum(int(now[s, _USING]) for s in live if s != self.slot)
-            if in_use + threads <= self.cores or time.monotonic() > deadline:
+            # More engines with work than cores: one thread each is all the split can do.
+            if in_use + threads <= max(self.cores, len(wanting)) or time.monotonic() > deadline:
                 rows[self.slot, _USING] = threads
                 return threads
             time.sleep(0.001)
 
     def _live(self, rows: np.ndarray, slot: int) -> bool:
+        """Whether another row belongs to a running engine (of another process, or an
+        earlier engine of this one whose driver has not stopped yet)."""
         pid = int(rows[slot, _PID])
-        return pid != 0 and pid != os.getpid() and _alive(pid)
+        return slot != self.slot and pid != 0 and _alive(pid, int(rows[slot, _BORN]))
 
     def idle(self) -> None:
         """Mark this engine idle: its cores go to the others' next steps."""
@@ -178,6 +198,6 @@ class CoreShare:
         if self._closed:
             return
         self._closed = True
-        self._rows[self.slot] = (0, 0, 0)
+        self._rows[self.slot] = (0, 0, 0, 0)
         del self._rows  # the map cannot close while a view of it lives
         self._map.close()

@@ -175,7 +175,8 @@ class EngineLoop:
         import torch
 
         # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op once it
-        # binds its threads; close() puts it back, so the rest of the process keeps it.
+        # binds its threads; close() puts it back (and the driver its full thread count on
+        # the way out), so the rest of the process keeps both.
         self._set_num_threads = torch.set_num_threads
         try:
             engine = start_engine(options)
@@ -187,7 +188,7 @@ class EngineLoop:
         self._full_threads = self._threads = count_cores(cores)
         try:
             self._cores = CoreShare(cores) if options.share_cores else None
-        except OSError as e:  # no shared memory to post on: step on every core, as vLLM alone does
+        except Exception as e:  # no shared memory or no slot: step on every core, as vLLM alone does
             logger.warning(
                 "kvstate: cannot share cores %s with other engines (%s); this engine uses them all", cores, e
             )
@@ -196,6 +197,8 @@ class EngineLoop:
         try:
             self._loop()
         finally:
+            if self._threads != self._full_threads:
+                self._set_num_threads(self._full_threads)
             if self._cores is not None:
                 self._cores.close()
 
