@@ -163,8 +163,7 @@ def test_replay_equals_transformers_generate(backend, hf_model):
 
 def test_an_engine_sharing_its_cores_with_a_stepping_peer_gives_the_same_tokens(backend):
     """Another engine of this host given the same cores steps: ours runs on its share, same output."""
-    import subprocess
-    import sys
+    from dask_kvstate.testing import core_peer
 
     board = backend.loop._cores
     if board is None or board.cores < 2:
@@ -172,30 +171,14 @@ def test_an_engine_sharing_its_cores_with_a_stepping_peer_gives_the_same_tokens(
     ids = backend.tokenize(PREFIX + PARTS[1][1])
     backend.reset_engine_cache()
     alone = backend.generate(ids, None, GREEDY)
-    peer = subprocess.Popen(  # a stepping engine's claim on the board, from a process of its own
-        [
-            sys.executable,
-            "-c",
-            "import sys, threading, time; from dask_kvstate.backends.vllm_cores import CoreShare\n"
-            "b = CoreShare(sys.argv[1], sys.argv[2]); b.threads()\n"
-            "def steps():\n    while True:\n        b.threads(); time.sleep(0.005)\n"
-            "threading.Thread(target=steps, daemon=True).start(); print('ready', flush=True); sys.stdin.read()",
-            board.spec,
-            str(board.path.parent),
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    peer = core_peer.start(board.spec, board.path.parent, "stepping")  # another engine's claim
     try:
-        assert peer.stdout.readline().strip() == "ready"
         before = backend.exchange.counters["steps_on_shared_cores"]
         backend.reset_engine_cache()
         shared = backend.generate(ids, None, GREEDY)
         assert backend.exchange.counters["steps_on_shared_cores"] > before
     finally:
-        peer.kill()
-        peer.wait(timeout=30)
+        core_peer.stop(peer)
     assert shared.token_ids == alone.token_ids
 
 

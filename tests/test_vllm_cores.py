@@ -3,47 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 from distributed.utils_test import poll_for
 
 from dask_kvstate.backends.vllm_cores import SLOTS, CoreShare, count_cores, parse_cores, share
-
-PEER = """
-import sys, threading, time
-from dask_kvstate.backends.vllm_cores import CoreShare
-board = CoreShare(sys.argv[1], sys.argv[2])
-mode = sys.argv[3]
-if mode == "stuck":  # one step begun alone, never ended
-    board.threads()
-elif mode == "stepping":  # an engine stepping on and on, 5 ms a step
-    board.threads()
-    def steps():
-        while True:
-            board.threads()
-            time.sleep(0.005)
-    threading.Thread(target=steps, daemon=True).start()
-print("ready", flush=True)
-sys.stdin.read()  # hold the slot until the test kills us
-"""
-
-
-def _peer(cores: str, directory, mode: str) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", PEER, cores, str(directory), mode],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout.readline().strip() == "ready"
-    return proc
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.kill()
-    proc.wait(timeout=30)
+from dask_kvstate.testing.core_peer import start, stop
 
 
 def _using(board: CoreShare, pid: int) -> int:
@@ -58,37 +23,37 @@ def test_an_engine_alone_takes_every_core(tmp_path):
 
 
 def test_engines_stepping_together_split_the_cores_and_an_idle_one_leaves_them(tmp_path):
-    peer = _peer("0-3", tmp_path, "stepping")
+    peer = start("0-3", tmp_path, "stepping")
     try:
         board = CoreShare("0-3", tmp_path)
         assert board.threads() == 2  # two stepping on four cores
         poll_for(lambda: _using(board, peer.pid) == 2, timeout=10)  # and the peer's next steps on its share
-        other = _peer("0-3", tmp_path, "idle")  # on the board, not stepping: takes nothing
+        other = start("0-3", tmp_path, "idle")  # on the board, not stepping: takes nothing
         try:
             assert board.threads() == 2
         finally:
-            _stop(other)
+            stop(other)
         board.idle()
         poll_for(lambda: _using(board, peer.pid) == 4, timeout=10)  # ours idle: the peer's next steps take all four
     finally:
-        _stop(peer)
+        stop(peer)
     assert board.threads() == 4  # the stepping peer died: its claim ended with it
     board.close()
 
 
 def test_a_step_begun_alone_delays_a_newcomer_only_so_long(tmp_path):
-    peer = _peer("0,1", tmp_path, "stuck")  # on both cores, and it never posts again
+    peer = start("0,1", tmp_path, "stuck")  # on both cores, and it never posts again
     try:
         board = CoreShare("0,1", tmp_path)
         assert board.threads() == 1  # waited for the step to end, then went ahead on its share
         board.close()
     finally:
-        _stop(peer)
+        stop(peer)
 
 
 def test_a_dead_engines_slot_is_taken_again(tmp_path):
-    peer = _peer("0,1", tmp_path, "stepping")
-    _stop(peer)
+    peer = start("0,1", tmp_path, "stepping")
+    stop(peer)
     board = CoreShare("0,1", tmp_path)
     assert board.slot == 0  # the dead process's row
     assert board.threads() == 2
@@ -96,22 +61,22 @@ def test_a_dead_engines_slot_is_taken_again(tmp_path):
 
 
 def test_only_engines_given_the_same_cores_share(tmp_path):
-    peer = _peer("1,0", tmp_path, "stepping")  # the same set, written another way
+    peer = start("1,0", tmp_path, "stepping")  # the same set, written another way
     other = None
     try:
-        other = _peer("2-3", tmp_path, "stepping")
+        other = start("2-3", tmp_path, "stepping")
         board = CoreShare("0-1", tmp_path)
         assert board.threads() == 1
         board.idle()
         board.close()
     finally:
-        _stop(peer)
+        stop(peer)
         if other is not None:
-            _stop(other)
+            stop(other)
 
 
 def test_more_engines_than_cores_step_at_once_on_a_thread_each(tmp_path):
-    peers = [_peer("0,1", tmp_path, "stepping") for _ in range(2)]
+    peers = [start("0,1", tmp_path, "stepping") for _ in range(2)]
     try:
         board = CoreShare("0,1", tmp_path)
         for _ in range(20):  # one thread each: three on two cores is the least the split can do
@@ -119,7 +84,7 @@ def test_more_engines_than_cores_step_at_once_on_a_thread_each(tmp_path):
         board.close()
     finally:
         for p in peers:
-            _stop(p)
+            stop(p)
 
 
 def test_a_reused_pid_does_not_keep_a_dead_engines_row(tmp_path):

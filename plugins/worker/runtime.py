@@ -108,7 +108,7 @@ class StateRuntime(KVEngine):
             raise ValueError("cannot extend to an empty prompt")
         hashes = self.hashes(ids, ref.namespace)
         self.store.pin(self.task_owner(), ref.blocks + hashes)
-        past = old.kv.joined() if isinstance(old.kv, BlockKV) and not self.backend.reads_blocks else old.kv
+        past = old.kv
         keep = common_prefix(old.token_ids, ids) if past is not None else 0
         if past is not None and keep == len(ids):
             head = _prefix(past, keep)
