@@ -93,3 +93,62 @@ def test_vllm_rows_table_reads_every_row_of_a_result():
     assert "bound to both cores" not in text
     res["agents_shared_cores"] = {"local": {"wall_s": 18.0}, "kvstate": {"wall_s": 15.0}}
     assert "one engine on both cores 12.0 s | 15.0 s | 0.80x |" in table(res)
+
+
+def _vllm_missing() -> str | None:
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # a CUDA-linked torchvision next to the CPU torch breaks the import itself
+        return f"vLLM is not usable here ({type(e).__name__}: {e}); pip install 'dask-kvstate[vllm]'"
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(_vllm_missing() is not None, reason=_vllm_missing() or "")
+def test_bench_puts_vllm_rows_beside_the_hf_rows(tmp_path):
+    """Experiments 1, 2 and 5 on both backends, same prompts: on vLLM, text replay computes
+    every prompt token, the engines' own prefix caches no more, kvstate fewer, all three
+    give the same tokens, and the vLLM replay is compared with transformers' agent by agent."""
+    out = tmp_path / "bench"
+    res = cli.main(
+        [
+            "ttft",
+            "scaling",
+            "throughput",
+            "--model",
+            "smollm2-135m",
+            "--backends",
+            "hf",
+            "vllm",
+            "--lengths",
+            "192",
+            "--agents",
+            "4",
+            "--ks",
+            "4",
+            "--scaling-context",
+            "192",
+            "--new-tokens",
+            "4",
+            "--overhead-tasks",
+            "200",
+            "--overhead-repeats",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
+    assert [r["backend"] for r in res["ttft"]] == [r["backend"] for r in res["scaling"]] == ["hf", "vllm"]
+    assert {r["backend"] for r in res["throughput"]} == {"hf", "vllm"}
+    for row in [*res["ttft"], *res["scaling"]]:
+        assert row["identical"], row["backend"]
+    runs = {r["variant"]: r for r in res["scaling"][1]["runs"]}
+    assert runs["replay"]["prefill_tokens"] == sum(runs["replay"]["prompt_tokens"])
+    # the engines' caches hit only for agents arriving after a first one's prefill; ours always reuse
+    assert runs["kvstate"]["prefill_tokens"] <= runs["prefix"]["prefill_tokens"] <= runs["replay"]["prefill_tokens"]
+    assert runs["kvstate"]["prefill_tokens"] < runs["replay"]["prefill_tokens"]
+    assert res["meta"]["threads"] == {"hf": 1, "vllm": 2}
+    assert {name: a["agents"] for name, a in res["backend_agreement"].items()} == {"ttft": 4, "scaling": 4}
+    report = (out / "report.md").read_text()
+    assert "| backend | k |" in report and "| vllm | 4 |" in report

@@ -161,6 +161,35 @@ def test_replay_equals_transformers_generate(backend, hf_model):
         assert got == out[0, len(ids) :].tolist()[: len(got)]
 
 
+def test_requests_that_do_not_read_the_engine_cache_compute_every_token_and_agree(backend):
+    """``kvstate.vllm.read-prefix-cache: false`` is vLLM with prefix caching off (the bench's
+    text replay): the prompt is computed again and the tokens are the same; a resume still
+    loads its state (vLLM asks no connector for a request that skips its cache)."""
+    from dask_kvstate.backends.batch import Row
+
+    ids = backend.tokenize(PREFIX + PARTS[1][1])
+    backend.reset_engine_cache()
+    cached = backend.generate(ids, None, GREEDY)
+    warm = backend.generate(ids, None, GREEDY)
+    assert warm.prefill_tokens < len(ids)  # the engine's own cache served the prompt
+    prefix_ids = backend.tokenize(PREFIX)
+    keep = len(prefix_ids) - 1
+    rows = [Row(ids=backend.tokenize(PREFIX + suffix), keep=keep) for _, suffix in PARTS]
+    with dask.config.set({"kvstate.vllm.read-prefix-cache": False}):
+        replay = backend.generate(ids, None, GREEDY)
+        kv, _ = backend.prefill(prefix_ids)
+        backend.reset_engine_cache()
+        before = backend.counters["loaded_tokens"]
+        batched = backend.generate_batch(rows, kv[:, :, :, :keep], GREEDY, started=0.0)
+        loaded = backend.counters["loaded_tokens"] - before
+        replays = [backend.generate(row.ids, None, GREEDY) for row in rows]
+    assert replay.prefill_tokens == len(ids) and replay.token_ids == cached.token_ids == warm.token_ids
+    # the first row loaded the whole state; its siblings found its whole blocks in the engine
+    assert keep <= loaded < len(rows) * keep
+    assert all(r.prefill_tokens == len(row.ids) for r, row in zip(replays, rows))
+    assert [g.token_ids for g in batched] == [r.token_ids for r in replays]
+
+
 def test_an_engine_sharing_its_cores_with_a_stepping_peer_gives_the_same_tokens(backend):
     """Another engine of this host given the same cores steps: ours runs on its share, same output."""
     from dask_kvstate.testing import core_peer

@@ -177,7 +177,7 @@ class VLLMBackend:
         load = self._load(ids, past_kv)
         start = min(max(keep_from, 0), load.tokens if load else 0) // self.block_tokens * self.block_tokens
         order = vllm_connector.Order(load=load, capture=len(ids), capture_from=start)
-        self._run([Job(list(ids), self._params(Sampling(max_new_tokens=1, temperature=0.0)), order)])
+        self._run([Job(list(ids), self._params(Sampling(max_new_tokens=1, temperature=0.0), load), order)])
         if order.captured is None:
             raise RuntimeError(f"the vLLM engine returned no KV for a {len(ids)}-token prefill")
         return order.captured, None
@@ -187,7 +187,7 @@ class VLLMBackend:
         if not ids:
             raise ValueError("cannot generate from an empty prompt: give at least one token of text")
         order = vllm_connector.Order(load=self._load(ids, past_kv), capture=len(ids) if on_prefill is not None else 0)
-        (done,) = self._run([Job(list(ids), self._params(sampling), order)])
+        (done,) = self._run([Job(list(ids), self._params(sampling, order.load), order)])
         if on_prefill is not None and order.captured is not None:
             on_prefill(order.captured)
         return self._result(done, order, len(ids), started)
@@ -201,7 +201,7 @@ class VLLMBackend:
         for row in rows:
             order = vllm_connector.Order(load=blocks.head(row.keep) if blocks is not None and row.keep else None)
             row_sampling = sampling if row.seed is None else replace(sampling, seed=row.seed)
-            jobs.append(Job(list(row.ids), self._params(row_sampling), order))
+            jobs.append(Job(list(row.ids), self._params(row_sampling, order.load), order))
             orders.append(order)
         if len(jobs) > 1 and prefix is not None:
             first = self.loop.submit(jobs[0])
@@ -236,8 +236,17 @@ class VLLMBackend:
             )
         return load
 
-    def _params(self, sampling: Sampling):
+    def _params(self, sampling: Sampling, load: BlockKV | None):
+        """vLLM's sampling parameters for ``sampling``.
+
+        A request with no state to ``load`` reads the engine's prefix cache as
+        ``kvstate.vllm.read-prefix-cache`` says, read here, at each request, so a worker's
+        setting applies without restarting its engine. One with a load always does: vLLM
+        asks no connector for a request that skips its cache.
+        """
         from vllm import SamplingParams
+
+        from dask_kvstate import config
 
         return SamplingParams(
             max_tokens=max(1, sampling.max_new_tokens),
@@ -245,6 +254,7 @@ class VLLMBackend:
             top_p=sampling.top_p,
             seed=sampling.seed if sampling.temperature > 0 else None,
             stop_token_ids=sorted(self.eos_ids),
+            skip_reading_prefix_cache=load is None and not config.get("vllm.read-prefix-cache"),
         )
 
     def _run(self, jobs: list[Job]) -> list[Finished]:

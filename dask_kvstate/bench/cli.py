@@ -5,18 +5,29 @@
     python -m dask_kvstate.bench                       # all five, SmolLM2, the full grid
     python -m dask_kvstate.bench ttft scaling --quick  # tiny-llama, small grid (minutes)
     python -m dask_kvstate.bench 1 2 --lengths 512 1024 --agents 16 --out bench-results/mine
+    python -m dask_kvstate.bench ttft scaling --backends hf vllm  # vLLM rows beside the HF rows
+
+Experiments 1, 2, 4 and 5 run once per backend (``--backends``; default: the
+transformers backend, and vLLM beside it where the ``vllm`` extra is installed and
+serves the model), on the same prompts, each with its own baselines.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import platform
 import sys
 import time
 from pathlib import Path
 
 from dask_kvstate.backends import check_model_name, describe_known
+from dask_kvstate.backends.models import GEMMA3, TINY_LLAMA
+
+BACKENDS = ("hf", "vllm")
+# Known models the vLLM backend does not serve: one built in memory, one with sliding-window layers.
+NOT_ON_VLLM = (TINY_LLAMA, GEMMA3)
 
 EXPERIMENTS = {"1": "ttft", "2": "scaling", "3": "crossover", "4": "memory", "5": "throughput"}
 
@@ -84,6 +95,13 @@ def parse(argv=None) -> argparse.Namespace:
         help="experiment 3's links: the config throttle, or also real shaped links between network namespaces (root)",
     )
     ap.add_argument("--variants", nargs="+", help="experiment 2's variants (replay prefix kvstate kvstate-unbatched)")
+    ap.add_argument(
+        "--backends",
+        nargs="+",
+        choices=BACKENDS,
+        help="backends experiments 1, 2, 4 and 5 run on, one after the other (default: hf, and vllm beside it "
+        "where the vllm extra is installed and serves the model)",
+    )
     args = ap.parse_args(argv)
     if args.model is not None:
         try:
@@ -100,10 +118,18 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
+def default_backends(model: str) -> list[str]:
+    """``hf``, and ``vllm`` where vLLM is installed and serves ``model``."""
+    if importlib.util.find_spec("vllm") is None or model in NOT_ON_VLLM:
+        return ["hf"]
+    return ["hf", "vllm"]
+
+
 def grid(args) -> dict:
     g = dict(QUICK if args.quick else FULL)
     if args.model:
         g["model"] = args.model
+    g["backends"] = list(dict.fromkeys(args.backends or default_backends(g["model"])))
     for name in (
         "lengths",
         "agents",
@@ -122,9 +148,9 @@ def grid(args) -> dict:
 def _steps(exps, g) -> int:
     n = 0
     if "ttft" in exps:
-        n += 3 * len(g["lengths"])
+        n += 3 * len(g["lengths"]) * len(g["backends"])
     if {"scaling", "memory", "throughput"} & set(exps):
-        n += 4 * len(g["ks"])
+        n += 4 * len(g["ks"]) * len(g["backends"])
     if "crossover" in exps:
         n += len(g["bandwidths"]) * len(g["contexts"])
     if "memory" in exps:
@@ -176,32 +202,45 @@ def main(argv=None) -> dict:
     bar = progress.bar(total=_steps(exps, g), desc="bench", unit="run")
     try:
         llm = {"ttft", "scaling", "memory", "throughput"} & set(exps)
-        if llm:
+        for backend in g["backends"] if llm else []:
+            # The transformers backend computes one task at a time per worker thread; a vLLM
+            # engine steps every request its worker holds, so its workers take all agents at once.
+            threads = 1 if backend == "hf" else -(-max(g["agents"], *g["ks"]) // args.workers)
+            res["meta"].setdefault("threads", {})[backend] = threads
             with (
                 LocalCluster(
-                    n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=":0"
+                    n_workers=args.workers, threads_per_worker=threads, processes=True, dashboard_address=":0"
                 ) as cluster,
                 Client(cluster) as client,
             ):
-                progress.write(f"loading {g['model']} on {args.workers} workers ...")
-                kvs.install(client, g["model"], torch_threads=1)
+                progress.write(f"loading {g['model']} on {args.workers} workers, {backend} backend ...")
+                kvs.install(client, g["model"], backend=backend, torch_threads=1 if backend == "hf" else None)
                 client.run(workload.warm_up)
+                setup = ex.Setup(client, backend)
                 bpt = workload.kv_bytes_per_token(client)
                 res["meta"]["kv_bytes_per_token"] = bpt
                 ctx = workload.contexts(client, sorted({*g["lengths"], g["scaling_context"]}))
                 if "ttft" in exps:
-                    res["ttft"] = ex.ttft_vs_context(
-                        client, {L: ctx[L] for L in g["lengths"]}, g["agents"], g["ttft_new_tokens"], bar
+                    res.setdefault("ttft", []).extend(
+                        ex.ttft_vs_context(
+                            setup, {L: ctx[L] for L in g["lengths"]}, g["agents"], g["ttft_new_tokens"], bar
+                        )
                     )
                     checkpoint()
                 if {"scaling", "memory", "throughput"} & set(exps):
-                    rows = ex.scaling(client, ctx[g["scaling_context"]], g["ks"], g["new_tokens"], bar, variants)
-                    res["scaling"] = rows
+                    rows = ex.scaling(setup, ctx[g["scaling_context"]], g["ks"], g["new_tokens"], bar, variants)
+                    res.setdefault("scaling", []).extend(rows)
                     if "memory" in exps:
-                        res["memory"] = ex.memory(rows, bpt)
+                        res.setdefault("memory", []).extend(ex.memory(rows, bpt))
                     if "throughput" in exps:
-                        res["throughput"] = ex.throughput(rows)
+                        res.setdefault("throughput", []).extend(ex.throughput(rows))
                     checkpoint()
+        if len(g["backends"]) > 1:
+            res["backend_agreement"] = {
+                name: ex.backend_agreement(res[name], key)
+                for name, key in (("ttft", "L"), ("scaling", "k"))
+                if name in res
+            }
         if "memory" in exps:
             res["memory_live"] = ex.memory_live(
                 g["model"], g["memory_context"], g["ks"], g["new_tokens"], args.workers, bar

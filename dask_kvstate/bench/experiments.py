@@ -7,9 +7,11 @@ the cluster itself) and returns plain dicts for :mod:`dask_kvstate.bench.report`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import dask
 
@@ -26,12 +28,47 @@ VARIANTS = {
 }
 
 
-def _run(client, variant, context, k, new_tokens, bar) -> dict:
-    mode, batch = VARIANTS[variant]
-    bar.set_postfix_str(f"{variant} k={k}")
-    r = workload.run(client, mode, context, k, new_tokens, batch=batch)
+def _read_engine_prefix_cache(on: bool, dask_worker=None) -> None:
+    dask.config.set({"kvstate.vllm.read-prefix-cache": on})  # read by the vLLM backend at each request
+
+
+@dataclass
+class Setup:
+    """A cluster with one backend installed, and how each variant runs on it.
+
+    On the transformers backend the variants are :mod:`.workload`'s modes. On the vLLM
+    backend they are what a vLLM user would run: ``replay`` is text replay on engines
+    that do not read their prefix cache (vLLM with prefix caching off), ``prefix`` the
+    same requests on engines that do (vLLM's own automatic prefix caching, one cache per
+    worker, Dask placing the requests), and ``kvstate`` our states over those engines.
+    """
+
+    client: object  # distributed.Client
+    backend: str = "hf"
+
+    def run(self, variant: str, context: str, k: int, new_tokens: int) -> dict:
+        mode, batch = VARIANTS[variant]
+        engine_cache = contextlib.nullcontext()
+        if self.backend == "vllm" and mode in ("replay", "prefix"):
+            mode = "replay"  # the engine's own prefix cache, read or not, is the baseline here
+            engine_cache = self._engine_prefix_cache(variant == "prefix")
+        with engine_cache:
+            return workload.run(self.client, mode, context, k, new_tokens, batch=batch)
+
+    @contextlib.contextmanager
+    def _engine_prefix_cache(self, read: bool):
+        self.client.run(_read_engine_prefix_cache, read)
+        try:
+            yield
+        finally:
+            self.client.run(_read_engine_prefix_cache, True)
+
+
+def _run(setup: Setup, variant, context, k, new_tokens, bar) -> dict:
+    bar.set_postfix_str(f"{setup.backend} {variant} k={k}")
+    r = setup.run(variant, context, k, new_tokens)
     bar.update()
-    return {"variant": variant, **r}
+    return {"variant": variant, "backend": setup.backend, **r}
 
 
 def _identical(runs: list[dict]) -> bool:
@@ -39,7 +76,7 @@ def _identical(runs: list[dict]) -> bool:
     return all(x == ids[0] for x in ids)
 
 
-def ttft_vs_context(client, contexts: dict[int, str], agents: int, new_tokens: int, bar) -> list[dict]:
+def ttft_vs_context(setup: Setup, contexts: dict[int, str], agents: int, new_tokens: int, bar) -> list[dict]:
     """Experiment 1: per-agent TTFT (median over agents) vs context length, each mode.
 
     kvstate runs unbatched here: TTFT is a per-request latency, and a batch prefills
@@ -47,10 +84,11 @@ def ttft_vs_context(client, contexts: dict[int, str], agents: int, new_tokens: i
     """
     rows = []
     for L, ctx in contexts.items():
-        runs = [_run(client, v, ctx, agents, new_tokens, bar) for v in ("replay", "prefix", "kvstate-unbatched")]
+        runs = [_run(setup, v, ctx, agents, new_tokens, bar) for v in ("replay", "prefix", "kvstate-unbatched")]
         med = {r["variant"]: statistics.median(r["ttft_s"]) for r in runs}
         rows.append(
             {
+                "backend": setup.backend,
                 "L": L,
                 "context_tokens": min(runs[0]["prompt_tokens"]),
                 "agents": agents,
@@ -59,17 +97,35 @@ def ttft_vs_context(client, contexts: dict[int, str], agents: int, new_tokens: i
                 "ttft_kvstate_s": med["kvstate-unbatched"],
                 "speedup_vs_replay": med["replay"] / med["kvstate-unbatched"],
                 "speedup_vs_prefix": med["prefix"] / med["kvstate-unbatched"],
-                "fork_ms": fork_ms(client, ctx),
+                "fork_ms": fork_ms(setup.client, ctx),
                 "identical": _identical(runs),
                 "runs": runs,
             }
         )
         progress.write(
-            f"exp1 L={L}: TTFT replay {med['replay']:.3f} s, prefix {med['prefix']:.3f} s, kvstate "
+            f"exp1 {setup.backend} L={L}: TTFT replay {med['replay']:.3f} s, prefix {med['prefix']:.3f} s, kvstate "
             f"{med['kvstate-unbatched']:.3f} s -> {rows[-1]['speedup_vs_replay']:.1f}x / "
             f"{rows[-1]['speedup_vs_prefix']:.1f}x; fork {rows[-1]['fork_ms']:.3f} ms"
         )
     return rows
+
+
+def backend_agreement(rows: list[dict], key: str) -> dict:
+    """Whether the vLLM engines' text replay gives the tokens transformers' replay gives, agent
+    by agent, for rows of both backends at the same ``key`` (``"L"`` or ``"k"``): the agents
+    compared, those equal, and where each other one first diverges (greedy, same prompts)."""
+    replay = {(r["backend"], r[key]): next(x for x in r["runs"] if x["variant"] == "replay") for r in rows}
+    agents = equal = 0
+    diverge = []
+    for (backend, at), hf in replay.items():
+        vllm = replay.get(("vllm", at)) if backend == "hf" else None
+        for a, b in zip(hf["token_ids"], vllm["token_ids"] if vllm else []):
+            agents += 1
+            if a == b:
+                equal += 1
+            else:
+                diverge.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    return {"agents": agents, "equal": equal, "first_divergence": diverge}
 
 
 def _time_fork(ref, k: int, repeats: int, dask_worker=None) -> float:
@@ -91,14 +147,15 @@ def fork_ms(client, context: str, k: int = 16, repeats: int = 50) -> float:
     return client.run(_time_fork, ref, k, repeats, workers=[holder])[holder] * 1e3
 
 
-def scaling(client, context: str, ks, new_tokens: int, bar, variants=tuple(VARIANTS)) -> list[dict]:
+def scaling(setup: Setup, context: str, ks, new_tokens: int, bar, variants=tuple(VARIANTS)) -> list[dict]:
     """Experiment 2 (and the runs experiments 4 and 5 read): k agents, aggregate wall time."""
     rows = []
     for k in ks:
-        runs = [_run(client, v, context, k, new_tokens, bar) for v in variants]
+        runs = [_run(setup, v, context, k, new_tokens, bar) for v in variants]
         by = {r["variant"]: r for r in runs}
         rows.append(
             {
+                "backend": setup.backend,
                 "k": k,
                 "identical": _identical(runs),
                 "runs": runs,
@@ -108,7 +165,7 @@ def scaling(client, context: str, ks, new_tokens: int, bar, variants=tuple(VARIA
             }
         )
         progress.write(
-            f"exp2 k={k}: "
+            f"exp2 {setup.backend} k={k}: "
             + ", ".join(f"{v} {by[v]['wall_s']:.2f} s" for v in by)
             + f" -> {rows[-1]['speedup_vs_replay']:.2f}x vs replay"
         )
@@ -120,12 +177,18 @@ def memory(scaling_rows: list[dict], bytes_per_token: int) -> list[dict]:
     rows = []
     for row in scaling_rows:
         by = {r["variant"]: r for r in row["runs"]}
-        out = {"branches": row["k"]}
+        backend = row.get("backend", "hf")
+        # A vLLM engine's paged KV is not in the worker's store, so its peak is not measured
+        # here (None): only the KV computed compares across the backends.
+        peaks = backend != "vllm"
+        out = {"backend": backend, "branches": row["k"]}
         for v, r in by.items():
-            out[f"peak_{v}_bytes"] = r["kv_peak_bytes"]
+            out[f"peak_{v}_bytes"] = r["kv_peak_bytes"] if peaks else None
             out[f"computed_{v}_bytes"] = r["prefill_tokens"] * bytes_per_token
-        out["peak_ratio_vs_replay"] = by["replay"]["kv_peak_bytes"] / max(by["kvstate"]["kv_peak_bytes"], 1)
-        out["peak_ratio_vs_prefix"] = by["prefix"]["kv_peak_bytes"] / max(by["kvstate"]["kv_peak_bytes"], 1)
+        for base in ("replay", "prefix"):
+            out[f"peak_ratio_vs_{base}"] = (
+                by[base]["kv_peak_bytes"] / max(by["kvstate"]["kv_peak_bytes"], 1) if peaks else None
+            )
         out["computed_ratio_vs_replay"] = by["replay"]["prefill_tokens"] / max(by["kvstate"]["prefill_tokens"], 1)
         out["computed_ratio_vs_prefix"] = by["prefix"]["prefill_tokens"] / max(by["kvstate"]["prefill_tokens"], 1)
         rows.append(out)
@@ -203,9 +266,12 @@ def throughput(scaling_rows: list[dict]) -> list[dict]:
     out = []
     for r in row["runs"]:
         busy = r["wall_s"] * r["workers"]  # every worker runs one task at a time
-        omega = busy - r["model_s"]
+        # A vLLM engine steps a worker's concurrent requests together, so their prefill and
+        # decode times overlap and Omega has no meaning there (None).
+        omega = busy - r["model_s"] if r.get("backend", "hf") != "vllm" else None
         out.append(
             {
+                "backend": r.get("backend", "hf"),
                 "variant": r["variant"],
                 "k": r["k"] if "k" in r else row["k"],
                 "wall_s": r["wall_s"],
@@ -213,7 +279,7 @@ def throughput(scaling_rows: list[dict]) -> list[dict]:
                 "tokens_per_s": r["generated_tokens"] / r["wall_s"],
                 "model_s": r["model_s"],
                 "omega_s": omega,
-                "omega_pct": 100 * omega / busy,
+                "omega_pct": None if omega is None else 100 * omega / busy,
             }
         )
     return out

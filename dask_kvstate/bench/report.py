@@ -10,6 +10,8 @@ MIB = 2**20
 
 def _table(header: list[str], rows: list[list]) -> str:
     def fmt(x):
+        if x is None:  # not measured for this row (a vLLM row's store peak, say)
+            return "-"
         if isinstance(x, bool):
             return "yes" if x else "NO"
         if isinstance(x, float):
@@ -25,28 +27,60 @@ def _section(title: str, note: str, columns: str, rows: list[dict]) -> list[str]
     """A titled markdown table. ``columns`` reads ``"header=key | header=key | ..."``: each
     column's header and the key of ``rows`` it shows; keys ending in ``_bytes`` show MiB."""
     pairs = [[p.strip() for p in column.split("=")] for column in columns.split("|")]
-    cells = [[r[k] / MIB if k.endswith("_bytes") else r[k] for _, k in pairs] for r in rows]
+    cells = [[r[k] / MIB if k.endswith("_bytes") and r[k] is not None else r[k] for _, k in pairs] for r in rows]
     return [*([title, ""] if title else []), note, "", _table([h for h, _ in pairs], cells), ""]
+
+
+def _by_backend(columns: str, rows: list[dict]) -> str:
+    """``columns`` led by a backend column where the rows come from more than one backend run."""
+    return f"backend=backend | {columns}" if any("backend" in r for r in rows) else columns
+
+
+def _backends(res: dict) -> list[str]:
+    rows = [*res.get("ttft", []), *res.get("scaling", [])]
+    return list(dict.fromkeys(r.get("backend", "hf") for r in rows))
+
+
+VLLM_VARIANTS = (
+    "vLLM rows: one vLLM engine per worker, the worker's tasks sharing its steps; replay = text replay on engines "
+    "that do not read their prefix cache (vLLM with prefix caching off), prefix = the same requests on engines "
+    "that do (vLLM's own prefix cache, one per worker, Dask placing requests), kvstate = our states loaded into "
+    "those engines by our KV connector."
+)
 
 
 def markdown(res: dict) -> str:
     meta = res["meta"]
+    threads = meta.get("threads", {"hf": 1})
     out = [
         f"# dask-kvstate bench: {meta['model']}{' (quick)' if meta['quick'] else ''}",
         "",
-        f"`{meta['command']}` on {meta['machine']}, {meta['workers']} workers x 1 thread, "
-        f"{meta['started']}, {meta['seconds']:.0f} s in all. Every baseline ran in this same session on the same "
+        f"`{meta['command']}` on {meta['machine']}, {meta['workers']} workers x "
+        + ", ".join(f"{n} thread{'s' * (n > 1)} ({b})" for b, n in threads.items())
+        + f", {meta['started']}, {meta['seconds']:.0f} s in all. Every baseline ran in this same session on the same "
         "cluster and prompts; ratios are side by side measurements.",
         "",
     ]
+    if "vllm" in _backends(res):
+        out += [VLLM_VARIANTS, ""]
+    for name, a in res.get("backend_agreement", {}).items():
+        out += [
+            f"Greedy text replay, vLLM against transformers ({name} runs): {a['equal']} of {a['agents']} agents "
+            "token-identical"
+            + (f"; the others first differ at tokens {a['first_divergence']}." if a["first_divergence"] else "."),
+            "",
+        ]
     if "ttft" in res:
         out += _section(
             "## 1. TTFT vs context length",
             f"{res['ttft'][0]['agents']} agents, suffix ~32 tokens; median per-agent time to first token "
             "(kvstate unbatched: TTFT is a per-request latency).",
-            "L=L | context tok=context_tokens | replay s=ttft_replay_s | prefix cache s=ttft_prefix_s | "
-            "kvstate s=ttft_kvstate_s | vs replay=speedup_vs_replay | vs prefix=speedup_vs_prefix | fork ms=fork_ms | "
-            "identical=identical",
+            _by_backend(
+                "L=L | context tok=context_tokens | replay s=ttft_replay_s | prefix cache s=ttft_prefix_s | "
+                "kvstate s=ttft_kvstate_s | vs replay=speedup_vs_replay | vs prefix=speedup_vs_prefix | "
+                "fork ms=fork_ms | identical=identical",
+                res["ttft"],
+            ),
             res["ttft"],
         )
     if "scaling" in res:
@@ -54,8 +88,11 @@ def markdown(res: dict) -> str:
         out += _section(
             "## 2. Multi-agent scaling",
             f"L = {meta['scaling_context']} tokens, Y = {meta['new_tokens']}; aggregate wall time (s).",
-            f"k=k | {variants} | kvstate vs replay=speedup_vs_replay | kvstate vs prefix=speedup_vs_prefix | "
-            "identical=identical",
+            _by_backend(
+                f"k=k | {variants} | kvstate vs replay=speedup_vs_replay | kvstate vs prefix=speedup_vs_prefix | "
+                "identical=identical",
+                res["scaling"],
+            ),
             res["scaling"],
         )
     if "crossover" in res:
@@ -73,11 +110,15 @@ def markdown(res: dict) -> str:
     if "memory" in res:
         out += _section(
             "## 4. KV memory vs branch factor",
-            "Peak: most KV held at once (block store device tier + live decode caches, summed over workers). "
+            "Peak: most KV held at once (block store device tier + live decode caches, summed over workers; "
+            "not measured for vLLM rows, whose engines hold KV in their own paged cache). "
             "Computed: KV bytes prefilled.",
-            f"{peaks} | replay/kvstate=peak_ratio_vs_replay | prefix/kvstate=peak_ratio_vs_prefix | "
-            "computed replay MiB=computed_replay_bytes | computed kvstate MiB=computed_kvstate_bytes | "
-            "computed ratio=computed_ratio_vs_replay",
+            _by_backend(
+                f"{peaks} | replay/kvstate=peak_ratio_vs_replay | prefix/kvstate=peak_ratio_vs_prefix | "
+                "computed replay MiB=computed_replay_bytes | computed kvstate MiB=computed_kvstate_bytes | "
+                "computed ratio=computed_ratio_vs_replay",
+                res["memory"],
+            ),
             res["memory"],
         )
     if "memory_live" in res:
@@ -102,9 +143,13 @@ def markdown(res: dict) -> str:
     if "throughput" in res:
         out += _section(
             "## 5. Throughput and framework overhead",
-            "Omega = worker busy time (wall x workers) - (prefill + decode time inside the model).",
-            "variant=variant | k=k | wall s=wall_s | tokens=generated_tokens | tokens/s=tokens_per_s | "
-            "model s=model_s | Omega s=omega_s | Omega %=omega_pct",
+            "Omega = worker busy time (wall x workers) - (prefill + decode time inside the model); not for vLLM "
+            "rows, whose requests share engine steps.",
+            _by_backend(
+                "variant=variant | k=k | wall s=wall_s | tokens=generated_tokens | tokens/s=tokens_per_s | "
+                "model s=model_s | Omega s=omega_s | Omega %=omega_pct",
+                res["throughput"],
+            ),
             res["throughput"],
         )
     if "overhead" in res:
@@ -164,15 +209,24 @@ def plots(res: dict, out: Path) -> list[str]:
         plt.close(fig)
         made.append(name)
 
+    backends = _backends(res)
+
+    def of(rows: list[dict], backend: str) -> list[dict]:
+        return [r for r in rows if r.get("backend", "hf") == backend]
+
+    def named(backend: str, label: str) -> str:
+        return f"{backend}: {label}" if len(backends) > 1 else label
+
     if "ttft" in res:
         fig, ax = plt.subplots(figsize=(6, 4))
-        xs = [r["L"] for r in res["ttft"]]
-        for key, label in (
-            ("ttft_replay_s", "text replay"),
-            ("ttft_prefix_s", "local prefix cache"),
-            ("ttft_kvstate_s", "kvstate"),
-        ):
-            ax.plot(xs, [r[key] for r in res["ttft"]], marker="o", label=label)
+        for backend in backends:
+            rows = of(res["ttft"], backend)
+            for key, label in (
+                ("ttft_replay_s", "text replay"),
+                ("ttft_prefix_s", "local prefix cache"),
+                ("ttft_kvstate_s", "kvstate"),
+            ):
+                ax.plot([r["L"] for r in rows], [r[key] for r in rows], marker="o", label=named(backend, label))
         ax.set(
             xscale="log",
             yscale="log",
@@ -180,13 +234,15 @@ def plots(res: dict, out: Path) -> list[str]:
             ylabel="median TTFT (s)",
             title="Exp 1: TTFT vs context",
         )
-        ax.legend()
+        ax.legend(fontsize=8)
         save(fig, "exp1_ttft.png")
     if "scaling" in res:
         fig, ax = plt.subplots(figsize=(6, 4))
-        ks = [r["k"] for r in res["scaling"]]
-        for v in [r["variant"] for r in res["scaling"][0]["runs"]]:
-            ax.plot(ks, [r[f"wall_{v}_s"] for r in res["scaling"]], marker="o", label=v)
+        ks = sorted({r["k"] for r in res["scaling"]})
+        for backend in backends:
+            rows = of(res["scaling"], backend)
+            for v in [r["variant"] for r in rows[0]["runs"]] if rows else []:
+                ax.plot([r["k"] for r in rows], [r[f"wall_{v}_s"] for r in rows], marker="o", label=named(backend, v))
         ax.set(xscale="log", xlabel="agents k", ylabel="aggregate wall time (s)", title="Exp 2: multi-agent scaling")
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.legend()
@@ -205,12 +261,22 @@ def plots(res: dict, out: Path) -> list[str]:
         save(fig, "exp3_crossover.png")
     if "memory" in res:
         fig, ax = plt.subplots(figsize=(6, 4))
-        bs = [r["branches"] for r in res["memory"]]
-        for v in ("replay", "prefix", "kvstate"):
-            ax.plot(bs, [r[f"peak_{v}_bytes"] / MIB for r in res["memory"]], marker="o", label=f"peak {v}")
-            ax.plot(
-                bs, [r[f"computed_{v}_bytes"] / MIB for r in res["memory"]], ls=":", marker=".", label=f"computed {v}"
-            )
+        bs = sorted({r["branches"] for r in res["memory"]})
+        for backend in backends:
+            rows = of(res["memory"], backend)
+            xs = [r["branches"] for r in rows]
+            for v in ("replay", "prefix", "kvstate"):
+                if rows and rows[0][f"peak_{v}_bytes"] is not None:
+                    ax.plot(
+                        xs, [r[f"peak_{v}_bytes"] / MIB for r in rows], marker="o", label=named(backend, f"peak {v}")
+                    )
+                ax.plot(
+                    xs,
+                    [r[f"computed_{v}_bytes"] / MIB for r in rows],
+                    ls=":",
+                    marker=".",
+                    label=named(backend, f"computed {v}"),
+                )
         ax.set(xscale="log", xlabel="branch factor", ylabel="KV MiB", title="Exp 4: KV memory vs branches")
         ax.set_xticks(bs, [str(b) for b in bs])
         ax.legend(fontsize=8)
@@ -229,7 +295,8 @@ def plots(res: dict, out: Path) -> list[str]:
     if "throughput" in res:
         fig, ax = plt.subplots(figsize=(6, 4))
         rows = res["throughput"]
-        ax.bar([r["variant"] for r in rows], [r["tokens_per_s"] for r in rows])
+        ax.bar([named(r.get("backend", "hf"), r["variant"]) for r in rows], [r["tokens_per_s"] for r in rows])
+        ax.tick_params(axis="x", labelrotation=30 if len(backends) > 1 else 0)
         ax.set(ylabel="generated tokens/s", title=f"Exp 5: throughput at k={rows[0]['k']}")
         save(fig, "exp5_throughput.png")
     return made

@@ -39,12 +39,6 @@ from dask_kvstate.bench import crossover, workload
 from dask_kvstate.protocol import WORKER_PLUGIN
 
 
-def _reset_worker(dask_worker=None) -> None:
-    plugin = dask_worker.plugins[WORKER_PLUGIN]
-    plugin.runtime.backend.reset_engine_cache()
-    workload._reset(dask_worker)
-
-
 def _reset(client, workers: list[str] | None = None, settle: bool = True) -> None:
     """Empty the engines' prefix caches and the block stores: every row starts cold.
 
@@ -54,7 +48,7 @@ def _reset(client, workers: list[str] | None = None, settle: bool = True) -> Non
     """
     if settle:
         workload.settle(client)
-    client.run(_reset_worker, workers=workers)
+    client.run(workload._reset, workers=workers)
 
 
 def _pin(cores: tuple[int, ...], dask_worker=None) -> None:

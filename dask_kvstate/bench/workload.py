@@ -10,7 +10,8 @@ modes, all from the same ``kvs.generate`` code:
 * ``kvstate``: the same calls under ``kvs.stateflow()``: compiler, block stores,
   placement, batched siblings (``kvstate.compiler.batch-siblings``).
 
-Between runs every worker's store is emptied, so no mode profits from another's blocks.
+Between runs every worker's store, and a vLLM engine's own prefix cache, is emptied, so no mode
+profits from another's blocks.
 """
 
 from __future__ import annotations
@@ -79,9 +80,12 @@ def contexts(client, lengths) -> dict[int, str]:
 
 # -- worker-side helpers -------------------------------------------------------------
 def _reset(dask_worker) -> None:
-    """Empty the store (unheld blocks) and start the peak counters afresh."""
+    """Empty the store (unheld blocks) and an engine's own prefix cache, and start the peak counters afresh."""
     plugin = dask_worker.plugins[WORKER_PLUGIN]
     for rt in plugin.runtimes.values():
+        reset_engine_cache = getattr(rt.backend, "reset_engine_cache", None)  # a vLLM engine's, say
+        if reset_engine_cache is not None:
+            reset_engine_cache()
         rt.store.discard(list(rt.store))
         rt.store.device_peak = rt.store.device.total_weight
         rt.counters["kv_peak_bytes"] = rt.store.device.total_weight
