@@ -138,7 +138,8 @@ def stats(client: Client) -> Stats:
       ``hits``/``misses``, ``evictions``, ``dropped``, ``tiers`` (per tier: blocks, bytes,
       capacity, hits, misses, spills, unspills; device ``peak_bytes``; disk
       ``checksum_failures`` and ``full``), and the runtime's counters
-      (``prefill_tokens``, ``reused_tokens``, ``transfers`` (blocks pulled),
+      (``prefill_tokens`` (prompt tokens the model computed: not those a vLLM engine's own
+      prefix cache served), ``reused_tokens`` (from states), ``transfers`` (blocks pulled),
       ``transfer_bytes``, ``transfer_seconds``, ``recomputes`` (blocks rebuilt),
       ``recompute_tokens``, ``incompatible``, ``materializations``, ``resumes``, ``forks``,
       ``evicted_bytes``, ``served_zero_copy`` / ``served_packed`` (pulls this worker served

@@ -45,7 +45,9 @@ VLLM_VARIANTS = (
     "vLLM rows: one vLLM engine per worker, the worker's tasks sharing its steps; replay = text replay on engines "
     "that do not read their prefix cache (vLLM with prefix caching off), prefix = the same requests on engines "
     "that do (vLLM's own prefix cache, one per worker, Dask placing requests), kvstate = our states loaded into "
-    "those engines by our KV connector."
+    "those engines by our KV connector. TTFT counts from a task's start: a vLLM worker takes all its agents at once, "
+    "so their TTFT includes the engine steps they share with each other, while a transformers worker thread runs "
+    "one agent at a time."
 )
 
 
@@ -217,16 +219,22 @@ def plots(res: dict, out: Path) -> list[str]:
     def named(backend: str, label: str) -> str:
         return f"{backend}: {label}" if len(backends) > 1 else label
 
+    def style(backend: str) -> str:
+        return "--" if backend == "vllm" else "-"  # one line style per backend, one colour per variant
+
     if "ttft" in res:
         fig, ax = plt.subplots(figsize=(6, 4))
         for backend in backends:
             rows = of(res["ttft"], backend)
-            for key, label in (
-                ("ttft_replay_s", "text replay"),
-                ("ttft_prefix_s", "local prefix cache"),
-                ("ttft_kvstate_s", "kvstate"),
+            for i, (key, label) in enumerate(
+                (
+                    ("ttft_replay_s", "text replay"),
+                    ("ttft_prefix_s", "local prefix cache"),
+                    ("ttft_kvstate_s", "kvstate"),
+                )
             ):
-                ax.plot([r["L"] for r in rows], [r[key] for r in rows], marker="o", label=named(backend, label))
+                xs, ys = [r["L"] for r in rows], [r[key] for r in rows]
+                ax.plot(xs, ys, style(backend), color=f"C{i}", marker="o", label=named(backend, label))
         ax.set(
             xscale="log",
             yscale="log",
@@ -241,10 +249,14 @@ def plots(res: dict, out: Path) -> list[str]:
         ks = sorted({r["k"] for r in res["scaling"]})
         for backend in backends:
             rows = of(res["scaling"], backend)
-            for v in [r["variant"] for r in rows[0]["runs"]] if rows else []:
-                ax.plot([r["k"] for r in rows], [r[f"wall_{v}_s"] for r in rows], marker="o", label=named(backend, v))
+            for i, v in enumerate([r["variant"] for r in rows[0]["runs"]] if rows else []):
+                walls = [r[f"wall_{v}_s"] for r in rows]
+                ax.plot(
+                    [r["k"] for r in rows], walls, style(backend), color=f"C{i}", marker="o", label=named(backend, v)
+                )
         ax.set(xscale="log", xlabel="agents k", ylabel="aggregate wall time (s)", title="Exp 2: multi-agent scaling")
         ax.set_xticks(ks, [str(k) for k in ks])
+        ax.tick_params(axis="x", which="minor", labelbottom=False)
         ax.legend()
         save(fig, "exp2_scaling.png")
     if "crossover" in res:

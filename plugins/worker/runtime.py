@@ -138,10 +138,12 @@ class StateRuntime(KVEngine):
         the backend's ``generate`` (``on_prefill``).
         """
         keep = 0 if past is None else int(past.shape[3])
-        self.counters["prefill_tokens"] += len(ids) - keep
         self.counters["reused_tokens"] += keep
         with self.live.hold((len(ids) + sampling.max_new_tokens) * self.backend.kv_bytes_per_token):
             res = self.backend.generate(ids, past, sampling, started=started, **hooks)
+        # What the backend computed: fewer than len(ids) - keep where an engine's own prefix
+        # cache served some (vLLM), the same on the transformers backend.
+        self.counters["prefill_tokens"] += res.prefill_tokens
         self.counters["generations"] += 1
         self.prefill_meter.add(res.prefill_tokens, res.reused_tokens, res.prefill_s)
         return Generation.from_result(self.backend, res, ids)
@@ -178,7 +180,6 @@ class StateRuntime(KVEngine):
             # At least the last prompt token is re-run: its logits start decoding.
             keep = min(common_prefix(old.token_ids, ids), len(ids) - 1) if old.usable else 0
             rows.append(Row(ids, keep))
-            self.counters["prefill_tokens"] += len(ids) - keep
             self.counters["reused_tokens"] += keep
         self.counters["resumes"] += len(rows)
         prefix = old.kv if old.usable and any(r.keep for r in rows) else None
@@ -195,6 +196,7 @@ class StateRuntime(KVEngine):
         out = []
         batch_id = new_state_id()  # rows of one batch share its decode time (decode_s is the batch's)
         for row, res in zip(rows, results):
+            self.counters["prefill_tokens"] += res.prefill_tokens  # what the backend computed (see generate_from)
             self.prefill_meter.add(res.prefill_tokens, res.reused_tokens, res.prefill_s)
             g = Generation.from_result(self.backend, res, row.ids)
             g.batch_id, g.batch_rows = batch_id, len(rows)
