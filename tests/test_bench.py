@@ -93,6 +93,9 @@ def test_vllm_rows_table_reads_every_row_of_a_result():
     assert "bound to both cores" not in text
     res["agents_shared_cores"] = {"local": {"wall_s": 18.0}, "kvstate": {"wall_s": 15.0}}
     assert "one engine on both cores 12.0 s | 15.0 s | 0.80x |" in table(res)
+    assert "kvstate over transformers" not in table(res)
+    agents["kvstate_over_transformers"] = {"wall_s": 10.0, "computed_prompt_tokens": 4500, "same_as_vllm": 15}
+    assert "(12.0 s) | 10.0 s (4500 prompt tokens; 15 of 16 outputs equal to vLLM's) | 1.20x |" in table(res)
 
 
 def _vllm_missing() -> str | None:

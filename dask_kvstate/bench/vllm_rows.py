@@ -15,7 +15,9 @@ Two Dask workers, one vLLM engine each (each bound to its own core), and the bas
   runs on both, two stepping at once one each) and once each always on both;
 - **a prefix-cache hit on a single engine** (the floor for a branch's TTFT);
 - **kvstate over vLLM**: the state made once on one worker, its blocks pulled by the
-  other and loaded into that engine by our connector.
+  other and loaded into that engine by our connector;
+- **kvstate over transformers** on the agents workload (two workers x one thread), for
+  which backend to use: its outputs are counted against vLLM's, not required to equal them.
 
 Every output of a kvstate row is checked token for token against the same prompt's
 replay on the same engine build; a mismatch stops the run.
@@ -66,9 +68,18 @@ def _engine(client) -> dict:
     return {w: dict(s["engine"]) for w, s in kvs.stats(client).workers.items()}
 
 
+def _prompt_tokens(client) -> dict:
+    """Per worker, the prompt tokens its model computed so far: a vLLM engine's count
+    (requests' prompts less its prefix-cache hits and our loads), else the runtime's."""
+    return {
+        w: s["engine"]["computed_tokens"] if "computed_tokens" in s["engine"] else s.get("prefill_tokens", 0)
+        for w, s in kvs.stats(client).workers.items()
+    }
+
+
 def _computed(before: dict, after: dict) -> int:
-    """Prompt tokens the engines computed between two snapshots (requests' prompts less hits and loads)."""
-    return sum(after[w].get("computed_tokens", 0) - before[w].get("computed_tokens", 0) for w in after)
+    """Prompt tokens computed between two :func:`_prompt_tokens` snapshots."""
+    return sum(after[w] - before.get(w, 0) for w in after)
 
 
 def on(worker):
@@ -125,7 +136,7 @@ def branch_ttft(client, a: str, b: str, context: str, repeats: int) -> dict:
 def agents_wall(client, workers: list[str], context: str, agents: int, new_tokens: int, mode: str) -> dict:
     """``agents`` requests sharing ``context``, spread over ``workers``: wall time and prompt tokens computed."""
     _reset(client)
-    before = _engine(client)
+    before = _prompt_tokens(client)
     suffixes = [workload.suffix(i) for i in range(agents)]
     t0 = time.perf_counter()
     if mode == "kvstate":
@@ -145,7 +156,7 @@ def agents_wall(client, workers: list[str], context: str, agents: int, new_token
         got = dask.compute(*outs)
         order = list(range(agents))
     wall = time.perf_counter() - t0
-    after = _engine(client)
+    after = _prompt_tokens(client)
     by_agent = dict(zip(order, got))
     return {
         "wall_s": wall,
@@ -168,6 +179,23 @@ def agents_rows(client, workers: list[str], context: str, agents: int, new_token
         walls = [r["wall_s"] for r in got]
         rows[m] = {**got[0], "wall_s": statistics.median(walls), "walls": walls}
     return rows
+
+
+def hf_agents_row(context: str, agents: int, new_tokens: int, repeats: int) -> dict:
+    """kvstate over the transformers backend on the same agents workload, for which backend
+    to use: two workers x one thread (a long prefill borrows the idle one's), each worker's
+    siblings decoded as one batch whose attention reads the shared prefix once a step
+    (vLLM's CPU attention reads it once per row)."""
+    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0")
+    client = Client(cluster)
+    try:
+        kvs.install(client, "smollm2-135m", torch_threads=1)
+        client.run(workload.warm_up)
+        workers = sorted(client.nthreads())
+        return agents_rows(client, workers, context, agents, new_tokens, ["kvstate"], repeats)["kvstate"]
+    finally:
+        client.close()
+        cluster.close()
 
 
 def transfer(client, a: str, b: str, context: str) -> dict:
@@ -274,6 +302,13 @@ def main(argv=None) -> None:
         client.close()
         cluster.close()
 
+    print(f"{args.agents} agents, kvstate over transformers ...", flush=True)
+    hf = hf_agents_row(context, args.agents, args.new_tokens, args.agent_repeats)
+    # Other kernels, so not checked against vLLM's replay: counted (the transformers
+    # backend's own reuse paths are checked against its replay by its tests and bench).
+    hf["same_as_vllm"] = sum(g == w for g, w in zip(hf["outputs"], one["outputs"]))
+    results["agents"]["kvstate_over_transformers"] = hf
+
     if args.shared_cores:
         both = os.sched_getaffinity(0)  # every core this process may use
         for key, share in (("agents_shared_cores", True), ("agents_shared_cores_unshared", False)):
@@ -345,6 +380,14 @@ def table(res: dict) -> str:
             f"| {res['n_agents']} agents, {how} | local prefix cache per worker "
             f"{sh['local']['wall_s']:.1f} s; one engine on both cores {one['wall_s']:.1f} s | "
             f"{sh['kvstate']['wall_s']:.1f} s | {best_shared / sh['kvstate']['wall_s']:.2f}x |"
+        )
+    if "kvstate_over_transformers" in ag:
+        hf = ag["kvstate_over_transformers"]
+        lines.append(
+            f"| {res['n_agents']} agents, kvstate over transformers (2 workers x 1 thread, shared-prefix attention) | "
+            f"best of local prefix cache per worker ({local['wall_s']:.1f} s) and one engine on both cores "
+            f"({one['wall_s']:.1f} s) | {hf['wall_s']:.1f} s ({hf['computed_prompt_tokens']} prompt tokens; "
+            f"{hf['same_as_vllm']} of {res['n_agents']} outputs equal to vLLM's) | {best_wall / hf['wall_s']:.2f}x |"
         )
     if "transfer" in res:
         tr = res["transfer"]
