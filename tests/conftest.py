@@ -79,6 +79,15 @@ def other_model(backend, tmp_path_factory):
     return str(folder)
 
 
+def vllm_missing() -> str | None:
+    """Why the vLLM tests skip here, or None where vLLM is usable (the ``vllm`` extra)."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # a CUDA-linked torchvision next to the CPU torch breaks the import itself
+        return f"vLLM is not usable here ({type(e).__name__}: {e}); pip install 'dask-kvstate[vllm]'"
+    return None
+
+
 def on(worker):
     """Pin the tasks built inside to one worker."""
     return dask.annotate(workers=[worker], allow_other_workers=False)

@@ -9,6 +9,8 @@ import pytest
 from dask_kvstate.bench import cli
 from dask_kvstate.bench.experiments import non_llm_graph
 
+from .conftest import vllm_missing
+
 
 def test_bench_scaling_and_memory_end_to_end(tmp_path):
     out = tmp_path / "bench"
@@ -98,17 +100,9 @@ def test_vllm_rows_table_reads_every_row_of_a_result():
     assert "(12.0 s) | 10.0 s (4500 prompt tokens; 15 of 16 outputs equal to vLLM's) | 1.20x |" in table(res)
 
 
-def _vllm_missing() -> str | None:
-    try:
-        import vllm  # noqa: F401
-    except Exception as e:  # a CUDA-linked torchvision next to the CPU torch breaks the import itself
-        return f"vLLM is not usable here ({type(e).__name__}: {e}); pip install 'dask-kvstate[vllm]'"
-    return None
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(_vllm_missing() is not None, reason=_vllm_missing() or "")
+@pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or "")
 def test_bench_puts_vllm_rows_beside_the_hf_rows(tmp_path):
     """Experiments 1, 2 and 5 on both backends, same prompts: on vLLM, text replay computes
     every prompt token, the engines' own prefix caches no more, kvstate fewer, all three

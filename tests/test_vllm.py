@@ -15,21 +15,12 @@ import dask_kvstate as kvs
 from dask_kvstate.bench.tree_of_thought import QUESTIONS, prompt_parts
 from dask_kvstate.generation import Sampling
 
-from .conftest import on
-
-
-def _vllm_missing() -> str | None:
-    try:
-        import vllm  # noqa: F401
-    except Exception as e:  # a CUDA-linked torchvision next to the CPU torch breaks the import itself
-        return f"vLLM is not usable here ({type(e).__name__}: {e}); pip install 'dask-kvstate[vllm]'"
-    return None
-
+from .conftest import on, vllm_missing
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(900),
-    pytest.mark.skipif(_vllm_missing() is not None, reason=_vllm_missing() or ""),
+    pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or ""),
 ]
 
 PARTS = [prompt_parts(12, q) for q in QUESTIONS[:3]]
