@@ -129,7 +129,7 @@ def grid(args) -> dict:
     g = dict(QUICK if args.quick else FULL)
     if args.model:
         g["model"] = args.model
-    g["backends"] = list(dict.fromkeys(args.backends or default_backends(g["model"])))
+    g["backends"] = list(dict.fromkeys(args.backends or default_backends(str(g["model"]))))
     for name in (
         "lengths",
         "agents",

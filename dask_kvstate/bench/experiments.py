@@ -12,12 +12,18 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import dask
 
 from dask_kvstate import progress
 from dask_kvstate.bench import crossover, workload
 from dask_kvstate.protocol import WORKER_PLUGIN
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from distributed import Client
 
 # name -> (mode, batch): batch None = siblings split evenly over workers, 1 = no batching
 VARIANTS = {
@@ -43,12 +49,12 @@ class Setup:
     worker, Dask placing the requests), and ``kvstate`` our states over those engines.
     """
 
-    client: object  # distributed.Client
+    client: Client
     backend: str = "hf"
 
     def run(self, variant: str, context: str, k: int, new_tokens: int) -> dict:
         mode, batch = VARIANTS[variant]
-        engine_cache = contextlib.nullcontext()
+        engine_cache: AbstractContextManager = contextlib.nullcontext()
         if self.backend == "vllm" and mode in ("replay", "prefix"):
             mode = "replay"  # the engine's own prefix cache, read or not, is the baseline here
             engine_cache = self._engine_prefix_cache(variant == "prefix")
