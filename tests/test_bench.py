@@ -107,8 +107,28 @@ def test_bench_puts_vllm_rows_beside_the_hf_rows(tmp_path):
     """Experiments 1, 2 and 5 on both backends, same prompts: on vLLM, text replay computes
     every prompt token, the engines' own prefix caches no more, kvstate fewer, all three
     give the same tokens, and the vLLM replay is compared with transformers' agent by agent."""
+    import dask
+
     out = tmp_path / "bench"
-    res = cli.main(
+    with dask.config.set({"kvstate.block-tokens": 64}):  # vLLM's CPU attention: a multiple of 32
+        res = _both_backends(out)
+    assert [r["backend"] for r in res["ttft"]] == [r["backend"] for r in res["scaling"]] == ["hf", "vllm"]
+    assert {r["backend"] for r in res["throughput"]} == {"hf", "vllm"}
+    for row in [*res["ttft"], *res["scaling"]]:
+        assert row["identical"], row["backend"]
+    runs = {r["variant"]: r for r in res["scaling"][1]["runs"]}
+    assert runs["replay"]["prefill_tokens"] == sum(runs["replay"]["prompt_tokens"])
+    # the engines' caches hit only for agents arriving after a first one's prefill; ours always reuse
+    assert runs["kvstate"]["prefill_tokens"] <= runs["prefix"]["prefill_tokens"] <= runs["replay"]["prefill_tokens"]
+    assert runs["kvstate"]["prefill_tokens"] < runs["replay"]["prefill_tokens"]
+    assert res["meta"]["threads"] == {"hf": 1, "vllm": 2}
+    assert {name: a["agents"] for name, a in res["backend_agreement"].items()} == {"ttft": 4, "scaling": 4}
+    report = (out / "report.md").read_text()
+    assert "| backend | k |" in report and "| vllm | 4 |" in report
+
+
+def _both_backends(out):
+    return cli.main(
         [
             "ttft",
             "scaling",
@@ -136,16 +156,3 @@ def test_bench_puts_vllm_rows_beside_the_hf_rows(tmp_path):
             str(out),
         ]
     )
-    assert [r["backend"] for r in res["ttft"]] == [r["backend"] for r in res["scaling"]] == ["hf", "vllm"]
-    assert {r["backend"] for r in res["throughput"]} == {"hf", "vllm"}
-    for row in [*res["ttft"], *res["scaling"]]:
-        assert row["identical"], row["backend"]
-    runs = {r["variant"]: r for r in res["scaling"][1]["runs"]}
-    assert runs["replay"]["prefill_tokens"] == sum(runs["replay"]["prompt_tokens"])
-    # the engines' caches hit only for agents arriving after a first one's prefill; ours always reuse
-    assert runs["kvstate"]["prefill_tokens"] <= runs["prefix"]["prefill_tokens"] <= runs["replay"]["prefill_tokens"]
-    assert runs["kvstate"]["prefill_tokens"] < runs["replay"]["prefill_tokens"]
-    assert res["meta"]["threads"] == {"hf": 1, "vllm": 2}
-    assert {name: a["agents"] for name, a in res["backend_agreement"].items()} == {"ttft": 4, "scaling": 4}
-    report = (out / "report.md").read_text()
-    assert "| backend | k |" in report and "| vllm | 4 |" in report
