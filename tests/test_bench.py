@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dask_kvstate.bench import cli
-from dask_kvstate.bench.experiments import non_llm_graph
+from dask_kvstate.bench.overhead import non_llm_graph
 
 from .conftest import vllm_missing
 
@@ -70,7 +70,7 @@ def test_non_llm_graph_has_the_asked_size():
 def test_vllm_rows_table_reads_every_row_of_a_result():
     """The vLLM bench's table from a result of its shape: ratios against the best baseline,
     and the shared-cores row only where that run was made."""
-    from dask_kvstate.bench.vllm_rows import table
+    from dask_kvstate.bench.vllm_table import table
 
     agents = {
         "vllm_local_prefix_each_worker": {"wall_s": 20.0, "computed_prompt_tokens": 9000},

@@ -12,7 +12,7 @@ from dask.highlevelgraph import HighLevelGraph
 
 import dask_kvstate as kvs
 from dask_kvstate import graph_opt
-from dask_kvstate.bench.experiments import non_llm_graph
+from dask_kvstate.bench.overhead import non_llm_graph
 
 
 def test_compiler_returns_dasks_own_graph_when_there_is_no_llm_call(monkeypatch):

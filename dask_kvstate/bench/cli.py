@@ -167,7 +167,7 @@ def main(argv=None) -> dict:
     import dask_kvstate as kvs
     from dask_kvstate import progress
     from dask_kvstate.bench import experiments as ex
-    from dask_kvstate.bench import report, workload
+    from dask_kvstate.bench import overhead, report, workload
 
     args = parse(argv)
     g = grid(args)
@@ -255,7 +255,7 @@ def main(argv=None) -> dict:
                 crossover_netns.write(res["crossover_netns"], str(out / "crossover-netns"))
             checkpoint()
         if {"throughput", "overhead"} & set(exps):
-            res["overhead"] = ex.overhead(g["model"], g["overhead_tasks"], g["overhead_repeats"], bar)
+            res["overhead"] = overhead.overhead(g["model"], g["overhead_tasks"], g["overhead_repeats"], bar)
     finally:
         bar.close()
     res["meta"]["seconds"] = time.perf_counter() - t0
