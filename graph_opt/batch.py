@@ -12,6 +12,11 @@ time would mean holding a task back in a window, guessing whether a sibling is c
 The compiler sees all siblings at once in the graph, so the batch is exact and costs no
 waiting. Several groups (a cap below the sibling count) let several workers share one
 fork's siblings.
+
+Only calls of the same depth (``graph_opt/order.py``) share a batch. Calls resuming from
+one state can still depend on one another (each debate turn reads the earlier turns
+after its own question), and a batch holding a call and its descendant would wait on
+itself; equal depth rules that out, for chains through other batches too.
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ def _settings(kwargs: dict) -> tuple:
 def batch_groups(plan, by_key: dict, max_batch: int) -> list[tuple[str, list]]:
     """``[(state key, [call key, ...]), ...]``: the sibling groups worth a batch task.
 
-    Sampling without a seed is never batched (each such call is its own draw anyway).
+    Siblings are consumers of one state with the same settings and the same depth, in
+    the plan's order. Sampling without a seed is never batched (each such call is its
+    own draw anyway).
     """
     if max_batch < 2:
         return []
@@ -39,10 +46,11 @@ def batch_groups(plan, by_key: dict, max_batch: int) -> list[tuple[str, list]]:
     for st in plan.states.values():
         by_settings: dict[tuple, list] = {}
         for key in st.consumers:
-            kw = by_key[key].gen_kwargs
+            call = by_key[key]
+            kw = call.gen_kwargs
             if kw.get("temperature") and kw.get("seed") is None:
                 continue
-            by_settings.setdefault(_settings(kw), []).append(key)
+            by_settings.setdefault((call.depth, _settings(kw)), []).append(key)
         for keys in by_settings.values():
             if len(keys) < 2:
                 continue

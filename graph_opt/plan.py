@@ -11,6 +11,10 @@ the debate shape). Each state is ``materialize`` of the segments from the base, 
 ``extend`` of the nearest state above it; each call then resumes from the deepest
 state on its path with its remaining segments.
 
+Calls enter the tries in a fixed order, by depth (``graph_opt/order.py``) and then by
+key, so the plan is a function of the graph alone, never of the order its dict holds
+the tasks in, of ``hash()`` or of a set's order: every scheduler process makes the same.
+
 Token boundaries are not decided here (the scheduler has no tokenizer): the runtime
 re-tokenizes the joined text and crops to the longest common token prefix. Nor is the
 namespace read from config here (this runs on the scheduler, whose config is not the
@@ -27,6 +31,7 @@ from dask._task_spec import DataNode, Task, TaskRef
 from dask.base import tokenize
 
 from dask_kvstate import tasks
+from dask_kvstate.graph_opt.order import call_depths
 
 CHARS_PER_TOKEN = 4  # for estimates only; the runtime counts real tokens
 
@@ -71,6 +76,7 @@ class LLMCall:
     base: Base
     segments: tuple[Segment, ...]
     gen_kwargs: dict
+    depth: int = 0  # LLM calls on the longest dependency chain above this one
 
 
 @dataclass
@@ -139,7 +145,11 @@ def _segment(key, i: int, arg) -> Segment:
 
 
 def find_calls(dsk: Mapping) -> list[LLMCall]:
-    """Every ``kvs.generate`` / ``kvs.resume`` task of ``dsk``, with its segments."""
+    """Every ``kvs.generate`` / ``kvs.resume`` task of ``dsk``, with its segments and depth.
+
+    Sorted by depth, then by key: upstream calls first, and the same list for the same
+    graph whatever order its dict holds the tasks in.
+    """
     calls = []
     for key, task in dsk.items():
         if not isinstance(task, Task):
@@ -158,7 +168,12 @@ def find_calls(dsk: Mapping) -> list[LLMCall]:
             continue
         base = Base(state, task.kwargs.get("model"), task.kwargs.get("namespace"))
         calls.append(LLMCall(key, task, base, segs, dict(task.kwargs)))
-    return calls
+    if not calls:
+        return calls
+    depths = call_depths(dsk, {c.key for c in calls})
+    for call in calls:
+        call.depth = depths[call.key]
+    return sorted(calls, key=lambda c: (c.depth, str(c.key)))
 
 
 class _TrieNode:
@@ -182,7 +197,7 @@ def make_plan(dsk: Mapping, *, min_shared_chars: int = 0) -> Plan:
         node.ends.append(call)
 
     states: dict[str, StateNode] = {}
-    deepest: dict = {}  # call key -> (state key, depth)
+    deepest: dict = {}  # call key -> (state key, segments the state covers)
 
     def walk(node: _TrieNode, base: Base, path: tuple[Segment, ...], parent: StateNode | None, since: int):
         here = parent
@@ -209,9 +224,9 @@ def make_plan(dsk: Mapping, *, min_shared_chars: int = 0) -> Plan:
     resumes = {}
     for call in calls:
         if call.key in deepest:
-            skey, depth = deepest[call.key]
+            skey, since = deepest[call.key]
             states[skey].consumers.append(call.key)
-            resumes[call.key] = (skey, call.segments[depth:])
+            resumes[call.key] = (skey, call.segments[since:])
     return Plan(calls, states, resumes)
 
 
