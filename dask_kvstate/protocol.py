@@ -18,6 +18,8 @@ Five kinds of names travel between the client, the scheduler and the workers:
 One handshake, :data:`HELLO`, tells a worker plugin which kvstate extensions the
 scheduler runs: the plugin sends its own name, every extension present answers under
 its plugin name (see ``plugins/scheduler/handshake.py`` and ``plugins/worker/handshake.py``).
+Its counterpart :data:`GOODBYE` takes a worker plugin that is going away (removed, or its
+worker closing) off the extensions' lists before its handlers go.
 
 To follow a message, look its constant up here, then ``git grep`` the constant: one hit
 sends it, one handles it.
@@ -56,6 +58,9 @@ SCHEDULING_EXTENSIONS = (
 # -- RPC handlers on the scheduler ------------------------------------------------------------
 #: Worker plugin setup -> every kvstate extension: ``{extension name: its answer}``.
 HELLO = "kvstate_hello"
+#: Worker plugin teardown -> every kvstate extension: this worker stops running that plugin
+#: (its handlers go once the answer comes, after the calls already sent to it are answered).
+GOODBYE = "kvstate_goodbye"
 #: Worker runtime (a long prefill) -> placement: how many threads on its host are idle.
 IDLE_THREADS = "kvstate_idle_threads"
 #: Worker runtime (a consumer whose named holder is slow to reach) -> placement: the running
@@ -73,7 +78,8 @@ SET_RESOURCES = "kvstate_set_resources"
 INVALIDATE = "kvstate_lifecycle_invalidate"
 
 # -- stream ops, worker -> scheduler ----------------------------------------------------------
-#: Worker plugin -> placement: a task's result holds these refs (where each state lives).
+#: Worker plugin -> placement: a task's result holds these refs (where each state lives), and,
+#: when small enough, the result itself as rows (``plugins/worker/ref_copies.py``) for :data:`REF_COPY`.
 REF = "kvstate-ref"
 #: Worker plugin -> placement: block hashes added to / removed from this worker's store.
 BLOCKS = "kvstate-blocks"
@@ -97,6 +103,10 @@ REPRIORITIZE = "kvstate-reprioritize"
 OFFLOAD = "kvstate-offload"
 #: Lifecycle extension -> lifecycle worker plugin: bring a session's blocks back up.
 PREFETCH = "kvstate-prefetch"
+#: Placement (``plugins/scheduler/ref_relay.py``) -> the worker plugin (``plugins/worker/ref_copies.py``):
+#: the value of a ref key that a task just sent to that worker needs, ahead of the task, so
+#: the worker never dials the key's holder for it.
+REF_COPY = "kvstate-ref-copy"
 
 # -- annotation keys ------------------------------------------------------------------------
 #: Client (``kvs.session``) -> sessions, lifecycle, stealing: the session a task belongs to.

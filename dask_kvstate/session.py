@@ -11,7 +11,9 @@ scheduler's session tracker gives them the session of the task that submitted th
 The context's exit is told to the scheduler with ``Client.log_event`` on the
 ``kvstate-session`` topic (a public, fire-and-forget path into scheduler plugins). The
 session ends when that notice has arrived and the scheduler holds none of its tasks
-any more (every future released); ending fires the tracker's end hooks.
+any more (every future released); ending fires the tracker's end hooks. A client that
+never sends the notice (killed inside the block) closes its sessions by leaving: the
+scheduler's session tracker hears the client's removal.
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ def session(name: str | None = None, client=None) -> Iterator[SessionHandle]:
     stateful components, visits per request (capacity) and, when the session ends, to
     invalidate what it left behind. Nested sessions: the innermost wins. Works without a
     cluster (the annotation is simply carried); the exit notice never raises (a failed
-    notice is logged: that session then never ends on the scheduler). ``client`` is the
+    notice is logged: that session then ends when its client leaves the cluster, or after
+    ``kvstate.scheduling.sessions.idle-timeout`` without activity). ``client`` is the
     one to tell at exit; by default ``distributed.get_client()`` (inside a task: the
     worker's client). Pass it where several clients live in one process.
 

@@ -27,6 +27,7 @@ WORKER_ZEROS = (
     "meta",
     "pins",
     "holds",
+    "session_bytes",
     "held_keys",
     "sessions",
     "leftovers",
@@ -35,6 +36,17 @@ WORKER_ZEROS = (
 )
 #: The scheduler entries that must all be 0.
 SCHEDULER_ZEROS = ("tasks", "refs", "placed_blocks", "open_sessions", "closing_sessions")
+
+
+def session_held_bytes(store) -> int:
+    """Bytes of the blocks ``store`` holds for sessions (the lifecycle half's ``("session", id)`` holds)."""
+    held = {
+        h
+        for owner, hs in list(store.holds.by_owner.items())
+        if isinstance(owner, tuple) and owner[0] == "session"
+        for h in hs
+    }
+    return sum(store.size_of(h) for h in held if h in store)
 
 
 def worker_footprint(dask_worker) -> dict:
@@ -61,6 +73,7 @@ def worker_footprint(dask_worker) -> dict:
         "meta": len(store.ledger.meta),
         "pins": len(store.pins.count) + len(store.pins.by_owner),
         "holds": len(store.holds.count) + len(store.holds.by_owner),
+        "session_bytes": session_held_bytes(store),
         "held_keys": len(plugin.held),
         "sessions": len(life.sessions) if life is not None else 0,
         "leftovers": len(life.leftovers) if life is not None else 0,

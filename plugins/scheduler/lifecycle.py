@@ -27,7 +27,12 @@ freed / left / still shared with live sessions are logged. A call that fails (a 
 reconnecting worker, a handler error) is retried, the wait doubling from Dask's
 ``distributed.comm.retry.delay.min`` to ``.max``, until the worker answers or leaves the
 cluster (its blocks then went with it): a session hold never outlives its session on a
-worker that stays.
+worker that stays. Only workers whose lifecycle half said hello are asked; one whose half
+says goodbye (removed, or its worker closing, which tears plugins down while the worker
+still counts as running) is asked nothing more, and its goodbye is answered once the calls
+already on their way there are answered. A worker that answers as one without the handler
+(``None``: Dask's answer to an unknown RPC) holds no session's KV: it is logged, counted
+(``invalidations_unhandled``) and asked nothing more.
 """
 
 from __future__ import annotations
@@ -105,6 +110,7 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
         self.ended_bytes: dict[str, dict] = {}  # session -> {worker: invalidate answer}
         self._invalidations: set[asyncio.Future] = set()
         self._ending: dict[str, list] = {}  # worker -> sessions ended since the last batch was sent
+        self._calls: dict[str, set[asyncio.Future]] = defaultdict(set)  # worker -> invalidation RPCs on the wire
         # session -> its waiting or processing tasks that use KV, and key -> session: what
         # a prediction reads, kept by the transitions so a pass never scans a whole queue.
         self.kv_tasks: dict[str, set] = defaultdict(set)
@@ -124,6 +130,20 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
     def remove_worker(self, scheduler, worker: str, **kwargs) -> None:
         super().remove_worker(scheduler, worker, **kwargs)
         self.reports.pop(worker, None)
+
+    async def kvstate_goodbye(self, worker: str | None, plugin: str | None) -> bool:
+        """The worker's lifecycle half is going: send it nothing more, and answer once what
+        is on its way there has been answered (its handler goes when this returns)."""
+        await super().kvstate_goodbye(worker, plugin)
+        if worker is None or plugin != self.worker_half:
+            return True
+        self.reports.pop(worker, None)
+        for sid, w in [k for k in self.last if k[1] == worker]:
+            del self.last[(sid, w)]
+        calls = self._calls.get(worker)
+        if calls:
+            await asyncio.wait(list(calls))
+        return True
 
     async def close(self) -> None:
         for task in list(self._invalidations):
@@ -357,12 +377,21 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
         """Ask ``worker`` to drop the KV of ``sids`` until it answers or leaves (the worker's call is idempotent)."""
         delay, most = self.retry_s
         while True:
+            call = asyncio.ensure_future(getattr(self.scheduler.rpc(worker), INVALIDATE)(sessions=sids))
+            self._calls[worker].add(call)  # a goodbye from this worker waits for it
             try:
-                res = await getattr(self.scheduler.rpc(worker), INVALIDATE)(sessions=sids)
+                res = await call
             except Exception as e:
                 res, why = None, f"{type(e).__name__}: {e}"
             else:
+                if res is None:  # Dask's answer to an RPC the worker has no handler for
+                    self._unhandled(worker, sids)
+                    return
                 why = f"answered {res!r}"
+            finally:
+                self._calls[worker].discard(call)
+                if not self._calls[worker]:
+                    del self._calls[worker]
             if isinstance(res, dict):
                 break
             if worker not in self.announced:  # gone, and its blocks with it
@@ -386,6 +415,22 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
             )
         while len(self.ended_bytes) > 1000:
             self.ended_bytes.pop(next(iter(self.ended_bytes)))
+
+    def _unhandled(self, worker: str, sids: list[str]) -> None:
+        """``worker`` has no lifecycle handler: nothing there holds a session's KV, so nothing is lost."""
+        self.counters["invalidations_unhandled"] += 1
+        if worker in self.announced:
+            self.announced.discard(worker)
+            self.reports.pop(worker, None)
+            logger.info(
+                "kvstate lifecycle: %s has no %s handler (its lifecycle half is gone); asking it nothing more",
+                worker,
+                INVALIDATE,
+            )
+        self.scheduler.log_event(
+            LIFECYCLE_TOPIC,
+            {"kind": "invalidate", "phase": "unhandled", "sessions": list(sids), "worker": worker},
+        )
 
     def stats(self) -> dict:
         return {

@@ -14,6 +14,22 @@ the KV lifecycle extension invalidates the session's KV there), and an
 ``{"kind": "end", ...}`` event goes to the ``kvstate-session`` topic, so clients can
 ``client.subscribe_topic`` to it. A failing hook is logged, never raised.
 
+**What ends a session.** Three things close one, and each takes the same path to its
+end (its tasks gone, then the end hooks, which release its KV on every worker):
+
+* its ``with`` block's exit (the client's close notice);
+* its client leaving the cluster (:meth:`SessionTracker.remove_client`: a client that
+  was killed, or lost its connection, sends no notice). A session's client is the one
+  whose graph brought its first task (``Session.owner``); Dask has released that client's
+  futures just before, so the session ends one control interval later unless another
+  client still holds its tasks;
+* no activity for ``kvstate.scheduling.sessions.idle-timeout`` (off by default): none of
+  its tasks waiting, running or finishing for that long. Futures its client still holds
+  do not keep it open (they keep their own refs' blocks, not the session's), so this
+  ends it at once and its remaining tasks leave it.
+
+``Session.reason`` says which (``"closed"``, ``"client-gone"``, ``"idle"``).
+
 **An end is final.** The ids of ended sessions are remembered (the last
 :data:`ENDED_IDS_KEPT`): a graph that arrives later under one of them (a ``Delayed``
 built in the session and computed after its end) does not bring it back; its tasks
@@ -67,6 +83,8 @@ class Session:
     closed_by: str | None = None  # the client whose notice closed it, when the notice names it
     ended_at: float | None = None
     last_activity: float = 0.0
+    owner: str | None = None  # the client whose graph brought its first task
+    reason: str | None = None  # what closed or ended it: "closed" (its notice), "client-gone" or "idle"
 
     @property
     def progress(self) -> int:
@@ -85,6 +103,8 @@ class Session:
             "live": len(self.live),
             "closed_at": self.closed_at,
             "ended_at": self.ended_at,
+            "owner": self.owner,
+            "reason": self.reason,
         }
 
 
@@ -97,8 +117,10 @@ class SessionTracker(AnnouncedWorkers, SchedulerPlugin):
     worker_half = SCHEDULING_WORKER_PLUGIN
     idempotent = True
 
-    def __init__(self, interval: str | float | None = None):
+    def __init__(self, interval: str | float | None = None, idle_timeout: str | float | None = None):
         self.interval_s = config.get_seconds("scheduling.interval", interval)
+        key = "scheduling.sessions.idle-timeout"
+        self.idle_s = config.parse(key, config.get(key) if idle_timeout is None else idle_timeout)
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -154,7 +176,7 @@ class SessionTracker(AnnouncedWorkers, SchedulerPlugin):
         self.loop.stop()
 
     # -- Dask hooks ----------------------------------------------------------------
-    def update_graph(self, scheduler, *, tasks=(), annotations=None, **kwargs) -> None:
+    def update_graph(self, scheduler, *, tasks=(), annotations=None, client=None, **kwargs) -> None:
         by_key = (annotations or {}).get(SESSION_ANNOTATION) or {}
         if not by_key:
             return
@@ -174,8 +196,10 @@ class SessionTracker(AnnouncedWorkers, SchedulerPlugin):
             s = self.sessions.get(sid)
             if s is None:
                 self._seq += 1
-                s = self.sessions[sid] = Session(sid, self._seq, now)
+                s = self.sessions[sid] = Session(sid, self._seq, now, owner=client)
                 scheduler.log_event(SESSION_TOPIC, {"kind": "start", "session": sid, "seq": s.seq})
+            elif s.owner is None:  # opened by a close notice that overtook its first graph
+                s.owner = client
             s.created += 1
             s.visits[component_of(ts)] += 1
             s.live.add(key)
@@ -191,6 +215,7 @@ class SessionTracker(AnnouncedWorkers, SchedulerPlugin):
             s.last_activity = time()
         elif finish == "erred":
             s.failed += 1
+            s.last_activity = time()
         elif finish == "forgotten":
             del self.key_session[key]
             s.live.discard(key)
@@ -202,11 +227,29 @@ class SessionTracker(AnnouncedWorkers, SchedulerPlugin):
             s = self.sessions.get(msg["session"]) if "session" in msg else None
             if s is None:  # a session that submitted nothing: it starts and ends here
                 self._seq += 1
-                s = self.sessions[msg["session"]] = Session(msg["session"], self._seq, time())
-            if s.closed_at is None:
-                s.closed_at = time()
-                s.closed_by = msg.get("client")
-                self.closing.add(s)
+                now = time()
+                s = self.sessions[msg["session"]] = Session(msg["session"], self._seq, now, last_activity=now)
+            self._close(s, msg.get("client"), "closed")
+
+    def remove_client(self, scheduler, client: str) -> None:
+        """``client`` left (closed, killed, or cut off): close every session it opened and did not close.
+
+        Its futures are released by now, so each ends like a closed one: once the
+        scheduler holds none of its tasks, a control interval on.
+        """
+        gone = [s for s in self.sessions.values() if s.owner == client and s.closed_at is None]
+        for s in gone:
+            self._close(s, client, "client-gone")
+        if gone:
+            self.counters["closed_by_client_removal"] += len(gone)
+            logger.info("kvstate sessions: client %s left with %d open session(s); closing them", client, len(gone))
+
+    def _close(self, s: Session, by: str | None, reason: str) -> None:
+        if s.closed_at is None:
+            s.closed_at = time()
+            s.closed_by = by
+            s.reason = reason
+            self.closing.add(s)
 
     # -- the control pass ------------------------------------------------------------
     def sweep(self) -> None:
@@ -229,6 +272,35 @@ class SessionTracker(AnnouncedWorkers, SchedulerPlugin):
         ]:
             self.closing.discard(s)
             self._end(s, now)
+        if self.idle_s is not None:
+            self._end_idle(now, self.idle_s)
+
+    def _end_idle(self, now: float, idle_s: float) -> None:
+        """End every session none of whose tasks has waited, run or finished for ``idle_s``.
+
+        The cheap test (the time of its last activity) goes first, so a pass reads the
+        task states only of sessions already that quiet. Its close notice counts as
+        activity, and the limit is at least one control interval: the grace a notice gets
+        against the session's graphs still on the wire.
+        """
+        limit = max(idle_s, self.interval_s)
+        quiet = [s for s in self.sessions.values() if now - max(s.last_activity, s.arrival, s.closed_at or 0) >= limit]
+        for s in quiet:
+            if s.id in self.arriving or (s.owner is not None and s.owner in self.building):
+                continue  # a graph of it, or maybe of it, is on its way in
+            if any(self._busy(key) for key in s.live):
+                continue
+            s.reason = "idle"  # closed or not: the quiet is what ends it
+            for key in s.live:  # what it still holds leaves it: a late task of an ended session holds nothing
+                self.key_session.pop(key, None)
+            s.live.clear()
+            self.closing.discard(s)
+            self.counters["ended_idle"] += 1
+            self._end(s, now)
+
+    def _busy(self, key) -> bool:
+        ts = self.scheduler.tasks.get(key)
+        return ts is not None and ts.state in ("waiting", "queued", "no-worker", "processing")
 
     def _end(self, s: Session, now: float) -> None:
         s.ended_at = now
@@ -262,6 +334,9 @@ class SessionTracker(AnnouncedWorkers, SchedulerPlugin):
             "open": sum(s.closed_at is None for s in self.sessions.values()),
             "closing": len(self.closing),
             "ended": self.counters["ended"],
+            "ended_idle": self.counters["ended_idle"],
+            "closed_by_client_removal": self.counters["closed_by_client_removal"],
+            "idle_timeout": self.idle_s,
             "inherited_graphs": self.counters["inherited_graphs"],
             "late_tasks": self.counters["late_tasks"],
             "workers": len(self.announced),

@@ -40,7 +40,7 @@ from distributed import Worker, WorkerPlugin
 from tornado.ioloop import PeriodicCallback
 
 from dask_kvstate import config
-from dask_kvstate.plugins.worker.handshake import hello
+from dask_kvstate.plugins.worker.handshake import goodbye, hello
 from dask_kvstate.plugins.worker.session_blocks import SessionBlocks, tier_bytes
 from dask_kvstate.protocol import (
     INVALIDATE,
@@ -131,14 +131,23 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
     report_interval : str or float, optional
         How often the per-session byte counts are sent, only when they changed
         (default ``kvstate.lifecycle.report-interval``).
+    goodbye_timeout : str or float, optional
+        How long teardown waits for the scheduler to stop sending before the handlers go
+        (default ``kvstate.lifecycle.goodbye-timeout``).
+
+    Teardown (the plugin removed or replaced, or its worker closing) says goodbye to the
+    scheduler first, so no invalidation reaches a worker without the handler, and then
+    lets go of every session hold: a worker never keeps a session's KV held by a plugin
+    that is no longer there to release it.
     """
 
     name = LIFECYCLE_WORKER_PLUGIN
     idempotent = True
     worker: Worker  # set by setup()
 
-    def __init__(self, report_interval: str | float | None = None):
+    def __init__(self, report_interval: str | float | None = None, goodbye_timeout: str | float | None = None):
         self.report_s = config.get_seconds("lifecycle.report-interval", report_interval)
+        self.goodbye_s = config.get_seconds("lifecycle.goodbye-timeout", goodbye_timeout)
 
     async def setup(self, worker: Worker) -> None:
         self.worker = worker
@@ -153,6 +162,7 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         self._session_bytes: dict[str, dict[str, int]] = {}
         self._sweep_due = False
         self._reporter = None
+        self._announced = False  # whether the scheduler's lifecycle extension heard this plugin's hello
         worker.stream_handlers[OFFLOAD] = self._offload
         worker.stream_handlers[PREFETCH] = self._prefetch
         worker.handlers[INVALIDATE] = self._invalidate
@@ -161,19 +171,42 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
             self.rates = await asyncio.to_thread(self._probe)
             self._probed = True
         # Report only to a scheduler that runs the lifecycle extension.
-        if LIFECYCLE_EXTENSION in await hello(worker, self.name):
+        self._announced = LIFECYCLE_EXTENSION in await hello(worker, self.name)
+        if self._announced:
             self._reporter = PeriodicCallback(self._report, self.report_s * 1000)
             self._reporter.start()
 
-    def teardown(self, worker) -> None:
-        if self._reporter is not None:
-            self._reporter.stop()
+    async def teardown(self, worker) -> None:
+        reporter = getattr(self, "_reporter", None)  # absent when setup failed early
+        if reporter is not None:
+            reporter.stop()
+        if getattr(self, "_announced", False):
+            # Dask tears plugins down while the scheduler still counts the worker as running:
+            # until the lifecycle extension has heard this, it may still send an invalidation.
+            await goodbye(worker, self.name, self.goodbye_s)
+            self._announced = False
         for name in (OFFLOAD, PREFETCH):
             worker.stream_handlers.pop(name, None)
         worker.handlers.pop(INVALIDATE, None)
         listeners = getattr(worker.plugins.get(WORKER_PLUGIN), "task_listeners", None)
         if listeners is not None and self._task_used in listeners:
             listeners.remove(self._task_used)
+        self._release_all()
+
+    def _release_all(self) -> None:
+        """Let go of every session hold: nothing would release them once this plugin is gone.
+
+        The blocks stay in the store as ordinary cache (a live ref still holds its own),
+        so a replacement plugin or a later pull can still hit them.
+        """
+        sessions = getattr(self, "sessions", None)
+        store = self.store
+        if sessions is None or store is None:  # the store went with the kvstate plugin, holds included
+            return
+        for sid in list(sessions.by_session):
+            store.release(("session", sid))
+            sessions.pop(sid)
+        self.leftovers.clear()
 
     def _attach(self) -> None:
         """Hear from the ``kvstate`` plugin which blocks each finished task used (again after it is replaced)."""
