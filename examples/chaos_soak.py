@@ -11,6 +11,8 @@ Run::
 
     python examples/chaos_soak.py                              # 200 workflows, results/chaos/soak.json
     python examples/chaos_soak.py --workflows 40 --kill-per 4
+    python examples/chaos_soak.py --backend vllm --workers 2 --workflows 40 --live 6 --kill-per 15 \
+        --deadline 1200 --out results/chaos/soak-vllm.json   # SmolLM2 on vLLM engines, a failed step too
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import argparse
 import asyncio
 import json
 
-from dask_kvstate.testing.chaos import SoakOptions, soak, summary
+from dask_kvstate.testing.chaos import ENGINES, SoakOptions, soak, summary
 
 
 def main(argv=None) -> dict:
     d = SoakOptions()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", default=d.backend, choices=sorted(ENGINES), help="what computes (hf: tiny-llama)")
     p.add_argument("--workflows", type=int, default=d.workflows)
     p.add_argument("--workers", type=int, default=d.workers)
     p.add_argument("--live", type=int, default=d.live, help="workflows in flight at once")

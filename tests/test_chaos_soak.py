@@ -4,13 +4,12 @@ workflow lost or hung, and nothing held anywhere at the end.
 
 The driver, the workflow mix and the final audit live in :mod:`dask_kvstate.testing`
 (``examples/chaos_soak.py`` runs the same soak from the command line). The figures go to
-``results/chaos/soak.json``.
+the test's own temporary folder (``examples/chaos_soak.py`` writes ``results/chaos/soak.json``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
@@ -18,12 +17,10 @@ from dask_kvstate.testing.chaos import SoakOptions, soak, summary
 
 pytestmark = pytest.mark.slow
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "chaos" / "soak.json"
-
 
 @pytest.mark.timeout(600)
-def test_chaos_soak_every_output_identical_and_nothing_left():
-    opts = SoakOptions(workflows=200, out=str(RESULTS))
+def test_chaos_soak_every_output_identical_and_nothing_left(tmp_path):
+    opts = SoakOptions(workflows=200, out=str(tmp_path / "soak.json"))
     report = asyncio.run(soak(opts))
     print(summary(report))
     assert report["outcomes"] == {"identical": opts.workflows}, report["problems"]  # none different, failed or hung

@@ -210,6 +210,67 @@ def test_a_bad_load_fails_its_call_and_the_engine_goes_on(backend):
     assert backend.generate(ids, None, GREEDY).token_ids
 
 
+def _hits(backend, ids, namespace, kv=None):
+    """The engine's own prefix-cache hit tokens for one request of ``namespace``, and its result."""
+    before = backend.counters["engine_prefix_hit_tokens"]
+    got = backend.generate(ids, kv, GREEDY, namespace=namespace)
+    return backend.counters["engine_prefix_hit_tokens"] - before, got
+
+
+def test_a_namespace_never_hits_another_namespaces_blocks_in_the_engine(backend):
+    """The same document, other questions: hits within a namespace, none across, for text
+    requests and for blocks our connector loaded into the engine."""
+    doc = backend.tokenize(PREFIX)
+    asks = [backend.tokenize(PREFIX + suffix) for _, suffix in PARTS]
+    backend.reset_engine_cache()
+    first, want = _hits(backend, asks[0], "tenant-a")
+    across, other = _hits(backend, asks[1], "tenant-b")
+    within, same = _hits(backend, asks[1], "tenant-a")
+    assert first == 0 and across == 0 and within > 0
+    assert other.token_ids == same.token_ids  # the salt changes what is shared, never the tokens
+    assert other.prefill_tokens == len(asks[1])  # tenant-b computed the whole prompt itself
+    # A state loaded into the engine by tenant-a's resume: its blocks are tenant-a's too.
+    kv, _ = backend.prefill(doc, namespace="tenant-a")
+    backend.reset_engine_cache()
+    _, resumed = _hits(backend, asks[2], "tenant-a", kv[:, :, :, : len(doc) - 1])
+    across, _ = _hits(backend, asks[2], "tenant-b")
+    within, replay = _hits(backend, asks[2], "tenant-a")
+    assert across == 0 and within > 0
+    assert resumed.token_ids == replay.token_ids
+
+
+def test_a_failed_step_leaves_no_unwritten_block_in_the_engine_cache(backend):
+    """vLLM enters a prompt's blocks in its prefix cache when it schedules them; a forward
+    that raises leaves them unwritten. The engine drops its cache before the next request:
+    the same prompt again hits nothing and gives replay's tokens. A step failing once is
+    retried; a request whose retry fails too gets the error, naming the engine."""
+    from dask_kvstate.errors import EngineFailed
+    from dask_kvstate.testing.engine_faults import fail_steps
+
+    ids = backend.tokenize(PREFIX + PARTS[2][1])
+    backend.reset_engine_cache()
+    replay = backend.generate(ids, None, GREEDY, namespace="t")
+    backend.reset_engine_cache()
+    fail_steps(backend, 2)  # the request's step and its retry
+    with pytest.raises(EngineFailed, match="failed a step"):
+        backend.generate(ids, None, GREEDY, namespace="t")
+    hits, again = _hits(backend, ids, "t")
+    assert hits == 0 and again.token_ids == replay.token_ids
+    backend.reset_engine_cache()
+    fail_steps(backend, 1)  # once: the retry passes
+    retried = backend.exchange.counters["retried_requests"]
+    rows_ok = backend.generate(ids, None, GREEDY, namespace="t")
+    assert rows_ok.token_ids == replay.token_ids
+    assert backend.exchange.counters["retried_requests"] == retried + 1
+    # A state's load in a failed step: retried with the same load, same tokens.
+    doc = backend.tokenize(PREFIX)
+    kv, _ = backend.prefill(doc, namespace="t")
+    backend.reset_engine_cache()
+    fail_steps(backend, 1)
+    loaded = backend.generate(ids, kv[:, :, :, : len(doc) - 1], GREEDY, namespace="t")
+    assert loaded.token_ids == replay.token_ids
+
+
 def test_every_path_on_two_engines_is_token_identical_to_replay():
     """Worker A's engine makes the state; worker B's engine, which never saw it, resumes it."""
     # Short prompts: the rule could recompute; 64-token blocks whatever an earlier test left set.

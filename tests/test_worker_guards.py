@@ -74,7 +74,7 @@ def _engine(running: int, monkeypatch, idle: int = 4):
 
     seen = []
 
-    def prefill(ids, past, keep_from=0):
+    def prefill(ids, past, keep_from=0, namespace=None):
         seen.append(torch.get_num_threads())
         return torch.zeros(1, 2, 1, len(ids), 1), None  # [L, 2, H, T, D]
 

