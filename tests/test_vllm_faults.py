@@ -1,5 +1,6 @@
 """Tenants and faults on a vLLM worker of a real cluster (a worker process under a nanny).
 
+* Sessions on a vLLM worker: each session's end reaches the worker and frees its KV.
 * Two namespaces on one engine: the engine's own prefix cache hits within a namespace,
   never across (every request carries its namespace as vLLM's ``cache_salt``).
 * An engine step that raises while several tasks share it: every task still returns
@@ -42,6 +43,12 @@ def _engine_hits(client) -> int:
     return sum(s["engine"]["engine_prefix_hit_tokens"] for s in kvs.stats(client).workers.values())
 
 
+def _session_bytes(client) -> int:
+    from dask_kvstate.testing.footprint import worker_footprint
+
+    return sum(f["session_bytes"] for f in client.run(worker_footprint).values())
+
+
 def _ask(namespace: str, suffix: str):
     with dask.config.set({"kvstate.namespace": namespace}):
         return kvs.generate(DOC, suffix, max_new_tokens=12)
@@ -71,6 +78,17 @@ def test_tenants_and_faults_on_a_vllm_worker():
             assert across == 0 and b1.prefill_tokens == b1.prompt_tokens
             assert within > 0 and a2.prefill_tokens < a2.prompt_tokens
             assert a2.token_ids == b1.token_ids
+
+            # Sessions on the vLLM worker: each one's end reaches the worker and frees its KV.
+            for i in range(3):
+                with kvs.session(f"vllm-session-{i}"):
+                    state = kvs.materialize(DOC)
+                    (answer,) = dask.compute(kvs.resume(state, PARTS[i][1], max_new_tokens=4))
+                    assert answer.token_ids
+                del state
+            poll_for(lambda: kvs.stats(client).lifecycle.get("invalidations", 0) >= 3, timeout=120)
+            poll_for(lambda: _session_bytes(client) == 0, timeout=120)
+            assert kvs.stats(client).lifecycle.get("invalidations_unhandled", 0) == 0
 
             # A failed step among three tasks sharing the engine: every output as replay's.
             replay = [a1, a2, None]
