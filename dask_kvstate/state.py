@@ -105,6 +105,35 @@ class KVStateRef:
         # (the only field that grows with context length besides 16 bytes per block).
         return (_unpack, (_pack(self),))
 
+    def to_row(self) -> tuple:
+        """This descriptor as one row of plain values (str, int, bytes, lists; the text
+        zlib-compressed): what its pickle carries, and what a msgpack message can hold.
+
+        Examples
+        --------
+        >>> ref = example_ref()
+        >>> KVStateRef.from_row(ref.to_row()) == ref
+        True
+        """
+        return _pack(self)
+
+    @classmethod
+    def from_row(cls, row) -> KVStateRef:
+        """Rebuild a descriptor from :meth:`to_row` output (lists may come back as tuples).
+
+        Raises ``ValueError`` for anything malformed, like :meth:`from_arrow`.
+
+        Examples
+        --------
+        >>> KVStateRef.from_row(["too short"])
+        Traceback (most recent call last):
+        ...
+        ValueError: malformed KV state descriptor: not enough values to unpack (expected 14, got 1)
+        """
+        if not isinstance(row, (list, tuple)):
+            raise ValueError(f"malformed KV state descriptor: expected a row (list or tuple), got {type(row).__name__}")
+        return _unpack(tuple(row))
+
     def to_arrow(self) -> pa.RecordBatch:
         """This descriptor as a one-row Arrow record batch.
 

@@ -211,6 +211,101 @@ def test_a_corrupted_frame_is_caught_by_its_checksum_and_recomputed(fault_client
     assert delta(after, s, "pull_checksum_failures") == 0 and delta(after, s, "transfers") == clean_blocks
 
 
+async def _spoil_the_next_probe_reply(dask_worker, how: str, probe_blocks: int):
+    """Make this worker's next reply to a pull of ``probe_blocks`` blocks (a first probe)
+    carry a flipped byte (``corrupted``) or a layout no puller can read (``malformed``);
+    record the size of every pull it is asked for, as it arrives."""
+    import numpy as np
+    from distributed.protocol import to_serialize
+
+    serve = dask_worker.handlers[GET_BLOCKS]
+    dask_worker._kvstate_asked = asked = []
+
+    async def spoiling(comm=None, hashes=(), **kwargs):
+        asked.append(len(hashes))
+        reply = await serve(comm=comm, hashes=hashes, **kwargs)
+        if len(hashes) != probe_blocks or dask_worker.handlers[GET_BLOCKS] is not spoiling:
+            return reply
+        dask_worker.handlers[GET_BLOCKS] = serve  # once
+        if how == "malformed":
+            return {**reply, "arena": ["float32", "no shape", [], []]}
+        frame = np.array(reply["frames"][0].data, dtype=np.uint8).reshape(-1)  # a copy
+        frame[frame.nbytes // 2] ^= 0x10
+        return {**reply, "frames": [to_serialize(frame)]}
+
+    dask_worker.handlers[GET_BLOCKS] = spoiling
+
+
+def _pulls_asked(dask_worker) -> list:
+    return dask_worker._kvstate_asked
+
+
+def _probe_first(dask_worker, holder: str, on: bool, probe_bytes: int) -> None:
+    """The measured rule with ``probe_bytes`` probes here, ``holder``'s link not measured yet,
+    and prefill timed as slow (a model much larger than tiny-llama), so the rule pulls and
+    its first contact with the link is a probe; or back to what was there."""
+    import dataclasses
+
+    from dask_kvstate.plugins.worker.measure import PrefillMeter
+
+    rt = dask_worker.plugins["kvstate"].runtime
+    if on:
+        dask_worker._kvstate_saved = rt.settings, rt.prefill_meter
+        slow = PrefillMeter()
+        slow.add(32, 0, 1.0)
+        slow.add(256, 0, 8.0)
+        rt.settings, rt.prefill_meter = dataclasses.replace(rt.settings, rule="auto", probe_bytes=probe_bytes), slow
+        rt.links.forget(holder)
+    else:
+        rt.settings, rt.prefill_meter = dask_worker._kvstate_saved
+
+
+@pytest.mark.parametrize("how", ["corrupted", "malformed"])
+def test_a_bad_first_probe_reply_is_a_recompute(fault_client, how):
+    client = fault_client
+    a, b = sorted(client.nthreads())
+    block_bytes = client.run(_block_bytes, workers=[b])[b]
+    text = f"A {how} probe. " + CONTEXT
+    with on(a):
+        state = client.persist(kvs.materialize(text))
+    ref = state.compute()
+    # a probe of one block, the rest asked for beside it: the rule's first contact with a link
+    assert len(ref.blocks) > 4
+    client.run(_holder_checksums, on=True, workers=[a])
+    client.run(_probe_first, holder=a, on=True, probe_bytes=block_bytes, workers=[b])
+    try:
+        client.run(_spoil_the_next_probe_reply, how=how, probe_blocks=1, workers=[a])
+        before = kvs.stats(client).workers[b]
+        with on(b):
+            out = client.compute(kvs.resume(state, QUESTION, max_new_tokens=12)).result()
+        s = kvs.stats(client).workers[b]
+        asked = client.run(_pulls_asked, workers=[a])[a]
+    finally:
+        client.run(_probe_first, holder=a, on=False, probe_bytes=0, workers=[b])
+        client.run(_holder_checksums, on=False, workers=[a])
+
+    def delta(key):
+        return s.get(key, 0) - before.get(key, 0)
+
+    print(
+        f"{how} first probe reply: pulls asked {asked}, transfer failures +{delta('transfer_failures')}, "
+        f"checksum failures +{delta('pull_checksum_failures')}, cut off +{delta('pulls_cut_off')}, blocks kept {delta('transfers')}, "
+        f"recomputed {delta('recomputes')} of {len(ref.blocks)}"
+    )
+    # the probe; the rest beside it reaches the holder unless it was cancelled first
+    assert asked[0] == 1 and set(asked) <= {1, len(ref.blocks) - 1}
+    assert out.token_ids == replay(client, text, QUESTION).token_ids
+    assert delta("transfer_failures") == 1
+    assert delta("pull_checksum_failures") == (how == "corrupted")
+    assert delta("transfers") == 0  # nothing of the bad reply, nor of the rest beside it, kept
+    assert delta("recomputes") == len(ref.blocks)
+
+
+def _block_bytes(dask_worker) -> int:
+    rt = dask_worker.plugins["kvstate"].runtime
+    return rt.block_tokens * rt.backend.kv_bytes_per_token
+
+
 def _reshape_a_held_block(dask_worker, h: bytes) -> list:
     """Put a block one token short under hash ``h`` in this worker's store; its shape, as a list."""
     store = dask_worker.plugins["kvstate"].runtime.store

@@ -19,6 +19,10 @@ if that one is gone, and its stealing respects restrictions), plus a
 recomputes accordingly and falls back to recompute if the pull fails. Tasks the user
 restricted are left alone. Every decision and outcome goes to
 ``scheduler.log_event("kvstate-placement", ...)``.
+
+A ref report may carry the task's result itself, when small: the extension hands a copy
+to the worker of each task that needs it, ahead of the task, so no consumer dials a
+holder for a ref (:mod:`~dask_kvstate.plugins.scheduler.ref_relay`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ if TYPE_CHECKING:
 from dask_kvstate import config
 from dask_kvstate.cost import transfer_or_recompute, transfer_seconds
 from dask_kvstate.plugins.scheduler.handshake import serve_hello
+from dask_kvstate.plugins.scheduler.liveness import heard_from
+from dask_kvstate.plugins.scheduler.ref_relay import RefRelay
 from dask_kvstate.protocol import (
     BLOCKS,
     ERROR_TOPIC,
@@ -99,6 +105,8 @@ class KVPlacement(SchedulerPlugin):
         self.blocks_on: dict[str, set[bytes]] = {}  # worker -> block hashes it holds
         self.metrics: dict[str, dict] = {}  # worker -> {"prefill": {model: (a, b)}, "bandwidth": {...}, ...}
         self.counters: Counter[str] = Counter()
+        self.relay = RefRelay()
+        self.connect_timeout = config.get_seconds("transport.connect-timeout")  # a silent worker's limit
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -111,6 +119,7 @@ class KVPlacement(SchedulerPlugin):
 
     def kvstate_hello(self, worker: str | None, plugin: str | None) -> bool:
         """Present: the worker plugin may report refs, blocks, metrics and outcomes."""
+        self.relay.kvstate_hello(worker, plugin)
         return True
 
     def _idle_threads(self, comm=None, worker=None) -> int:
@@ -133,7 +142,7 @@ class KVPlacement(SchedulerPlugin):
 
     # -- reports from workers ------------------------------------------------------
     @_guarded("a ref report")
-    def _on_ref(self, worker=None, key=None, refs=(), **_) -> None:
+    def _on_ref(self, worker=None, key=None, refs=(), copy=None, **_) -> None:
         if not refs:
             return
         ts = self.scheduler.tasks.get(key)
@@ -143,6 +152,8 @@ class KVPlacement(SchedulerPlugin):
             self.counters["late_refs"] += 1
             return
         self.refs[key] = refs[0]
+        if copy is not None:
+            self.relay.keep(key, copy)
         # The holder has these blocks now; its periodic block report may come later. Only
         # the holder's own word: a fork elsewhere names a holder that may have dropped them,
         # or died, since, and only the holder's block reports would ever take them out.
@@ -190,6 +201,14 @@ class KVPlacement(SchedulerPlugin):
         # guard's wrapper and try.
         if key in self.refs:
             self._transition(key, start, finish)
+        if finish == "processing" and self.relay.copies:
+            self._hand_over(key)
+
+    @_guarded("a ref copy")
+    def _hand_over(self, key) -> None:
+        ts = self.scheduler.tasks.get(key)
+        if ts is not None:
+            self.relay.hand_over(self.scheduler, ts)
 
     @_guarded("a transition")
     def _transition(self, key, start, finish) -> None:
@@ -197,11 +216,13 @@ class KVPlacement(SchedulerPlugin):
             self._place_dependents(key)
         elif finish != "processing":  # released, forgotten, erred: the value the entry describes is gone
             self.refs.pop(key, None)
+            self.relay.forget(key)
 
     @_guarded("remove_worker")
     def remove_worker(self, scheduler, worker, **kwargs) -> None:
         self.blocks_on.pop(worker, None)
         self.metrics.pop(worker, None)
+        self.relay.remove_worker(worker)
 
     # -- the decision --------------------------------------------------------------
     def _place_dependents(self, key) -> None:
@@ -289,7 +310,7 @@ class KVPlacement(SchedulerPlugin):
         return held | ({ref["holder"]} & running)
 
     def choose(self, ref: dict, planned: dict[str, float] | None = None, among: set[str] | None = None) -> dict | None:
-        """The running worker with the earliest expected start for a consumer of ``ref``.
+        """The running worker, heard from lately, with the earliest expected start for a consumer of ``ref``.
 
         ``planned``: seconds per thread already promised to each worker but not yet in
         its occupancy (earlier consumers placed in the same pass). ``among``: only these
@@ -298,7 +319,9 @@ class KVPlacement(SchedulerPlugin):
         planned = planned if planned is not None else {}
         best = None
         copies: set[str] | None = None  # the state's copies: the first estimate finds them itself, the rest reuse
-        for ws in self.scheduler.running:
+        s = self.scheduler
+        # never a worker silent for long: one cut off looks idle, and holds the KV (liveness.py)
+        for ws in heard_from(s.running, len(s.workers), self.connect_timeout):
             if among is not None and ws.address not in among:
                 continue
             est = self.estimate(ref, ws.address, copies)
@@ -314,4 +337,4 @@ class KVPlacement(SchedulerPlugin):
         return best
 
     def stats(self) -> dict:
-        return {**dict(self.counters), "refs": len(self.refs), "workers": len(self.metrics)}
+        return {**dict(self.counters), **self.relay.stats(), "refs": len(self.refs), "workers": len(self.metrics)}

@@ -109,6 +109,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
             for name, value in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("disk_bytes", disk_bytes))
         }
         self.config = {"kvstate": dask.config.get("kvstate")}
+        # task results holding refs up to this size ride with their ref report (ref_copies.py)
+        self.ref_copy_bytes = config.get_bytes("placement.ref-copy-bytes")
         if backend is not None:
             self.config["kvstate"] = {**self.config["kvstate"], "backend": check_backend(backend)}
         self.placement = False  # whether the scheduler runs the placement extension
@@ -322,7 +324,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
         if stream is None:
             return
         try:
-            copy = ref_copies.pack(value, self.worker_settings.ref_copy_bytes)
+            copy = ref_copies.pack(value, self.ref_copy_bytes)
             stream.send({"op": REF, "key": key, "refs": [summary], "copy": copy})
         except CommClosedError:
             logger.debug("kvstate: scheduler stream closed; ref report for %s not sent", key)

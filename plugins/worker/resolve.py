@@ -130,7 +130,7 @@ class Resolver:
             tensors = pull_missing(self, ref, tensors, decision["holder"], decision)
         first_missing = next((i for i, t in enumerate(tensors) if t is None), None)
         if first_missing is not None:
-            tensors = self.recompute(ids, ref.blocks, tensors, first_missing)
+            tensors = self.recompute(ids, ref.blocks, tensors, first_missing, namespace=ref.namespace)
         if decision is not None:
             # what the choice cost in all: a pull's steps and whatever was recomputed after
             decision["seconds"] = time.perf_counter() - t0
@@ -196,7 +196,10 @@ class Resolver:
     ) -> tuple[dict[bytes, Any], Ahead | None]:
         """:meth:`pull` of ``hashes`` with ``patience``, and a pull of ``ahead`` asked for
         at once beside it; the second as an :class:`Ahead` for :meth:`take` or
-        :meth:`drop` (None when the first came to nothing: then it is cancelled)."""
+        :meth:`drop` (None when the first came to nothing: then it is cancelled).
+
+        A first reply that fails its checksum or is malformed fails like :meth:`pull`
+        (``{}``, counted); the pull beside it is cancelled, its holder being suspect."""
         from distributed.utils import sync
 
         kv = self.kv
@@ -207,7 +210,11 @@ class Resolver:
             )
         except Exception as e:
             return self._failed(holder, hashes, e), None
-        got = self._receive(holder, res, hashes, shapes)
+        try:
+            got = self._receive(holder, res, hashes, shapes)
+        except Exception as e:
+            kv.worker.loop.add_callback(task.cancel)
+            return self._failed(holder, hashes, e), None
         if not got:
             kv.worker.loop.add_callback(task.cancel)
             return got, None
@@ -266,11 +273,12 @@ class Resolver:
         kv.links.add(holder, nbytes + beside_bytes, res.seconds)
         return blocks
 
-    def recompute(self, ids, hashes, tensors, first: int) -> list[torch.Tensor]:
-        """``tensors`` with blocks ``first...`` rebuilt by a prefill over the ones before, and stored."""
+    def recompute(self, ids, hashes, tensors, first: int, *, namespace: str | None = None) -> list[torch.Tensor]:
+        """``tensors`` with blocks ``first...`` rebuilt by a prefill (as a request of the
+        state's ``namespace``) over the ones before, and stored."""
         kv = self.kv
         past = join_blocks(tensors[:first])
-        rebuilt = kv.prefill_and_store(ids, past, hashes, first)
+        rebuilt = kv.prefill_and_store(ids, past, hashes, first, namespace=namespace)
         kv.counters["recomputes"] += len(hashes) - first
         kv.counters["recompute_tokens"] += len(ids) - first * kv.block_tokens
         return tensors[:first] + rebuilt
