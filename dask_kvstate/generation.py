@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict
@@ -64,7 +65,8 @@ class DecodeOptions(TypedDict, total=False):
     (0 is greedy; default ``kvstate.generate.temperature``), ``top_p`` (default
     ``kvstate.generate.top-p``), ``seed`` (for sampling; sampling without one is never
     deduplicated) and ``model`` (one of the models given to ``kvs.install``; default:
-    the state's own, else the first). ``None`` means the default.
+    the state's own, else the first). ``None`` means the default, read from the config of
+    the process that builds the task (the client; see :func:`fixed_options`).
     """
 
     max_new_tokens: int | None
@@ -100,6 +102,38 @@ def decode_options(options: Mapping[str, Any], call: str) -> dict[str, Any]:
     return {name: options.get(name) for name in DECODE_OPTIONS}
 
 
+def fixed_options(options: Mapping[str, Any], call: str) -> dict[str, Any]:
+    """Every :class:`DecodeOptions` keyword as the call will run it: ``kvstate.generate.*`` of
+    *this* process filled in where ``options`` says None, checked and normalised.
+
+    ``kvs.generate`` and friends call this where the graph is built, so the task's
+    arguments (and so its key) are what runs: a worker with another config cannot change a
+    call, and two calls are deduplicated only if they really decode the same way (equal
+    ``temperature=0`` and ``0.0`` alike). ``seed`` stays as given (None: a fresh draw per
+    run), and ``model`` too (None: the state's own, else the first given to ``kvs.install``,
+    which is fixed by the install, not by a config read at run time). Raises TypeError for
+    an unknown keyword and ValueError naming a bad value.
+
+    Examples
+    --------
+    >>> import dask
+    >>> with dask.config.set({"kvstate.generate.temperature": 0.8}):
+    ...     opts = fixed_options({"max_new_tokens": 8}, "generate")
+    >>> opts["max_new_tokens"], opts["temperature"], opts["seed"]
+    (8, 0.8, None)
+    >>> fixed_options({"temperature": 0}, "generate") == fixed_options({}, "generate")
+    True
+    """
+    opts = decode_options(options, call)
+    sampling = Sampling.from_options(opts)
+    return {
+        **opts,
+        "max_new_tokens": sampling.max_new_tokens,
+        "temperature": float(sampling.temperature),
+        "top_p": float(sampling.top_p),
+    }
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How to decode, checked once and carried from the task down to the model.
@@ -126,10 +160,16 @@ class Sampling:
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {self.max_new_tokens!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a number, got {value!r}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an int or None (None: a fresh draw), got {self.seed!r}")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Sampling:

@@ -6,12 +6,17 @@ state from ``materialize``). Keys are deterministic, ``kvs-<op>-<token>``, so th
 call twice is one task, except sampling without a seed, which is never deduplicated.
 Everything runs where Dask places it; refs are small, the blocks stay on workers.
 
-Every task carries the namespace (tenant) of the client that builds it, fixed here from
-``kvstate.namespace`` when the graph is built, never on the worker or the scheduler:
-it is an argument of the task, so it is in the key (equal calls of two tenants are two
-tasks, and the scheduler never hands one tenant another's result), and the compiler
-reads it from there. New blocks (``materialize``, the prefix cache of ``generate``) are
-hashed with it; an operator on a state keeps the state's own namespace for its blocks.
+Every setting of a call is fixed here, from this client's ``dask.config``, when the graph
+is built, never on the worker or the scheduler: the namespace (tenant, ``kvstate.namespace``),
+and for the generating calls every decode option (``kvstate.generate.max-new-tokens``,
+``temperature``, ``top-p``; :func:`~dask_kvstate.generation.fixed_options`) and, for
+``generate``, the prefix-cache choice (``kvstate.generate.prefix-cache``). They are
+arguments of the task, so they are in its key: equal calls of two tenants, or of two
+temperatures, are two tasks, a sampled call without a seed gets a key of its own (its
+temperature known here, not filled in later by a worker), and the compiler copies them
+from there into the tasks it inserts. New blocks (``materialize``, the prefix cache of
+``generate``) are hashed with the namespace; an operator on a state keeps the state's
+own namespace for its blocks.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from dask.base import tokenize
 from dask.delayed import Delayed
 
 from dask_kvstate import config, tasks
-from dask_kvstate.generation import DecodeOptions, decode_options
+from dask_kvstate.generation import DecodeOptions, fixed_options
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -41,10 +46,10 @@ def _task(
 
 
 def _decode(options: Mapping[str, Any], call: str) -> dict[str, Any]:
-    """The task's keywords: every decode option (None: the worker's default), and ``unique``
-    for sampling without a seed, which must never be deduplicated."""
-    opts = decode_options(options, call)
-    return {**opts, "unique": bool(opts["temperature"]) and opts["seed"] is None}
+    """The task's keywords: every decode option as it will run (this client's defaults filled
+    in), and ``unique`` for sampling without a seed, which must never be deduplicated."""
+    opts = fixed_options(options, call)
+    return {**opts, "unique": opts["temperature"] > 0 and opts["seed"] is None}
 
 
 def materialize(*segments, namespace: str | None = None, model: str | None = None) -> Delayed:
@@ -98,7 +103,8 @@ def resume(state, *segments, **options: Unpack[DecodeOptions]) -> Delayed:
     Token-identical to ``generate(state.text, *segments)`` (greedy, or sampling with
     the same seed); the state's KV replaces the prefill of its tokens. ``options``:
     ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``model``
-    (:class:`~dask_kvstate.generation.DecodeOptions`).
+    (:class:`~dask_kvstate.generation.DecodeOptions`; defaults from this client's
+    ``kvstate.generate.*``, read now). Raises ValueError naming a bad option.
     """
     return _task(tasks.resume, state, *segments, **_decode(options, "resume"))
 
@@ -108,7 +114,7 @@ def generate(
 ) -> Delayed:
     """Generate from the prompt ``"".join(segments)`` by text replay: ``Delayed[Generation]``.
 
-    ``prefix_cache=True`` (default ``kvstate.generate.prefix-cache``) reuses prompt
+    ``prefix_cache=True`` (default ``kvstate.generate.prefix-cache`` here) reuses prompt
     blocks already in the running worker's store and leaves its own there: automatic
     prefix caching inside one worker, as vLLM/SGLang do inside one engine (no transfer
     between workers, no compiler), only ever blocks of the call's ``namespace``
@@ -121,9 +127,8 @@ def generate(
     >>> answer.key.startswith("kvs-generate-")
     True
     """
-    # Only passed when set, so graphs (and keys) without it stay as they were.
-    extra = {} if prefix_cache is None else {"prefix_cache": bool(prefix_cache)}
-    return _task(tasks.generate, *segments, namespace=namespace, **_decode(options, "generate"), **extra)
+    cached = bool(config.get("generate.prefix-cache") if prefix_cache is None else prefix_cache)
+    return _task(tasks.generate, *segments, namespace=namespace, prefix_cache=cached, **_decode(options, "generate"))
 
 
 def merge(*states, policy: str = "concat") -> Delayed:

@@ -10,20 +10,27 @@ Each finds its worker's ``kvstate`` plugin and hands the work to its runtime.
 
 Each takes the ``namespace`` (tenant) of the client that built the task, which
 ``kvs.materialize`` and friends fix from the client's config and which is part of the
-task's key. ``materialize`` and ``generate`` hash new blocks with it (without one,
-as in a plain ``client.submit``, the worker's ``kvstate.namespace``); an operator on a
+task's key. ``materialize`` and ``generate`` hash new blocks with it; an operator on a
 state hashes with the state's own namespace, whoever calls it: a tenant handed another's
-ref may use it, and its blocks stay that ref's.
+ref may use it, and its blocks stay that ref's. The generating functions take their
+decode options and ``generate`` its ``prefix_cache`` the same way, fixed by the client.
+
+A task submitted without them (``client.submit(kvs.tasks.generate, prompt)``) runs with
+this worker's ``kvstate.namespace`` and ``kvstate.generate.*`` where an argument is left
+None: the one place a worker's config decides a call, and only for tasks not built by
+``kvs.*``. Such a task's key is the caller's (``client.submit`` hashes its arguments), so
+a sampled call without a seed there is deduplicated unless submitted with ``pure=False``.
+
+Measurements for benchmarks (the rule's estimate, timed fills, a raw Dask fetch) are not
+operators and live in :mod:`dask_kvstate.bench.probes`.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from distributed import get_worker
-from distributed.utils import sync
 
 from dask_kvstate import config
 from dask_kvstate.generation import DecodeOptions, Generation, Sampling, decode_options
@@ -51,10 +58,11 @@ def runtime(model: str | None = None):
     return _plugin().runtime_for(model)
 
 
-def _runtime_for_state(state: KVStateRef, model: str | None):
+def runtime_for_state(state: KVStateRef, model: str | None = None):
     """The named model's runtime, else the state's own model's if loaded here, else the default.
 
-    A state of a model this worker does not run is then recomputed from its text.
+    A state of a model this worker does not run is then recomputed from its text. Raises
+    TypeError naming what ``state`` is when it is not a ref (with ``model`` None).
     """
     plugin = _plugin()
     if model is not None:
@@ -80,7 +88,12 @@ def _check_state(state, what: str = "state") -> KVStateRef:
 
 
 def _sampling(options: Mapping[str, Any], call: str) -> tuple[str | None, Sampling]:
-    """The model named in ``options``, and how to decode, with the worker's defaults filled in."""
+    """The model named in ``options``, and how to decode.
+
+    A task built by ``kvs.*`` carries every option fixed on its client, so nothing is read
+    here; only an option left None (a plain ``client.submit`` of these functions) takes
+    this worker's ``kvstate.generate.*``.
+    """
     opts = decode_options(options, call)
     return opts["model"], Sampling.from_options(opts)
 
@@ -97,18 +110,22 @@ def materialize(*segments: str, namespace: str | None = None, model: str | None 
 
 def extend(state: KVStateRef, *segments: str, namespace: str | None = None, model: str | None = None) -> KVStateRef:
     """The state followed by more text (in the state's namespace)."""
-    return _runtime_for_state(state, model).extend(state, join_segments(segments))
+    return runtime_for_state(state, model).extend(state, join_segments(segments))
 
 
 def generate(
     *segments: str, prefix_cache: bool | None = None, namespace: str | None = None, **options: Unpack[DecodeOptions]
 ) -> Generation:
     """Text replay: generate from the whole joined prompt (with ``prefix_cache``, reusing
-    this worker's cached prompt blocks of ``namespace``: the local prefix cache baseline)."""
+    this worker's cached prompt blocks of ``namespace``: the local prefix cache baseline).
+
+    ``prefix_cache`` None (a task not built by ``kvs.generate``) is this worker's
+    ``kvstate.generate.prefix-cache``.
+    """
     model, sampling = _sampling(options, "generate")
     if prefix_cache if prefix_cache is not None else config.get("generate.prefix-cache"):
         return runtime(model).generate_cached(join_segments(segments), _namespace(namespace), sampling)
-    return runtime(model).generate(join_segments(segments), sampling)
+    return runtime(model).generate(join_segments(segments), sampling, _namespace(namespace))
 
 
 def resume_many(
@@ -122,7 +139,7 @@ def resume_many(
         raise ValueError(f"resume_many needs a non-empty list of suffixes, got {suffixes!r:.80}")
     texts = [join_segments(s if isinstance(s, (list, tuple)) else [s]) for s in suffixes]
     model, sampling = _sampling(options, "resume_many")
-    return _runtime_for_state(_check_state(state), model).resume_many(state, texts, sampling)
+    return runtime_for_state(_check_state(state), model).resume_many(state, texts, sampling)
 
 
 def resume(
@@ -130,52 +147,23 @@ def resume(
 ) -> Generation:
     """Generate from the state followed by the segments (same tokens as text replay)."""
     model, sampling = _sampling(options, "resume")
-    return _runtime_for_state(state, model).resume(state, join_segments(segments), sampling)
+    return runtime_for_state(state, model).resume(state, join_segments(segments), sampling)
 
 
 def fork(state: KVStateRef, k: int, namespace: str | None = None) -> list[KVStateRef]:
     """``k`` copy-on-write children of the state."""
-    return _runtime_for_state(state, None).fork(state, k)
+    return runtime_for_state(state, None).fork(state, k)
 
 
 def merge(*states: KVStateRef, policy: str = "concat", namespace: str | None = None) -> KVStateRef:
     """Restricted composition of states (see ``kvs.merge``)."""
-    rt = _runtime_for_state(states[0], None) if states and isinstance(states[0], KVStateRef) else runtime()
+    rt = runtime_for_state(states[0], None) if states and isinstance(states[0], KVStateRef) else runtime()
     return rt.merge(states, policy)
-
-
-def estimate(state: KVStateRef) -> dict:
-    """The transfer-versus-recompute rule's view of ``state`` on this worker (nothing moves)."""
-    return _runtime_for_state(state, None).estimate(_check_state(state))
-
-
-def measure_fill(state: KVStateRef, action: str) -> float:
-    """Seconds to pull or recompute all of ``state``'s blocks on this worker (benchmarks)."""
-    return _runtime_for_state(state, None).measure_fill(_check_state(state), action)
-
-
-def measure_rule(state: KVStateRef, forget: bool = False) -> dict:
-    """The rule's own fill of ``state``'s blocks on this worker, timed: its decision and ``seconds`` (benchmarks)."""
-    return _runtime_for_state(state, None).measure_rule(_check_state(state), forget)
-
-
-def measure_raw_fetch(key: str, holder: str) -> float:
-    """Seconds for this worker to fetch task result ``key`` from ``holder`` the way Dask
-    moves any data (``get_data``): the baseline KV pulls are measured against."""
-    from distributed.worker import get_data_from_worker
-
-    worker = get_worker()
-    t0 = time.perf_counter()
-    resp: Any = sync(worker.loop, get_data_from_worker, worker.rpc, [key], holder, who=worker.address)
-    seconds = time.perf_counter() - t0
-    if key not in resp.get("data", {}):
-        raise RuntimeError(f"{holder} did not return {key!r}: {resp.get('status')}")
-    return seconds
 
 
 def transfer(state: KVStateRef, namespace: str | None = None) -> KVStateRef:
     """Make the worker running this task the state's holder."""
-    return _runtime_for_state(state, None).transfer(state)
+    return runtime_for_state(state, None).transfer(state)
 
 
 def evict(state: KVStateRef, namespace: str | None = None) -> int:

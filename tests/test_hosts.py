@@ -25,6 +25,7 @@ from distributed.utils_test import poll_for
 
 import dask_kvstate as kvs
 from dask_kvstate import tasks
+from dask_kvstate.bench import probes
 from dask_kvstate.protocol import HOLDERS, PLACEMENT_EXTENSION, WORKER_PLUGIN
 from dask_kvstate.testing.hosts import Hosts, skip_reason
 
@@ -79,8 +80,8 @@ def test_state_made_on_one_host_resumes_on_another_over_a_shaped_link(hosts):
     text = "Hosts. " + CONTEXT * 4
     ref = client.submit(tasks.materialize, text, workers=[a], pure=False).result()
     assert ref.placement.worker == a
-    pull = client.submit(tasks.measure_fill, ref, "pull", workers=[b], pure=False).result()
-    recompute = client.submit(tasks.measure_fill, ref, "recompute", workers=[b], pure=False).result()
+    pull = client.submit(probes.measure_fill, ref, "pull", workers=[b], pure=False).result()
+    recompute = client.submit(probes.measure_fill, ref, "recompute", workers=[b], pure=False).result()
     rate = ref.nbytes / pull
     print(
         f"{ref.num_tokens} tokens, {ref.nbytes / 1e6:.2f} MB over {SLOW}: pull {pull:.3f} s "
@@ -100,8 +101,8 @@ def test_the_rule_learns_a_slow_link_before_committing_to_a_large_pull(hosts):
     for i, n in enumerate((2, 8)):
         text = f"Learn {i}. " + CONTEXT * n
         ref = client.submit(tasks.materialize, text, workers=[a], pure=False).result()
-        pull = client.submit(tasks.measure_fill, ref, "pull", workers=[b], pure=False).result()
-        recompute = client.submit(tasks.measure_fill, ref, "recompute", workers=[b], pure=False).result()
+        pull = client.submit(probes.measure_fill, ref, "pull", workers=[b], pure=False).result()
+        recompute = client.submit(probes.measure_fill, ref, "recompute", workers=[b], pure=False).result()
         # forget what the measurements taught: the rule must find out about the link itself
         client.run(_forget_link, a, workers=[b])
         before = kvs.stats(client).workers[b]
@@ -158,7 +159,7 @@ def test_a_state_on_a_slow_and_a_fast_host_is_pulled_from_the_fast_one(hosts):
         sizes = [short] + ([CONTEXT * 32] if w == fast else [])
         made = [client.submit(tasks.materialize, t, workers=[w], pure=False).result() for t in sizes]
         for ref in [*made, refs[w]] * 2:
-            client.submit(tasks.measure_fill, ref, "pull", workers=[consumer], pure=False).result()
+            client.submit(probes.measure_fill, ref, "pull", workers=[consumer], pure=False).result()
     fits = client.run(_links, workers=[consumer])[consumer]
     for w, rate in ((slow, SLOW), (fast, FAST)):
         print(
@@ -169,7 +170,7 @@ def test_a_state_on_a_slow_and_a_fast_host_is_pulled_from_the_fast_one(hosts):
     assert fits["bandwidth"][fast] < FAST_BPS * 2
     assert fits["bandwidth"][fast] > 4 * fits["bandwidth"][slow]
     # the ref names the slow host; the pull still comes from the fast copy
-    d = client.submit(tasks.measure_rule, refs[slow], workers=[consumer], pure=False).result()
+    d = client.submit(probes.measure_rule, refs[slow], workers=[consumer], pure=False).result()
     print(f"rule: {d['action']} from {d['holder']} in {d['seconds']:.3f} s, copies {d['holders']}")
     assert d["holder"] == fast and set(d["holders"]) == {slow, fast}
     # placement prices the consumer's pull from the copy it measured fastest (once the

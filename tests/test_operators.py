@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import dask
@@ -197,6 +198,83 @@ def test_futures_api_with_client_submit(client):
     ref = client.submit(kvs.tasks.materialize, CONTEXT, pure=False)
     out = client.submit(kvs.tasks.resume, ref, QUESTIONS[3], max_new_tokens=16)
     assert out.result().token_ids == replay(client, CONTEXT, QUESTIONS[3]).token_ids
+
+
+def _set_config(key: str, value):
+    """Set ``key`` in this process's config (run on a worker); returns the value it had."""
+    old = dask.config.get(key)
+    dask.config.set({key: value})
+    return old
+
+
+@contextlib.contextmanager
+def worker_config(client, key: str, value):
+    """``key`` set to ``value`` in every worker process (never on this client) while inside."""
+    old = client.run(_set_config, key, value)
+    try:
+        yield
+    finally:
+        for worker, was in old.items():
+            client.run(_set_config, key, was, workers=[worker])
+
+
+def generations_run(client) -> int:
+    return sum(s.get("generations", 0) for s in kvs.stats(client).workers.values())
+
+
+def test_unseeded_sampling_set_on_the_client_is_never_deduplicated(client):
+    # The temperature is the client's only: the workers keep greedy decoding in their config.
+    with dask.config.set({"kvstate.generate.temperature": 0.8}):
+        pair = [kvs.generate(CONTEXT, QUESTIONS[0], max_new_tokens=8) for _ in range(2)]
+        seeded = kvs.generate(CONTEXT, QUESTIONS[0], max_new_tokens=8, seed=7)
+    assert pair[0].key != pair[1].key
+    # The seeded call's key is that of an explicit temperature: fixed when built.
+    assert seeded.key == kvs.generate(CONTEXT, QUESTIONS[0], max_new_tokens=8, temperature=0.8, seed=7).key
+    before = generations_run(client)
+    outs = dask.compute(*pair)
+    assert generations_run(client) - before == 2  # two samples drawn, not one result handed out twice
+    assert all(len(o.token_ids) <= 8 for o in outs)
+    # What the workers ran is the client's temperature: the same draw as a task given it
+    # explicitly, and not the greedy decode their own config would give.
+    got = client.compute(seeded).result()
+    explicit = client.submit(
+        kvs.tasks.generate, CONTEXT, QUESTIONS[0], max_new_tokens=8, temperature=0.8, seed=7, pure=False
+    ).result()
+    assert got.token_ids == explicit.token_ids
+    assert got.token_ids != replay(client, CONTEXT, QUESTIONS[0], n=8).token_ids
+
+
+def test_equal_greedy_calls_share_one_key_and_one_generation(client):
+    pair = [kvs.generate(CONTEXT, QUESTIONS[1], max_new_tokens=8) for _ in range(2)]
+    assert pair[0].key == pair[1].key
+    before = generations_run(client)
+    a, b = dask.compute(*pair)
+    assert generations_run(client) - before == 1 and a.token_ids == b.token_ids
+
+
+def test_a_built_graph_runs_the_clients_settings_whatever_the_workers_config(client):
+    text = "Settings test. " + CONTEXT
+    with dask.config.set({"kvstate.generate.max-new-tokens": 6, "kvstate.generate.prefix-cache": True}):
+        cached = kvs.generate(text, QUESTIONS[2])
+        shared = [kvs.generate(text, q) for q in QUESTIONS[:2]]  # the compiler rewrites these into resumes
+    assert cached.dask[cached.key].kwargs["prefix_cache"] is True
+    before = kvs.stats(client).workers
+    with worker_config(client, "kvstate.generate.max-new-tokens", 2):
+        got = client.compute(cached).result()
+        with kvs.stateflow():
+            compiled = dask.compute(*shared)
+        # A task built without settings (a plain submit) is the one that takes the worker's.
+        plain = client.submit(kvs.tasks.generate, text, QUESTIONS[2], pure=False).result()
+    after = kvs.stats(client).workers
+    looked_up = sum(
+        after[w].get(c, 0) - before[w].get(c, 0) for w in after for c in ("prefix_cache_hits", "prefix_cache_misses")
+    )
+    assert looked_up > 0  # the client's prefix-cache choice, where the workers' config says no
+    want = replay(client, text, QUESTIONS[2], n=6).token_ids
+    assert len(want) == 6 and got.token_ids == want
+    assert plain.token_ids == want[:2]
+    for q, out in zip(QUESTIONS, compiled):
+        assert out.reused_tokens > 0 and out.token_ids == replay(client, text, q, n=6).token_ids
 
 
 def test_bad_inputs_name_what_is_wrong(client):

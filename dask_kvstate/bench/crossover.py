@@ -23,7 +23,7 @@ from distributed import Client, LocalCluster, wait
 
 import dask_kvstate as kvs
 from dask_kvstate import config, progress, tasks
-from dask_kvstate.bench import workload
+from dask_kvstate.bench import probes, workload
 from dask_kvstate.protocol import WORKER_PLUGIN
 
 BANDWIDTHS = ["10 Mbit/s", "100 Mbit/s", "1 Gbit/s", "10 Gbit/s"]
@@ -65,7 +65,7 @@ def option_times(client, ref, b: str, repeats: int) -> dict[str, float]:
     times = {}
     for action in ("pull", "recompute"):
         runs = [
-            client.submit(tasks.measure_fill, ref, action, workers=[b], pure=False).result() for _ in range(repeats)
+            client.submit(probes.measure_fill, ref, action, workers=[b], pure=False).result() for _ in range(repeats)
         ]
         times[action] = statistics.median(runs)
     return times
@@ -74,7 +74,7 @@ def option_times(client, ref, b: str, repeats: int) -> dict[str, float]:
 def sweep_cell(client, a, b, tokens_hint: int, salt: str, repeats: int) -> dict:
     """A state materialized on ``a``, needed on ``b``: the rule's choice vs both options timed there."""
     ref = client.submit(tasks.materialize, context(tokens_hint, salt), workers=[a], pure=False).result()
-    est = client.submit(tasks.estimate, ref, workers=[b], pure=False).result()
+    est = client.submit(probes.estimate, ref, workers=[b], pure=False).result()
     times = option_times(client, ref, b, repeats)
     faster = min(times, key=times.__getitem__)
     return {
@@ -122,17 +122,17 @@ def throughput(client, a, b, nbytes: int, repeats: int = 9, packed: bool = False
     wait(arr)
 
     def pull() -> float:
-        return client.submit(tasks.measure_fill, ref, "pull", workers=[b], pure=False).result()
+        return client.submit(probes.measure_fill, ref, "pull", workers=[b], pure=False).result()
 
     kv, raw, kv_packed = [], [], []
     checked: dict[bool, list[float]] = {False: [], True: []}
     for i in range(repeats):
         # alternate which goes first: the first transfer of a repeat may find colder caches
         if i % 2:
-            raw.append(client.submit(tasks.measure_raw_fetch, arr.key, a, workers=[b], pure=False).result())
+            raw.append(client.submit(probes.measure_raw_fetch, arr.key, a, workers=[b], pure=False).result())
         kv.append(pull())
         if not i % 2:
-            raw.append(client.submit(tasks.measure_raw_fetch, arr.key, a, workers=[b], pure=False).result())
+            raw.append(client.submit(probes.measure_raw_fetch, arr.key, a, workers=[b], pure=False).result())
         if packed:
             _holder_settings(client, a, zero_copy=False)
             kv_packed.append(pull())

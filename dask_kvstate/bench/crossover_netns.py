@@ -19,7 +19,7 @@ import dask
 
 import dask_kvstate as kvs
 from dask_kvstate import progress, tasks
-from dask_kvstate.bench import crossover
+from dask_kvstate.bench import crossover, probes
 from dask_kvstate.testing.hosts import Hosts, skip_reason
 
 RATES: list[str | None] = ["10 Mbit/s", "100 Mbit/s", "1 Gbit/s", None]
@@ -58,10 +58,10 @@ def cell(client, a: str, b: str, tokens_hint: int, salt: str, repeats: int) -> d
     warms: list[dict] = []
     times: dict[str, list[float]] = {"pull": [], "recompute": []}
     for _ in range(repeats):
-        firsts.append(run(tasks.measure_rule, True))
+        firsts.append(run(probes.measure_rule, True))
         for action in times:
-            times[action].append(run(tasks.measure_fill, action))
-        warms.append(run(tasks.measure_rule, False))
+            times[action].append(run(probes.measure_fill, action))
+        warms.append(run(probes.measure_rule, False))
     first, warm = median_run(firsts), median_run(warms)
     t = {action: statistics.median(v) for action, v in times.items()}
     best = min(t.values())
@@ -94,7 +94,7 @@ def warm_up(client, a: str, b: str) -> None:
     for n in (256, 4096):
         ref = client.submit(tasks.materialize, crossover.context(n, "warm-up"), workers=[a], pure=False).result()
         for action in ("pull", "recompute"):
-            client.submit(tasks.measure_fill, ref, action, workers=[b], pure=False).result()
+            client.submit(probes.measure_fill, ref, action, workers=[b], pure=False).result()
     client.run(_forget, a, workers=[b])
 
 

@@ -130,7 +130,7 @@ def wire(mib: int, repeats: int) -> dict:
         return [sync(w.loop, once) for _ in range(repeats)]
 
     def raw(key, holder):
-        from dask_kvstate.tasks import measure_raw_fetch
+        from dask_kvstate.bench.probes import measure_raw_fetch
 
         return [measure_raw_fetch(key, holder)]
 
