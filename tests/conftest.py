@@ -100,4 +100,5 @@ def stats_of(client, worker) -> dict:
 def pytest_collection_modifyitems(items):
     """Run tests/test_scheduling.py first: its ``gen_cluster`` tests check the process
     for leaked clusters and clients, which the session-scoped fixtures above are."""
-    items.sort(key=lambda item: not item.nodeid.startswith(("tests/test_scheduling.py", "tests/test_hints.py")))
+    first = ("tests/test_scheduling.py", "tests/test_hints.py", "tests/test_distributed_contract.py")
+    items.sort(key=lambda item: not item.nodeid.startswith(first))

@@ -13,9 +13,10 @@ component are ``processing`` at once, cluster-wide. Why in the scheduler, and wh
   is the state Dask itself re-dispatches from (``no-worker -> processing``). Not the
   root-ish ``queued`` heap: Dask pops its head whenever a thread frees, so a held task
   at the head would block every other queued task.
-* Dask has no hook to refuse a placement, so the extension swaps four entries of *this*
+* Dask has no hook to refuse a placement, so the extension wraps five entries of *this*
   scheduler's transition table (an instance attribute over the class table, so other
-  schedulers in the process are untouched): ``waiting -> processing`` and
+  schedulers in the process are untouched; registered in
+  :mod:`~dask_kvstate.plugins.scheduler.patches`): ``waiting -> processing`` and
   ``no-worker -> processing`` go through the gate for hinted components (one dict lookup
   for the rest), and the three exits from ``processing`` free a slot and recommend the
   next held task in the same transition batch, so a freed slot is taken without waiting
@@ -39,6 +40,7 @@ by this extension) runs them as one call.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections import Counter
 from time import monotonic, time
@@ -48,6 +50,8 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
 from dask_kvstate.hints import parse_hints
+from dask_kvstate.patching import Wrap
+from dask_kvstate.plugins.scheduler.patches import HINTS, PATCHES, edge
 from dask_kvstate.protocol import (
     BATCHING_WORKER_PLUGIN,
     COMPONENT_ANNOTATION,
@@ -84,7 +88,7 @@ class ComponentHints(SchedulerPlugin):
         self.held_comp: dict = {}  # key -> component, for tasks this extension holds in no-worker
         self.peak: Counter[str] = Counter()
         self.counters: Counter[str] = Counter()
-        if self.hinted and not getattr(scheduler, "_kvstate_hints_table", False):
+        if self.hinted:
             self._install_gate(scheduler)
         if self.batch:
             from distributed.protocol.pickle import dumps
@@ -106,14 +110,14 @@ class ComponentHints(SchedulerPlugin):
                 self._own_loop.start()
 
     async def close(self) -> None:
-        """Give this scheduler its stock transitions back and let held tasks go."""
+        """Take the gate off this scheduler's transitions and let held tasks go."""
         s = self.scheduler
         own_loop = getattr(self, "_own_loop", None)
         if own_loop is not None:
             own_loop.stop()
-        if getattr(s, "_kvstate_hints_table", False):
-            del s._TRANSITIONS_TABLE
-            s._kvstate_hints_table = False
+        if getattr(self, "_gated", False):
+            PATCHES.remove(s, HINTS, owner=self)
+            self._gated = False
             held = [k for k in self.held_comp if getattr(s.tasks.get(k), "state", None) == "no-worker"]
             self.held_comp.clear()
             if held and s.status.name == "running":
@@ -121,14 +125,14 @@ class ComponentHints(SchedulerPlugin):
 
     # -- the gate ---------------------------------------------------------------------
     def _install_gate(self, s) -> None:
-        table = dict(s._TRANSITIONS_TABLE)
-        for start in ("waiting", "no-worker"):
-            table[start, "processing"] = self._enter(table[start, "processing"], from_waiting=start == "waiting")
+        replacements: dict[str, Wrap] = {
+            edge(start, "processing"): functools.partial(self._enter, from_waiting=start == "waiting")
+            for start in ("waiting", "no-worker")
+        }
         if self.limits:
-            for edge in _EXITS:
-                table[edge] = self._exit(table[edge])
-        s._TRANSITIONS_TABLE = table  # this scheduler only; the class table stays stock
-        s._kvstate_hints_table = True
+            replacements.update({edge(*e): self._exit for e in _EXITS})
+        PATCHES.install(s, HINTS, replacements, owner=self)
+        self._gated = True
 
     def _enter(self, orig, from_waiting: bool):
         """``orig`` (a transition into processing), gated for hinted tasks."""

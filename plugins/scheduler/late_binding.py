@@ -44,19 +44,28 @@ arrivals at ~80% load; ``docs/design.md``, "Late binding"):
   session that submits nothing more gives the thread back when it expires.
 
 Dask has no hooks for any of these, so, as the ``hints`` extension does, the wrapper
-replaces entries of *this* scheduler's transition table and three of its methods
+replaces entries of *this* scheduler's transition table and two of its methods
 (``check_idle_saturated``, ``stimulus_queue_slots_maybe_opened``; instance attributes
-over the class's), and ``uninstall`` gives back what is still its. ``is_rootish`` is
-left alone: Dask asks it only in ``waiting -> processing``, whose wrapper decides
-late-bound tasks first.
+over the class's), each registered in :mod:`~dask_kvstate.plugins.scheduler.patches`,
+and ``uninstall`` takes its layers off again. ``is_rootish`` is left alone: Dask asks
+it only in ``waiting -> processing``, whose wrapper decides late-bound tasks first.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable
 from time import time
 
+from dask_kvstate.patching import Wrap
+from dask_kvstate.plugins.scheduler.patches import (
+    CHECK_IDLE_SATURATED,
+    LATE_BINDING,
+    PATCHES,
+    QUEUE_SLOTS_OPENED,
+    edge,
+)
 from dask_kvstate.protocol import HINTS_EXTENSION
 
 _LEAF_EXITS = (("processing", "memory"),)
@@ -76,66 +85,27 @@ class LateBinding:
         self.counters: Counter[str] = Counter()
         self.kept: dict = {}  # WorkerState -> (Session, token): a thread kept for the session's next call
         self.kept_for: dict = {}  # Session -> [WorkerState], oldest first
-        self._stock: dict = {}  # what this replaced: table edges and scheduler methods
-        self._mine: dict = {}  # what replaced them (empty: this instance installed nothing)
+        self._installed = False
 
     # -- install / uninstall -------------------------------------------------------------
     def install(self) -> None:
-        s = self.scheduler
-        if self.fraction <= 0 or getattr(s, "_kvstate_late_binding", False):
+        if self.fraction <= 0:
             return
-        stock_idle = s.check_idle_saturated
-
-        def check_idle_saturated(ws, occ: float = -1.0):
-            stock_idle(ws, occ)
-            if ws in s.idle_task_count and (ws in self.kept or self._busy_with_session_work(ws)):
-                s.idle_task_count.discard(ws)  # a kept thread, or every thread on session work
-
-        def stimulus_queue_slots_maybe_opened(*, stimulus_id: str) -> None:
-            # Dask's own counts the slots at its saturation up front and asserts that each
-            # pop reaches processing; a session task at the head may instead wait for a
-            # thread (above), which ends the round.
-            while s.queued and s.idle_task_count:
-                head = s.queued.peek()
-                s.transitions({head.key: "processing"}, stimulus_id)
-                if head.state == "queued":
-                    return
-
-        methods = {
-            "check_idle_saturated": check_idle_saturated,
-            "stimulus_queue_slots_maybe_opened": stimulus_queue_slots_maybe_opened,
+        replacements: dict[str, Wrap] = {
+            CHECK_IDLE_SATURATED: self._wrap_idle_saturated,
+            QUEUE_SLOTS_OPENED: lambda stock: self._queue_slots_maybe_opened,
+            **{edge(*e): functools.partial(self._dispatch, queued=e[0] == "queued") for e in _DISPATCHES},
+            **{edge(*e): self._leaf_exit for e in _LEAF_EXITS},
         }
-        self._stock = {name: s.__dict__.get(name) for name in methods}
-        for name, method in methods.items():
-            setattr(s, name, method)
-        table = dict(s._TRANSITIONS_TABLE)
-        for edge in _DISPATCHES:
-            self._stock[edge] = table[edge]
-            table[edge] = self._dispatch(table[edge], queued=edge[0] == "queued")
-        for edge in _LEAF_EXITS:
-            self._stock[edge] = table[edge]
-            table[edge] = self._leaf_exit(table[edge])
-        s._TRANSITIONS_TABLE = table  # this scheduler only; the class table stays stock
-        self._mine = {edge: table[edge] for edge in (*_DISPATCHES, *_LEAF_EXITS)} | methods
-        s._kvstate_late_binding = True
+        PATCHES.install(self.scheduler, LATE_BINDING, replacements, owner=self)
+        self._installed = True
 
     def uninstall(self) -> None:
         s = self.scheduler
-        if not self._mine:  # installed nothing (off, or another instance had installed first)
+        if not self._installed:  # installed nothing (off)
             return
-        # Put back only what is still ours: the hints extension wraps the same table.
-        table = s.__dict__.get("_TRANSITIONS_TABLE", {})
-        for what, mine in self._mine.items():
-            if isinstance(what, tuple):
-                if table.get(what) is mine:
-                    table[what] = self._stock[what]
-            elif s.__dict__.get(what) is mine:
-                if self._stock[what] is None:
-                    del s.__dict__[what]  # the class's method again
-                else:
-                    setattr(s, what, self._stock[what])
-        s._kvstate_late_binding = False
-        self._mine = {}
+        PATCHES.remove(s, LATE_BINDING, owner=self)  # leaves another extension's layers in place
+        self._installed = False
         kept = list(self.kept)
         self.kept.clear()
         self.kept_for.clear()
@@ -144,6 +114,27 @@ class LateBinding:
                 s.check_idle_saturated(ws)
         if s.status.name == "running":
             s.stimulus_queue_slots_maybe_opened(stimulus_id=f"kvstate-late-binding-close-{time()}")
+
+    def _wrap_idle_saturated(self, stock_idle):
+        s = self.scheduler
+
+        def check_idle_saturated(ws, occ: float = -1.0):
+            stock_idle(ws, occ)
+            if ws in s.idle_task_count and (ws in self.kept or self._busy_with_session_work(ws)):
+                s.idle_task_count.discard(ws)  # a kept thread, or every thread on session work
+
+        return check_idle_saturated
+
+    def _queue_slots_maybe_opened(self, *, stimulus_id: str) -> None:
+        # Replaces Dask's own, which counts the slots at its saturation up front and asserts
+        # that each pop reaches processing; a session task at the head may instead wait
+        # for a thread (above), which ends the round.
+        s = self.scheduler
+        while s.queued and s.idle_task_count:
+            head = s.queued.peek()
+            s.transitions({head.key: "processing"}, stimulus_id)
+            if head.state == "queued":
+                return
 
     # -- which tasks ---------------------------------------------------------------------
     def binds_late(self, ts) -> bool:

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 from dask_kvstate import config
 from dask_kvstate.plugins.scheduler.control import ControlLoop
 from dask_kvstate.plugins.scheduler.handshake import AnnouncedWorkers, serve_hello
+from dask_kvstate.plugins.scheduler.patches import PATCHES, SESSIONS, UPDATE_GRAPH
 from dask_kvstate.protocol import (
     SCHEDULING_WORKER_PLUGIN,
     SESSION_ANNOTATION,
@@ -139,41 +140,44 @@ class SessionTracker(AnnouncedWorkers, SchedulerPlugin):
         self.loop.add("sessions", self.sweep)
         serve_hello(scheduler)
         # Dask's SchedulerPlugin.update_graph does not receive ``submitting_task``, the
-        # key of the task that submitted a graph from inside a worker: wrap the stream
-        # handler to read it, so sub-tasks inherit their parent's session.
-        original = scheduler.stream_handlers["update-graph"]
-        if not getattr(original, "_kvstate_wrapped", False):
-
-            async def update_graph(*args, submitting_task=None, annotations=None, **kwargs):
-                parent = self.key_session.get(submitting_task) if submitting_task is not None else None
-                if parent is not None and SESSION_ANNOTATION not in (annotations or {}):
-                    annotations = {**(annotations or {}), SESSION_ANNOTATION: parent.id}
-                    self.counters["inherited_graphs"] += 1
-                # A graph is built (deserialized, materialized, compiled) off the event loop,
-                # which takes a while on a busy scheduler: neither its session may end
-                # meanwhile, nor one its client closed, whose last graphs may wait unread on
-                # the same stream behind this one (the stream's graphs are built in turn).
-                sid = (annotations or {}).get(SESSION_ANNOTATION)
-                sid = sid if isinstance(sid, str) else None
-                client = kwargs.get("client")
-                for counter, name in ((self.arriving, sid), (self.building, client)):
-                    if name is not None:
-                        counter[name] += 1
-                try:
-                    return await original(*args, submitting_task=submitting_task, annotations=annotations, **kwargs)
-                finally:
-                    for counter, name in ((self.arriving, sid), (self.building, client)):
-                        if name is not None:
-                            counter[name] -= 1
-                            if counter[name] <= 0:
-                                del counter[name]
-
-            update_graph._kvstate_wrapped = True  # type: ignore[attr-defined]
-            scheduler.stream_handlers["update-graph"] = update_graph
+        # key of the task that submitted a graph from inside a worker: the stream handler
+        # is wrapped to read it, so sub-tasks inherit their parent's session.
+        PATCHES.install(scheduler, SESSIONS, {UPDATE_GRAPH: self._wrap_update_graph}, owner=self)
         self.loop.start()
 
     async def close(self) -> None:
         self.loop.stop()
+        if hasattr(self, "scheduler"):
+            PATCHES.remove(self.scheduler, SESSIONS, owner=self)
+
+    def _wrap_update_graph(self, original):
+        """``original`` (the ``update-graph`` stream handler), reading ``submitting_task``."""
+
+        async def update_graph(*args, submitting_task=None, annotations=None, **kwargs):
+            parent = self.key_session.get(submitting_task) if submitting_task is not None else None
+            if parent is not None and SESSION_ANNOTATION not in (annotations or {}):
+                annotations = {**(annotations or {}), SESSION_ANNOTATION: parent.id}
+                self.counters["inherited_graphs"] += 1
+            # A graph is built (deserialized, materialized, compiled) off the event loop,
+            # which takes a while on a busy scheduler: neither its session may end
+            # meanwhile, nor one its client closed, whose last graphs may wait unread on
+            # the same stream behind this one (the stream's graphs are built in turn).
+            sid = (annotations or {}).get(SESSION_ANNOTATION)
+            sid = sid if isinstance(sid, str) else None
+            client = kwargs.get("client")
+            for counter, name in ((self.arriving, sid), (self.building, client)):
+                if name is not None:
+                    counter[name] += 1
+            try:
+                return await original(*args, submitting_task=submitting_task, annotations=annotations, **kwargs)
+            finally:
+                for counter, name in ((self.arriving, sid), (self.building, client)):
+                    if name is not None:
+                        counter[name] -= 1
+                        if counter[name] <= 0:
+                            del counter[name]
+
+        return update_graph
 
     # -- Dask hooks ----------------------------------------------------------------
     def update_graph(self, scheduler, *, tasks=(), annotations=None, client=None, **kwargs) -> None:

@@ -45,6 +45,8 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_kvstate import config
 from dask_kvstate.plugins.scheduler.late_binding import LateBinding
+from dask_kvstate.plugins.scheduler.liveness import heard_from
+from dask_kvstate.plugins.scheduler.patches import PATCHES, STEAL_TIME_RATIO, STEALING, WORK_STEALING
 from dask_kvstate.protocol import (
     PLACEMENT_ANNOTATION,
     PLACEMENT_EXTENSION,
@@ -122,6 +124,7 @@ class LateBindingStealing(SchedulerPlugin):
                 f"got {self.late_binding_min_duration!r}"
             )
         self.continuation_wait = config.get_seconds("scheduling.stealing.continuation-wait", continuation_wait)
+        self.connect_timeout = config.get_seconds("transport.connect-timeout")  # a silent thief's limit
         if self.continuation_wait < 0:
             raise ValueError(
                 f"kvstate.scheduling.stealing.continuation-wait must be >= 0, got {self.continuation_wait!r}"
@@ -137,33 +140,25 @@ class LateBindingStealing(SchedulerPlugin):
         self.stateful = frozenset(name for name, h in hints.items() if (h or {}).get("stateful"))
 
     async def start(self, scheduler) -> None:
-        from distributed.stealing import WorkStealing
-
         self.scheduler = scheduler
         self.tracker = scheduler.plugins.get(SESSIONS_EXTENSION)
         assert self.tracker is not None, "the stealing extension needs the sessions extension registered first"
         self.counters: Counter[str] = Counter()
         self.affinity: dict[tuple[str, str], str] = {}  # (session, stateful component) -> worker
         self.owned: set = set()  # processing tasks Dask's stealing was told to leave alone
-        self.stock = scheduler.extensions.get("stealing")
         # distributed.scheduler.work-stealing is on: its balance keeps its own timer (the
         # same event loop, so never at the same time as a control pass), as in stock Dask.
-        self.fallback = self.stock is not None
-        if self.stock is None:  # only its protocol is borrowed, for owned tasks
-            self.stock = scheduler.extensions["stealing"] = WorkStealing(scheduler)
-        # Dask has no hook for "this task is not yours to steal"; its stealable sets are
-        # filled through this one method, so owned tasks are kept out by wrapping it.
-        stock_ratio = self.stock.steal_time_ratio
-        if not getattr(stock_ratio, "_kvstate_wrapped", False):
-
-            def steal_time_ratio(ts):
-                if self._owns(ts):
-                    self.owned.add(ts)
-                    return None, None
-                return stock_ratio(ts)
-
-            steal_time_ratio._kvstate_wrapped = True  # type: ignore[attr-defined]
-            self.stock.steal_time_ratio = steal_time_ratio
+        # Off: a WorkStealing is borrowed for its protocol only, for owned tasks. Dask has no
+        # hook for "this task is not yours to steal"; its stealable sets are filled through
+        # ``steal_time_ratio``, so owned tasks are kept out by wrapping it.
+        self.fallback = scheduler.extensions.get("stealing") is not None
+        PATCHES.install(
+            scheduler,
+            STEALING,
+            {WORK_STEALING: self._borrow_stealing, STEAL_TIME_RATIO: self._wrap_steal_time_ratio},
+            owner=self,
+        )
+        self.stock = scheduler.extensions["stealing"]
         self.late = LateBinding(
             scheduler,
             self.tracker,
@@ -182,6 +177,25 @@ class LateBindingStealing(SchedulerPlugin):
         late = getattr(self, "late", None)
         if late is not None:
             late.uninstall()
+        if hasattr(self, "scheduler"):
+            PATCHES.remove(self.scheduler, STEALING, owner=self)
+
+    def _borrow_stealing(self, stock):
+        """Dask's own ``WorkStealing``, or one made for its move protocol when config made none."""
+        from distributed.stealing import WorkStealing
+
+        return stock if stock is not None else WorkStealing(self.scheduler)
+
+    def _wrap_steal_time_ratio(self, stock_ratio):
+        """``stock_ratio``, answering "not stealable" for the tasks this extension owns."""
+
+        def steal_time_ratio(ts):
+            if self._owns(ts):
+                self.owned.add(ts)
+                return None, None
+            return stock_ratio(ts)
+
+        return steal_time_ratio
 
     def _owns(self, ts) -> bool:
         """A consumer of a known KV state, a capped placement, or a stateful component's task."""
@@ -274,7 +288,8 @@ class LateBindingStealing(SchedulerPlugin):
 
     def _balance_owned(self) -> None:
         s = self.scheduler
-        running = [ws for ws in s.running if ws.nthreads]
+        # never to a worker silent for long: one cut off looks idle (liveness.py)
+        running = heard_from((ws for ws in s.running if ws.nthreads), len(s.workers), self.connect_timeout)
         if len(running) < 2:
             return
         in_flight = self.stock.in_flight

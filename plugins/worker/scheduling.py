@@ -27,6 +27,7 @@ from distributed import WorkerPlugin
 from distributed.worker_state_machine import WorkerState
 
 from dask_kvstate.plugins.worker.handshake import hello
+from dask_kvstate.plugins.worker.patches import PATCHES, SCHEDULING, STATE_CLASS
 from dask_kvstate.protocol import REPRIORITIZE, SCHEDULING_WORKER_PLUGIN, SESSIONS_EXTENSION, SET_RESOURCES
 
 logger = logging.getLogger("dask_kvstate")
@@ -78,7 +79,8 @@ class _FirstFittingState(WorkerState):
     """Dask's ``WorkerState`` with :func:`first_fitting` behind its choice of the next task.
 
     ``WorkerState`` has slots and no hook for that choice, so a worker's state object is
-    given this class (same slots, nothing added) by the plugin's setup.
+    given this class (same slots, nothing added) by the plugin's setup, through the
+    worker's patch registry (:mod:`~dask_kvstate.plugins.worker.patches`).
     """
 
     __slots__ = ()
@@ -88,6 +90,12 @@ class _FirstFittingState(WorkerState):
         if ts is None and self.constrained:
             ts = first_fitting(self)
         return ts
+
+
+def _first_fitting_class(cls: type) -> type:
+    """The class a worker's state is given: :class:`_FirstFittingState` over Dask's own, or a
+    class someone else gave it left alone (its layout may not match)."""
+    return _FirstFittingState if cls is WorkerState else cls
 
 
 class SchedulingWorkerPlugin(WorkerPlugin):
@@ -104,10 +112,12 @@ class SchedulingWorkerPlugin(WorkerPlugin):
         self.worker = worker
         worker.stream_handlers[REPRIORITIZE] = self._reprioritize
         worker.handlers[SET_RESOURCES] = self._set_resources
-        if type(worker.state) is WorkerState:
-            worker.state.__class__ = _FirstFittingState
+        PATCHES.install(worker, SCHEDULING, {STATE_CLASS: _first_fitting_class}, owner=self)
         if SESSIONS_EXTENSION not in await hello(worker, self.name):  # the handlers stay unused
             logger.info("kvstate scheduling: scheduler %s has no sessions extension", worker.scheduler.address)
+
+    def teardown(self, worker) -> None:
+        PATCHES.remove(worker, SCHEDULING, owner=self)
 
     def _reprioritize(self, priorities=None, **_) -> None:
         self.reprioritized += reprioritize(self.worker.state, priorities or {})
