@@ -52,6 +52,32 @@ def test_cascade_attention_equals_sdpa_over_the_concatenated_keys(q, prefix_leng
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_cascade_attention_with_values_narrower_than_keys():
+    """MLA-shaped heads: 16-wide keys, 8-wide values, the stored prefix's values zero-padded to 16."""
+    g = torch.Generator().manual_seed(7)
+    Dv, prefix_lengths, q = 8, [P, 17], 3
+    B, scale = len(prefix_lengths), 0.3
+    k_prefix, v_prefix = torch.randn(H, P, D, generator=g), torch.randn(H, P, Dv, generator=g)
+    stored = torch.stack((k_prefix, torch.nn.functional.pad(v_prefix, (0, D - Dv))))[None]  # as layout.kv_of pads
+    kv = SharedPrefixKV(
+        stored, prefix_lengths, capacity=8, num_layers=1, kv_heads=H, head_dim=D, dtype=torch.float32, device="cpu"
+    )
+    query, key = torch.randn(2, B, H * G, q, D, generator=g)[0], torch.randn(B, H, q, D, generator=g)
+    value = torch.randn(B, H, q, Dv, generator=g)
+    kv.begin(q)
+    got = kv.attend(0, query, key, value, scale)
+    assert got.shape == (B, q, H * G, Dv)
+    want = []
+    for b, p in enumerate(prefix_lengths):
+        k = torch.cat((k_prefix[:, :p], key[b]), dim=1)[None]
+        v = torch.cat((v_prefix[:, :p], value[b]), dim=1)[None]
+        see = torch.ones(q, p + q, dtype=torch.bool)
+        see[:, p:] = torch.tril(torch.ones(q, q, dtype=torch.bool))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        want.append(sdpa(query[b : b + 1], k, v, attn_mask=see, scale=scale, enable_gqa=True))
+    torch.testing.assert_close(got, torch.cat(want).transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
 def test_fused_and_matmul_partials_agree_on_output_and_lse():
     g = torch.Generator().manual_seed(5)
     q = torch.randn(1, H, 24, D, generator=g)

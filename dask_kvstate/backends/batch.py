@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from dask_kvstate.backends import compat
-from dask_kvstate.backends.cascade import CascadeUnsupported, SharedPrefixKV, unsupported_layout
+from dask_kvstate.backends.cascade import CascadeUnsupported, SharedPrefixKV, serving, unsupported_layout
 from dask_kvstate.backends.hf import GenerationResult, generator, pick_token
 from dask_kvstate.generation import Sampling
 
@@ -128,14 +128,15 @@ def _cascade(backend, rows: list[Row], prefix, sampling: Sampling, t0: float) ->
     # The whole model, so the first token gets its logit post-processing (final softcap,
     # logit scales) as every later one does; logits only at each row's last real token.
     last = torch.tensor(own, device=device)[:, None] - 1
-    res = backend.model(
-        input_ids=x,
-        position_ids=kv.position_ids(x.shape[1]),
-        **compat.cache_kwargs(backend.model, None),
-        use_cache=False,
-        logits_to_keep=last,
-        kvstate_cascade=kv,
-    )
+    with serving(kv):
+        res = backend.model(
+            input_ids=x,
+            position_ids=kv.position_ids(x.shape[1]),
+            **compat.cache_kwargs(backend.model, None),
+            use_cache=False,
+            logits_to_keep=last,
+        )
+    kv.check_attended()
     logits = compat.rows_logits(res.logits).float()
     kv.advance(own)
     live = []
@@ -144,6 +145,8 @@ def _cascade(backend, rows: list[Row], prefix, sampling: Sampling, t0: float) ->
             outs[b].append(pick_token(logits[b], sampling.temperature, sampling.top_p, gens[b]))
             if outs[b][-1] not in backend.eos_ids and sampling.max_new_tokens > 1:
                 live.append(b)
+    if live and len(live) < len(rows):
+        kv.select(live)  # rows done at their first token (EOS) leave before the first decode step
     first = time.perf_counter()
     prefill_s = first - p0
 
@@ -151,13 +154,14 @@ def _cascade(backend, rows: list[Row], prefix, sampling: Sampling, t0: float) ->
     while live:
         x = torch.tensor([[outs[b][-1]] for b in live], dtype=torch.long, device=device)
         kv.begin(1)
-        res = backend.model(
-            input_ids=x,
-            position_ids=kv.position_ids(1),
-            **compat.cache_kwargs(backend.model, None),
-            use_cache=False,
-            kvstate_cascade=kv,
-        )
+        with serving(kv):
+            res = backend.model(
+                input_ids=x,
+                position_ids=kv.position_ids(1),
+                **compat.cache_kwargs(backend.model, None),
+                use_cache=False,
+            )
+        kv.check_attended()
         logits = res.logits[:, -1].float()
         kv.advance([1] * len(live))
         keep = []

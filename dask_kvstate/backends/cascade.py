@@ -10,11 +10,16 @@ computed once against the single prefix copy, attention over each row's own toke
 against that row's buffer, and the two are merged exactly by their log-sum-exp.
 
 How, within transformers: the model keeps its attention implementation, but under a
-name of ours (``kvstate_cascade_<base>``, :func:`attn_name`) whose function dispatches: a forward called with the
-keyword ``kvstate_cascade=<SharedPrefixKV>`` (transformers passes unknown keywords down
-to the attention function) runs :meth:`SharedPrefixKV.attend`; any other call goes to
-the implementation the model had (sdpa or eager), with the same arguments, so text
-replay and the block-store paths compute exactly what they did. Such a forward runs
+name of ours (``kvstate_cascade_<base>``, :func:`attn_name`) whose function dispatches: a forward
+run inside :func:`serving` (a context variable, so per thread) runs
+:meth:`SharedPrefixKV.attend`; any other call goes to the implementation the model had
+(sdpa or eager), with the same arguments, so text replay and the block-store paths
+compute exactly what they did. A context variable rather than a forward keyword, because
+some decoder layers drop the keywords they do not know instead of passing them on to
+attention (StableLM's), and their attention would then silently attend to its own
+tokens only; and every forward inside :func:`serving` checks that each layer's attention
+did come through the cascade (:meth:`SharedPrefixKV.check_attended`), else it raises
+:class:`CascadeUnsupported` rather than return what the model did without it. Such a forward runs
 with no cache (:mod:`~dask_kvstate.backends.compat` names the keyword): the rows' KV
 lives in the :class:`SharedPrefixKV`, which writes each layer's new keys and values
 into preallocated per-row buffers (no ``torch.cat`` per step) and never copies the prefix.
@@ -44,6 +49,12 @@ outside that list (chunked attention, dropout, a window the module names that th
 layout does not) raises :class:`CascadeUnsupported`; the caller then runs the
 model's own attention per row for that call and counts it.
 
+Keys and values of different head sizes (MLA) come stored at the wider size, the
+narrower zero-padded (:mod:`~dask_kvstate.backends.layout`); the new tokens' keys and values
+are padded the same way (and the queries with the keys), so the fused kernel, which
+wants one head size, serves them too: zero columns add nothing to ``QK^T``, and the
+padded value columns of the output, which are zeros, are cut off.
+
 Exactness: the result is the same softmax(QK^T)V over the same keys as sdpa over the
 concatenated cache, masked per row (row b sees the first ``p_b`` prefix tokens and its
 own tokens causally). The arithmetic is split differently, so the last bits of a float
@@ -53,13 +64,16 @@ in the tests.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 ATTN_PREFIX = "kvstate_cascade_"
 
@@ -78,7 +92,26 @@ class CascadeUnsupported(Exception):
     """The model asked the cascade for an attention feature it does not compute."""
 
 
-def _dispatch(module, query, key, value, attention_mask, *, kvstate_cascade=None, **kwargs):
+#: The rows a forward in this thread serves through the cascade (:func:`serving`), or None.
+_SERVING: contextvars.ContextVar[SharedPrefixKV | None] = contextvars.ContextVar("kvstate_cascade", default=None)
+
+
+#: Where :func:`attention_reads_cache` collects what each layer's attention was handed, or None.
+_WATCHING: contextvars.ContextVar[list | None] = contextvars.ContextVar("kvstate_cascade_watch", default=None)
+
+
+@contextlib.contextmanager
+def serving(kv: SharedPrefixKV) -> Iterator[SharedPrefixKV]:
+    """Route the attention of forwards run inside (in this thread) to ``kv``."""
+    token = _SERVING.set(kv)
+    try:
+        yield kv
+    finally:
+        _SERVING.reset(token)
+
+
+def _dispatch(module, query, key, value, attention_mask, **kwargs):
+    kvstate_cascade = _SERVING.get()
     if kvstate_cascade is not None:
         if kwargs.get("dropout"):
             raise CascadeUnsupported("attention dropout")
@@ -86,8 +119,11 @@ def _dispatch(module, query, key, value, attention_mask, *, kvstate_cascade=None
         # its softcap there, others refuse sdpa for it; either way the model's own attention
         # applies none, so neither does the cascade.
         softcap = None if module.config._kvstate_base_attn == "sdpa" else kwargs.get("softcap")
+        layer = getattr(module, "layer_idx", None)
+        if not isinstance(layer, int):
+            raise CascadeUnsupported(f"attention module {type(module).__name__} names no layer_idx")
         out = kvstate_cascade.attend(
-            module.layer_idx,
+            layer,
             query,
             key,
             value,
@@ -97,8 +133,36 @@ def _dispatch(module, query, key, value, attention_mask, *, kvstate_cascade=None
             window=kwargs.get("sliding_window"),
         )
         return out, None
+    watching = _WATCHING.get()
+    if watching is not None:
+        watching.append((getattr(module, "layer_idx", None), key, value))
     base = _base_attention(module.config._kvstate_base_attn, type(module).__module__)
     return base(module, query, key, value, attention_mask, **kwargs)
+
+
+def attention_reads_cache(prefill: Callable[[list[int]], Any]) -> str | None:
+    """Why the cascade can't serve a model, found by one prefill: None when its attention reads the cache.
+
+    The cascade stands in for attention over the cached keys and values, so it is exact
+    only where each layer's attention is handed exactly what that layer caches. Where it
+    is not (multi-head latent attention caches a compressed latent and expands it into
+    keys and values per head after the cache), the model keeps its own attention over a
+    cache built from the state, row by row. ``prefill(ids)`` returns ``(cache, logits)``.
+    """
+    seen: list = []
+    token = _WATCHING.set(seen)
+    try:
+        cache, _ = prefill([0])
+    finally:
+        _WATCHING.reset(token)
+    layers = cache.layers
+    if sorted(i for i, _, _ in seen if isinstance(i, int)) != list(range(len(layers))):
+        return "its attention modules do not run once per cache layer, each naming its layer_idx"
+    for i, key, value in seen:
+        cached = layers[i]
+        if not all(a.shape == b.shape and torch.equal(a, b) for a, b in ((key, cached.keys), (value, cached.values))):
+            return f"layer {i}'s attention is handed keys and values other than those it caches"
+    return None
 
 
 @functools.cache
@@ -191,6 +255,7 @@ class SharedPrefixKV:
         self.rows, self.capacity = rows, capacity
         self._masks: dict[tuple[int | None, int], _Masks] = {}
         self._q, self._width = 0, 0
+        self._attended: set[int] = set()  # layers whose attention this forward served
 
     def position_ids(self, q: int) -> torch.Tensor:
         """Positions of the next ``q`` tokens of every row: ``p_b + offset_b + i``."""
@@ -207,6 +272,17 @@ class SharedPrefixKV:
         if width > self.capacity:
             raise ValueError(f"a row would hold {width} own tokens, more than the capacity {self.capacity}")
         self._q, self._width, self._masks = q, width, {}
+        self._attended = set()
+
+    def check_attended(self) -> None:
+        """After a forward: raise :class:`CascadeUnsupported` unless every layer's attention came here.
+
+        A layer whose attention ran without the cascade saw no prefix (the forward has no
+        cache), so its output is not the row's: never returned.
+        """
+        missing = sorted(set(range(len(self.windows))) - self._attended)
+        if missing:
+            raise CascadeUnsupported(f"the attention of layers {missing} did not go through the cascade")
 
     def _build_masks(self, g: int, dtype, window: int | None) -> _Masks:
         """Additive masks in the folded query layout: rows ``(b, group, i)``; None where all is visible.
@@ -279,7 +355,13 @@ class SharedPrefixKV:
                 f"layer {layer} attends with window {window}, the cache layout says {self.windows[layer]}"
             )
         window = self.windows[layer]
-        B, Hq, q, D = query.shape
+        self._attended.add(layer)
+        B, Hq, q, query_dim = query.shape
+        value_dim, D = value.shape[-1], self.own_k.shape[-1]
+        if max(key.shape[-1], value_dim) != D:
+            raise ValueError(f"layer {layer} attends with K {key.shape[-1]}, V {value_dim} wide; the buffers are {D}")
+        # Stored KV is as wide as the wider of K and V (layout.kv_of): pad the new tokens alike.
+        query, key, value = (t if t.shape[-1] == D else F.pad(t, (0, D - t.shape[-1])) for t in (query, key, value))
         H = key.shape[1]
         g = Hq // H
         ok, ov = self.own_k[layer], self.own_v[layer]
@@ -298,7 +380,7 @@ class SharedPrefixKV:
         if masks is None:
             masks = self._masks[(window, g)] = self._build_masks(g, query.dtype, window)
         W = self._width
-        scale = scaling if scaling is not None else D**-0.5
+        scale = scaling if scaling is not None else query_dim**-0.5
         # The fused kernel has no logit softcap; the matmul form applies it where eager does.
         fused = False if softcap else None
         # Query heads of one group share a kv head (transformers' repeat_kv order): [B, H, g*q, D].
@@ -319,7 +401,8 @@ class SharedPrefixKV:
             # A sink adds e^s to the softmax's denominator and nothing to its numerator.
             s = sinks.float().reshape(1, H, g, 1).expand(1, H, g, q).reshape(1, H, g * q)
             out = out.float() * torch.sigmoid(lse - s)[..., None]
-        return out.to(query.dtype).reshape(B, Hq, q, D).transpose(1, 2)
+        # Contiguous, as transformers' own attention functions return it: callers .view() it.
+        return out.to(query.dtype).reshape(B, Hq, q, D)[..., :value_dim].transpose(1, 2).contiguous()
 
 
 @dataclass

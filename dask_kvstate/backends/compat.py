@@ -50,10 +50,12 @@ def output_cache(output) -> Any:
     """The cache a forward returned (``output.cache``, or ``output.past_key_values`` where that is its field).
 
     Read by field name, so a newer output's deprecated ``past_key_values`` alias (which
-    warns) is never touched.
+    warns) is never touched; None where the output has neither field.
     """
     fields = getattr(output, "__dataclass_fields__", {})
-    return getattr(output, NEW_CACHE_NAME if NEW_CACHE_NAME in fields else OLD_CACHE_NAME)
+    # None for a model whose output has no cache at all (a recurrent one): the backend's
+    # load refuses it, naming that (layout.measure).
+    return getattr(output, NEW_CACHE_NAME if NEW_CACHE_NAME in fields else OLD_CACHE_NAME, None)
 
 
 def rows_logits(logits: torch.Tensor) -> torch.Tensor:

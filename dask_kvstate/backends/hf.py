@@ -1,7 +1,8 @@
 """Hugging Face transformers backend: prefill into KV tensors, resume from them, decode.
 
 All KV handed in or out is one tensor ``[layers, 2, kv_heads, tokens, head_dim]`` (the
-block layout), every token for every layer, sliding-window layers included (see
+block layout), every token for every layer, sliding-window layers included, keys and
+values of different head sizes (MLA) padded to the wider (see
 :mod:`~dask_kvstate.backends.layout`). Inside a forward pass transformers wants a
 ``DynamicCache``; a forward with a cache appends to it in place, so a cache is always
 built fresh from the stored tensors (``torch.cat`` copies) and stored tensors are
@@ -66,19 +67,23 @@ class HFBackend:
         self.config = model.config.get_text_config(decoder=True)
         # Refuses, naming the capability, a model whose KV is not per-token blocks.
         self.layout = layout.describe(model.config)
+        layout.check_positions(model, self.layout.model_type)
         self.dtype = next(model.parameters()).dtype
-        self.num_layers = int(self.config.num_hidden_layers)
-        self.kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
-        self.head_dim = int(
-            getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
-        )
+        self.num_layers = self.layout.num_layers
+        # What the cache really holds, from a one-token prefill: families name heads and head
+        # sizes differently (or not at all: MLA's key size is two config fields).
+        self.layout = layout.measure(self.layout, self.prefill([0])[0])
+        assert self.layout.kv_heads is not None, "layout.measure sets the heads"
+        self.kv_heads = self.layout.kv_heads
+        self.head_dim = self.layout.head_dim  # stored width: keys and values padded to the wider
         self.kv_bytes_per_token = self.num_layers * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
         self.config_fingerprint = self._config_fingerprint()
         self.model_fingerprint = self._model_fingerprint()
         self.kv_identity = kv_identity(self.model_fingerprint, self.config_fingerprint)
         self.eos_ids = identity.eos_ids(tokenizer, model.generation_config)
-        # Shared-prefix (cascade) attention for resumes; False for a model it can't route.
-        self.cascade = cascade.enable(self.model)
+        # Shared-prefix (cascade) attention for resumes; False for a model it can't route, or
+        # whose attention computes from something other than what it caches (MLA's latents).
+        self.cascade = cascade.enable(self.model) and cascade.attention_reads_cache(self.prefill) is None
         self.cascade_fallbacks: Counter[str] = Counter()  # batched calls run per row instead, by reason
         # Tokenizers' Rust core is not re-entrant for one object across threads.
         self._tok_lock = threading.Lock()
@@ -108,7 +113,8 @@ class HFBackend:
         h = hashlib.blake2b(digest_size=16)
         for name, t in sorted(self.model.state_dict().items()):
             h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            # reshape: a 0-dim parameter (a learned scalar) has no bytes view of its own
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         return "m-" + h.hexdigest()
 
     # -- text ----------------------------------------------------------------------
@@ -140,7 +146,11 @@ class HFBackend:
         return layout.kv_of(cache)
 
     def _check_kv_shape(self) -> None:
-        """Prefill one token and check its KV has the shape blocks assume (at load, not at first use)."""
+        """Prefill one token and check its KV has the shape blocks assume (at load, not at first use).
+
+        Also after routing attention through the cascade: the one-token KV must come out as
+        it did before.
+        """
         kv = self.kv_from_cache(self.prefill([0])[0])
         want = (self.num_layers, 2, self.kv_heads, 1, self.head_dim)
         if tuple(kv.shape) != want or kv.dtype != self.dtype:
@@ -150,8 +160,13 @@ class HFBackend:
             )
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int], past_kv: torch.Tensor | None = None, keep_from: int = 0):
+    def prefill(
+        self, ids: list[int], past_kv: torch.Tensor | None = None, keep_from: int = 0, *, namespace: str | None = None
+    ):
         """Run ``ids[past_len:]`` through the model on top of ``past_kv``.
+
+        ``namespace`` (the calling tenant) changes nothing here: the model keeps no KV
+        between calls, and what is reused is the block store's, hashed with the namespace.
 
         Returns ``(cache, last_logits)``: the cache covers all of ``ids`` (``keep_from``,
         where the caller's use of the KV starts, changes nothing here: the cache holds it
@@ -191,6 +206,7 @@ class HFBackend:
         *,
         started: float | None = None,
         on_prefill: Callable[[Any], None] | None = None,
+        namespace: str | None = None,
     ) -> GenerationResult:
         """Generate from prompt ``ids`` as ``sampling`` says, reusing ``past_kv`` (or None) for its leading tokens.
 
@@ -222,8 +238,17 @@ class HFBackend:
         """What computes here (the vLLM backend adds its engine's counters)."""
         return {"engine": "transformers"}
 
-    def generate_batch(self, rows: list, prefix: torch.Tensor | None, sampling: Sampling, *, started: float):
-        """Rows sharing ``prefix``, decoded as one batch (:func:`batch.generate_batch`)."""
+    def generate_batch(
+        self,
+        rows: list,
+        prefix: torch.Tensor | None,
+        sampling: Sampling,
+        *,
+        started: float,
+        namespace: str | None = None,
+    ):
+        """Rows sharing ``prefix``, decoded as one batch (:func:`batch.generate_batch`); ``namespace``
+        as in :meth:`prefill`."""
         from dask_kvstate.backends import batch  # it builds on this module's decoding helpers
 
         return batch.generate_batch(self, rows, prefix, sampling, started=started)

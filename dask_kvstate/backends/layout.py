@@ -19,6 +19,19 @@ Which kind a layer is comes from transformers itself (the layer classes a
 ``DynamicCache`` builds for the config), so the mask the model builds and the cache we
 build always agree.
 
+Keys and values of different head sizes (multi-head latent attention: DeepSeek-V2/V3 and
+their kin cache a compressed latent, ``kv_lora_rank`` wide, in the key slot and the shared
+rotary key, ``qk_rope_head_dim`` wide, in the value slot, one "head" each) are stored in
+the one tensor at the wider of the two sizes, the narrower zero-padded (:func:`kv_of`) and
+cut back when a cache is built (:func:`new_cache`): one tensor per block keeps the block
+store, the transport, the disk format and the pull's expected shapes as they are for every
+model, at the cost of the padding's bytes (DeepSeek-V3: 512 beside 64, so 448 of every
+1,024 stored values are zeros), which ``kv_bytes_per_token`` counts because they are
+stored and moved. Storing K and V as two tensors per block would save them; it is not
+built. How wide each is comes from a one-token prefill at load
+(:func:`measure`), not from config fields, which families name differently (Falcon's
+``multi_query``, GPT-NeoX's heads with no ``num_key_value_heads``).
+
 Models whose layers keep something other than per-token keys and values (recurrent or
 state-space states, KV shared across layers, sparse-attention indexers) or that attend
 to an encoder are refused by :func:`describe` with the missing capability named.
@@ -26,9 +39,11 @@ to an encoder are refused by :func:`describe` with the missing capability named.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 FULL = "full_attention"
@@ -45,6 +60,10 @@ _MISSING = {
 }
 
 
+#: Sub-config names of a model beside the text decoder (a vision tower, an audio encoder, a patcher).
+_OTHER_MODEL = re.compile(r"vision|audio|image|video|speech|vq|encoder|patcher|depth_decoder")
+
+
 class UnsupportedModel(ValueError):
     """A model whose KV cannot be stored as per-token blocks."""
 
@@ -54,15 +73,26 @@ class Layout:
     """Each layer's kind (``full_attention``, ``sliding_attention``, ``chunked_attention``) and window.
 
     ``windows[i]`` is the sliding window (or chunk size) of layer ``i``, None for full attention.
+    ``kv_heads``, ``key_dim`` and ``value_dim`` are what every layer's cache holds per token
+    (:func:`measure`; None until measured); a stored tensor is ``max(key_dim, value_dim)`` wide.
     """
 
     model_type: str
     kinds: tuple[str, ...]
     windows: tuple[int | None, ...]
+    kv_heads: int | None = None
+    key_dim: int | None = None
+    value_dim: int | None = None
 
     @property
     def num_layers(self) -> int:
         return len(self.kinds)
+
+    @property
+    def head_dim(self) -> int:
+        """The stored head size: keys and values share one tensor at the wider of the two."""
+        assert self.key_dim is not None and self.value_dim is not None, "layout.measure gives the head sizes"
+        return max(self.key_dim, self.value_dim)
 
     @property
     def uniform(self) -> bool:
@@ -89,6 +119,14 @@ def describe(config) -> Layout:
             f"model type {model_type!r} is not supported: it attends to an encoder (cross-attention), "
             "and only decoder-only causal LMs with self-attention KV can be stored as states"
         )
+    # Sub-configs of parts of one decoder (DBRX's attn_config, MPT's) are no other model.
+    others = sorted(k for k in getattr(config, "sub_configs", None) or {} if _OTHER_MODEL.search(k))
+    if others:
+        raise UnsupportedModel(
+            f"model type {model_type!r} is not supported: it holds models beside its text decoder "
+            f"({', '.join(others)}: other modalities or encoders), and only text-only causal LMs are served; "
+            "give its text model (a text-only config of the same weights)"
+        )
     text = config.get_text_config(decoder=True)
     try:
         layer_types, _ = get_layer_types_and_kwargs(text)
@@ -110,6 +148,27 @@ def describe(config) -> Layout:
         for t, w in zip(layer_types, windows, strict=True)
     )
     return Layout(model_type, kinds, windows)
+
+
+def check_positions(model: torch.nn.Module, model_type: str) -> None:
+    """Refuse a model whose positions are numbered from its token ids (:class:`UnsupportedModel`).
+
+    RoBERTa and its kin count positions from ``padding_idx + 1`` over the non-pad tokens of
+    the ids a forward is given; ``model.generate`` hands the same model positions of its own
+    (from 0), so the two disagree on what a prompt's continuation is, and no state's
+    resume can be proven equal to both. Found by what the model has (a position embedding
+    with a padding index), not by its name.
+    """
+    for name, module in model.named_modules():
+        if (
+            isinstance(module, torch.nn.Embedding)
+            and name.rsplit(".", 1)[-1].startswith("position")
+            and module.padding_idx is not None
+        ):
+            raise UnsupportedModel(
+                f"model type {model_type!r} is not supported: it lacks positions independent of the token ids "
+                f"({name} numbers positions from the padding index, and model.generate numbers them otherwise)"
+            )
 
 
 class RecordingSlidingWindowLayer(DynamicSlidingWindowLayer):
@@ -157,13 +216,19 @@ def new_cache(layout: Layout, kv: torch.Tensor | None = None) -> DynamicCache:
     if kv is not None and kv.shape[3] > 0:
         if kv.shape[0] != layout.num_layers:
             raise ValueError(f"KV for {kv.shape[0]} layers given to a {layout.num_layers}-layer model")
+        k_dim, v_dim = layout.key_dim or kv.shape[4], layout.value_dim or kv.shape[4]
         for i, layer in enumerate(layers):
-            layer.update(kv[i, 0][None], kv[i, 1][None])
+            # Cut the padding kv_of added: the model's attention gets exactly what it cached.
+            layer.update(kv[i, 0, :, :, :k_dim][None], kv[i, 1, :, :, :v_dim][None])
     return cache
 
 
 def kv_of(cache: DynamicCache) -> torch.Tensor:
-    """Every token of a batch-1 cache as one ``[L, 2, H, T, D]`` tensor."""
+    """Every token of a batch-1 cache as one ``[L, 2, H, T, D]`` tensor.
+
+    ``D`` is the wider of the key and value head sizes; the narrower is zero-padded (see the
+    module docstring for why one tensor).
+    """
     per_layer = []
     for layer in cache.layers:
         if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
@@ -174,11 +239,52 @@ def kv_of(cache: DynamicCache) -> torch.Tensor:
             raise ValueError("a sliding-window cache layer without a record: build caches with layout.new_cache")
         else:
             k, v = layer.keys, layer.values
+        width = max(k.shape[-1], v.shape[-1])
+        k, v = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (k, v))
         per_layer.append(torch.stack((k[0], v[0])))
+    shapes = {(t.shape[1], t.shape[3]) for t in per_layer}
+    if len(shapes) != 1:
+        raise ValueError(f"cache layers hold KV of different (heads, head size) {sorted(shapes)}: not one tensor")
     lengths = {t.shape[2] for t in per_layer}
     if len(lengths) != 1:
         raise ValueError(f"cache layers hold different token counts {sorted(lengths)}: not one state")
     return torch.stack(per_layer)
+
+
+def measure(layout: Layout, cache: DynamicCache) -> Layout:
+    """``layout`` with the KV heads and key / value head sizes that ``cache`` (a prefill's) holds.
+
+    Raises :class:`UnsupportedModel` naming the layers when they differ in heads or sizes
+    (one tensor holds every layer), or when a layer holds no per-token KV at all.
+    """
+    if not isinstance(cache, DynamicCache):
+        raise UnsupportedModel(
+            f"model type {layout.model_type!r} is not supported: a forward with use_cache returns "
+            f"{type(cache).__name__}, not a DynamicCache of per-layer keys and values "
+            "(it keeps none, or state of another kind)"
+        )
+    shapes = []
+    for i, layer in enumerate(cache.layers):
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if keys is None or values is None or keys.ndim != 4 or values.ndim != 4:
+            raise UnsupportedModel(
+                f"model type {layout.model_type!r} is not supported: layer {i} cached no [batch, heads, tokens, dim] "
+                "keys and values in a prefill"
+            )
+        if keys.shape[1] != values.shape[1]:
+            raise UnsupportedModel(
+                f"model type {layout.model_type!r} is not supported: layer {i} caches {keys.shape[1]} key heads "
+                f"and {values.shape[1]} value heads"
+            )
+        shapes.append((int(keys.shape[1]), int(keys.shape[3]), int(values.shape[3])))
+    if len(set(shapes)) != 1:
+        per_layer = ", ".join(f"layer {i}: {h} heads, K {k}, V {v}" for i, (h, k, v) in enumerate(shapes))
+        raise UnsupportedModel(
+            f"model type {layout.model_type!r} is not supported: its layers cache KV of different shapes "
+            f"({per_layer}); supported are models whose layers all cache the same heads and head sizes"
+        )
+    heads, k_dim, v_dim = shapes[0]
+    return replace(layout, kv_heads=heads, key_dim=k_dim, value_dim=v_dim)
 
 
 def stop_recording(cache: DynamicCache) -> None:

@@ -7,7 +7,9 @@ a 24-token sliding window (Mistral, Qwen2, Phi-3), sliding and full layers alter
 (Gemma2, Gemma3, GPT-OSS; Qwen2 through ``max_window_layers``), attention and final logit
 softcaps (Gemma2), attention sinks (GPT-OSS), scaled logits (Granite's ``logits_scaling``,
 Cohere's ``logit_scale``), q/k norms (Qwen3, Gemma3) and routed experts (Mixtral, GPT-OSS,
-Qwen3-MoE). Weights are seeded and wide (``initializer_range=0.3``, as tiny-llama's) so
+Qwen3-MoE), partial rotary (StableLM), multi-head latent attention (DeepSeek-V3), one KV
+head (Falcon with multi-query attention) and absolute positions (GPT-2). Weights are
+seeded and wide (``initializer_range=0.3``, as tiny-llama's) so
 greedy choices are decisive rather than ties broken by rounding, and the tokenizer is
 tiny-llama's byte-level BPE, so prompts written for tiny-llama cross the same token
 boundaries here (the Gemma families' copy also starts every prompt with BOS, as Gemma's does).
@@ -155,6 +157,33 @@ FAMILIES: dict[str, Family] = {
             "Qwen3MoeConfig",
             {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
         ),
+        # Partial rotary (a quarter of each head), LayerNorm, and decoder layers that pass no
+        # keywords on to attention.
+        Family("stablelm", "StableLmConfig"),
+        # Multi-head latent attention: the cache holds a 16-wide latent beside an 8-wide rotary
+        # key (K and V slots of different sizes); its attention takes no grouped-query heads.
+        Family(
+            "deepseek_v3",
+            "DeepseekV3Config",
+            {
+                "num_key_value_heads": 4,
+                "q_lora_rank": 16,
+                "kv_lora_rank": 16,
+                "qk_rope_head_dim": 8,
+                "qk_nope_head_dim": 8,
+                "v_head_dim": 8,
+                "n_routed_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "first_k_dense_replace": 1,
+                "n_group": 1,
+                "topk_group": 1,
+            },
+        ),
+        # Multi-query attention: one KV head, named by Falcon's own ``multi_query`` field.
+        Family("falcon_mqa", "FalconConfig", {"multi_query": True, "new_decoder_architecture": False}),
+        # Absolute position embeddings, no rotary.
+        Family("gpt2", "GPT2Config"),
     )
 }
 
