@@ -6,4 +6,4 @@ import importlib.util
 
 collect_ignore = []
 if importlib.util.find_spec("vllm") is None:  # the vllm extra: the backend's modules import vLLM itself
-    collect_ignore += [f"dask_kvstate/backends/{m}.py" for m in ("vllm", "vllm_connector", "vllm_engine")]
+    collect_ignore += [f"dask_kvstate/backends/{m}.py" for m in ("vllm", "vllm_connector", "vllm_engine", "vllm_start")]

@@ -88,6 +88,22 @@ def vllm_missing() -> str | None:
     return None
 
 
+#: The marks of every vLLM test module: slow (an engine starts in about a minute), and
+#: skipped, saying why, where vLLM is not usable.
+VLLM_TESTS = [
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or ""),
+]
+
+
+def vllm_prompts() -> list[tuple[str, str]]:
+    """The vLLM tests' prompts: one shared 12-paragraph context and three questions about it."""
+    from dask_kvstate.bench.tree_of_thought import QUESTIONS, prompt_parts
+
+    return [prompt_parts(12, q) for q in QUESTIONS[:3]]
+
+
 def on(worker):
     """Pin the tasks built inside to one worker."""
     return dask.annotate(workers=[worker], allow_other_workers=False)

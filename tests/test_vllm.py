@@ -12,18 +12,13 @@ import torch
 from distributed import Client, LocalCluster
 
 import dask_kvstate as kvs
-from dask_kvstate.bench.tree_of_thought import QUESTIONS, prompt_parts
 from dask_kvstate.generation import Sampling
 
-from .conftest import on, vllm_missing
+from .conftest import VLLM_TESTS, on, vllm_prompts
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.timeout(900),
-    pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or ""),
-]
+pytestmark = VLLM_TESTS
 
-PARTS = [prompt_parts(12, q) for q in QUESTIONS[:3]]
+PARTS = vllm_prompts()
 PREFIX = PARTS[0][0]
 GREEDY = Sampling(max_new_tokens=16, temperature=0.0, top_p=1.0, seed=None)
 

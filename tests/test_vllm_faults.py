@@ -20,18 +20,13 @@ from distributed import Client, LocalCluster, wait
 from distributed.utils_test import poll_for
 
 import dask_kvstate as kvs
-from dask_kvstate.bench.tree_of_thought import QUESTIONS, prompt_parts
 from dask_kvstate.protocol import WORKER_PLUGIN
 
-from .conftest import vllm_missing
+from .conftest import VLLM_TESTS, vllm_prompts
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.timeout(900),
-    pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or ""),
-]
+pytestmark = VLLM_TESTS
 
-PARTS = [prompt_parts(12, q) for q in QUESTIONS[:3]]
+PARTS = vllm_prompts()
 DOC = PARTS[0][0]
 
 

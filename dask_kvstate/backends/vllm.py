@@ -33,7 +33,8 @@ import torch
 
 from dask_kvstate.backends import identity, layout, models, vllm_connector
 from dask_kvstate.backends.hf import GenerationResult
-from dask_kvstate.backends.vllm_engine import EngineLoop, EngineOptions, Finished, Job
+from dask_kvstate.backends.vllm_engine import EngineLoop, Finished, Job
+from dask_kvstate.backends.vllm_start import EngineOptions
 from dask_kvstate.blocks import BlockKV, kv_identity
 from dask_kvstate.generation import Sampling
 

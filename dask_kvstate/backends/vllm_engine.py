@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
 import threading
 import time
@@ -25,11 +24,11 @@ import uuid
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as WaitTimeout  # the builtin TimeoutError only from 3.11
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from dask_kvstate.backends import vllm_connector
-from dask_kvstate.backends.vllm_cores import CoreShare, cores_of_this_process, count_cores
+from dask_kvstate.backends.vllm_cores import CoreShare, count_cores
+from dask_kvstate.backends.vllm_start import EngineOptions, engine_cores, start_engine
 from dask_kvstate.errors import EngineFailed
 
 logger = logging.getLogger("dask_kvstate")
@@ -41,86 +40,6 @@ WAIT_POLL = 1.0
 #: How often a request caught in a failed engine step is submitted again (a fault of the
 #: step, not of the request, passes on the retry; a request that breaks every step fails).
 STEP_RETRIES = 1
-
-
-@dataclass
-class EngineOptions:
-    """How to start the engine (``kvstate.vllm.*`` and the worker's block size)."""
-
-    folder: Path
-    dtype: str
-    block_tokens: int
-    max_model_len: int | None  # None: the model's own maximum
-    kv_cache_bytes: int
-    cpu_cores: str | None  # "0-1" style; None: every core this process may run on
-    compile: bool  # torch.compile the model (slower start, faster steps) or run eager
-    share_cores: bool = True  # split the cores with this host's other engines given the same ones (.vllm_cores)
-    exchange: str = field(default_factory=lambda: uuid.uuid4().hex)
-
-
-def engine_cores(options: EngineOptions) -> str:
-    """The cores the engine runs on: ``options.cpu_cores``, else every core this process may use.
-
-    Unbound, the engine takes every core this process may run on (a nanny starts workers
-    with OMP_NUM_THREADS=1, which would leave one core to an engine given several).
-    """
-    return options.cpu_cores or cores_of_this_process()
-
-
-def start_engine(options: EngineOptions):
-    """An in-process ``LLMEngine`` serving ``options.folder`` with our connector attached."""
-    # Read by vLLM when the engine is built, not at import: set them first.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, options.kv_cache_bytes // 2**30))
-    import torch
-
-    # vLLM's CPU attention plans its work for the bound cores and runs it on torch's
-    # threads: the two counts must agree when the engine starts, or its kernels abort the process.
-    cores = engine_cores(options)
-    if count_cores(cores) != torch.get_num_threads():
-        torch.set_num_threads(count_cores(cores))
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores
-    from vllm.config import KVTransferConfig
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    transfer = KVTransferConfig(
-        kv_connector=vllm_connector.KVStateConnector.__name__,
-        kv_connector_module_path=vllm_connector.__name__,
-        kv_role="kv_both",
-        kv_connector_extra_config={vllm_connector.EXCHANGE_KEY: options.exchange},
-    )
-    settings: dict[str, Any] = {
-        "model": str(options.folder),
-        "dtype": options.dtype,
-        "block_size": options.block_tokens,
-        "enable_prefix_caching": True,  # the engine's own cache stays on; stats count its hits apart
-        "distributed_executor_backend": "uni",
-        "enforce_eager": not options.compile,
-        "kv_transfer_config": transfer,
-        "seed": 0,
-    }
-    if options.max_model_len is not None:  # else the model's own maximum
-        settings["max_model_len"] = options.max_model_len
-    args = EngineArgs(**settings)
-    logger.info(
-        "kvstate: starting a vLLM engine for %s (block size %d, cores %s); this takes up to a minute or two",
-        options.folder.name,
-        options.block_tokens,
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"],
-    )
-    t0 = time.perf_counter()
-    try:
-        engine = LLMEngine.from_engine_args(args)
-    except ValueError as e:
-        if "block size" in str(e):
-            raise ValueError(
-                f"kvstate.block-tokens = {options.block_tokens} is not a block size this vLLM engine supports "
-                f"({e}); vLLM's CPU attention needs a multiple of 32, e.g. 64"
-            ) from e
-        raise
-    logger.info("kvstate: vLLM engine ready in %.1f s", time.perf_counter() - t0)
-    return engine
 
 
 @dataclass
