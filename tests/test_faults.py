@@ -44,13 +44,14 @@ def _break_placement(dask_scheduler):
         raise RuntimeError("injected placement failure")
 
     ext = dask_scheduler.plugins["kvstate-placement"]
-    ext.estimate = boom  # every decision now raises (in transition)
+    ext.estimate = ext.holders = boom  # every decision now raises (in transition)
     ext.blocks_on = None  # and every block report from a worker (a stream handler)
 
 
 def _mend_placement(dask_scheduler):
     ext = dask_scheduler.plugins["kvstate-placement"]
     vars(ext).pop("estimate", None)
+    vars(ext).pop("holders", None)
     ext.blocks_on = {}
 
 
@@ -292,8 +293,9 @@ def test_a_bad_first_probe_reply_is_a_recompute(fault_client, how):
         f"checksum failures +{delta('pull_checksum_failures')}, cut off +{delta('pulls_cut_off')}, blocks kept {delta('transfers')}, "
         f"recomputed {delta('recomputes')} of {len(ref.blocks)}"
     )
-    # the probe; the rest beside it reaches the holder unless it was cancelled first
-    assert asked[0] == 1 and set(asked) <= {1, len(ref.blocks) - 1}
+    # the probe; the rest, asked for beside it, reaches the holder (in either order: two
+    # comms) unless it was cancelled first
+    assert 1 in asked and set(asked) <= {1, len(ref.blocks) - 1}
     assert out.token_ids == replay(client, text, QUESTION).token_ids
     assert delta("transfer_failures") == 1
     assert delta("pull_checksum_failures") == (how == "corrupted")

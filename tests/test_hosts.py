@@ -142,7 +142,7 @@ def _links(dask_worker) -> dict:
 def _placement_holder(key, worker, dask_scheduler=None):
     ext = dask_scheduler.plugins[PLACEMENT_EXTENSION]
     est = ext.estimate(ext.refs[key], worker) if key in ext.refs else None
-    return est and est["holder"]
+    return est and est.holder
 
 
 def test_a_state_on_a_slow_and_a_fast_host_is_pulled_from_the_fast_one(hosts):

@@ -131,12 +131,12 @@ def test_suspended_session_is_offloaded_then_prefetched(lc_client):
     c = lc_client
     w = sorted(c.nthreads())[1]
     with on(w), kvs.component("tester"):  # history: the scheduler learns how long a test run takes
-        c.compute(dask.delayed(run_tests)(0.8, "warm-up", dask_key_name="run_tests-history")).result()
+        c.compute(dask.delayed(run_tests)(1.5, "warm-up", dask_key_name="run_tests-history")).result()
     with on(w), kvs.session("swe") as s:
         f = c.compute(kvs.materialize(CONTEXT, " Write the function. "))
         ref = f.result()
         with kvs.component("tester"):
-            report = dask.delayed(run_tests)(1.6, " 3 tests failed: fix the edge case.")
+            report = dask.delayed(run_tests)(3.0, " 3 tests failed: fix the edge case.")
         resumed = c.compute(kvs.resume(ref, report, max_new_tokens=8))
         out = resumed.result()
         replay = c.compute(

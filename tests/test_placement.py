@@ -116,10 +116,38 @@ def test_consumers_placed_in_one_pass_spread_over_the_workers():
     """
     with kv_cluster(LONG_RESUMES) as client:
         a, b = sorted(client.nthreads())
+        client.run_on_scheduler(_count_asks)
         decisions = _two_long_resumes(client, "Spread")
         assert sorted(d["worker"] for d in decisions) == [a, b]
         on_b = next(d for d in decisions if d["worker"] == b)
         assert on_b["action"] in ("pull", "recompute") and on_b["expected_start"] < 60
+        # The assignment carried what the worker needs: the state's copies, the idle threads
+        # there; so the consumer on b moved its first byte without asking the scheduler.
+        assert list(on_b["copies"]) == [a] and on_b["idle_threads"] >= 0
+        assert client.run_on_scheduler(_count_asks) == {"holders": 0, "idle_threads": 0}
+        outcomes = [e for _, e in client.get_events("kvstate-placement") if e["kind"] == "outcome"]
+        (placed,) = [e for e in outcomes if e["worker"] == b]
+        assert placed["by"] == "scheduler" and list(placed["holders"]) == [a] and placed["action"] == on_b["action"]
+
+
+def _count_asks(dask_scheduler=None) -> dict | None:
+    """Count the placement RPCs a worker may make (holders of blocks, idle threads) from
+    now on; on the second call, how many there were."""
+    from dask_kvstate.protocol import HOLDERS, IDLE_THREADS
+
+    counts = getattr(dask_scheduler, "_kvstate_asks", None)
+    if counts is not None:
+        return dict(counts)
+    counts = dask_scheduler._kvstate_asks = {"holders": 0, "idle_threads": 0}
+    for op, name in ((HOLDERS, "holders"), (IDLE_THREADS, "idle_threads")):
+        handler = dask_scheduler.handlers[op]
+
+        def counted(*args, _handler=handler, _name=name, **kwargs):
+            counts[_name] += 1
+            return _handler(*args, **kwargs)
+
+        dask_scheduler.handlers[op] = counted
+    return None
 
 
 def test_max_copies_keeps_consumers_on_the_holder():

@@ -553,7 +553,7 @@ def _kv_view(consumer_key, a, b, dask_scheduler):
         "on": ts.processing_on.address,
         "move_to_b": stealing._move_cost(ts, wa, wb),
         "inputs_to_b": dask_scheduler.get_comm_cost(ts, wb),
-        "kv_at_b": min(at_b["t_transfer"], at_b["t_recompute"]),
+        "kv_at_b": min(at_b.t_transfer, at_b.t_recompute),
         "resident_a": ProgressPriority._resident(placement, ts, a),
         "resident_b": ProgressPriority._resident(placement, ts, b),
         "owned": ts in stealing.owned and ts not in stealing.stock.key_stealable,

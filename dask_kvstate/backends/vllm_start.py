@@ -49,7 +49,9 @@ def start_engine(options: EngineOptions):
     """An in-process ``LLMEngine`` serving ``options.folder`` with our connector attached."""
     # Read by vLLM when the engine is built, not at import: set them first.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, options.kv_cache_bytes // 2**30))
+    # The KV memory goes to the engine in bytes (``kv_cache_memory_bytes``), exactly; vLLM's
+    # CPU platform would let a VLLM_CPU_KVCACHE_SPACE in the environment (whole GiB) override it.
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     import torch
 
     # vLLM's CPU attention plans its work for the bound cores and runs it on torch's
@@ -77,6 +79,7 @@ def start_engine(options: EngineOptions):
         "enforce_eager": not options.compile,
         "kv_transfer_config": transfer,
         "seed": 0,
+        "kv_cache_memory_bytes": options.kv_cache_bytes,
     }
     if options.max_model_len is not None:  # else the model's own maximum
         settings["max_model_len"] = options.max_model_len

@@ -49,12 +49,12 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def measure(model: str, dtype: str, *, agents: int, context_lines: int, new_tokens: int) -> dict:
     """One dtype's agreement counts for every path over ``agents`` prompts."""
+    from dask_kvstate.backends import from_model
     from dask_kvstate.backends.batch import Row, generate_batch
-    from dask_kvstate.backends.hf import HFBackend
     from dask_kvstate.backends.models import load
 
     hf_model, tokenizer = load(model)
-    backend = HFBackend(model, hf_model.to(getattr(torch, dtype)), tokenizer)
+    backend = from_model(model, hf_model.to(getattr(torch, dtype)), tokenizer)
     context = backend.tokenize(context_text(context_lines))
     prompts = [context + backend.tokenize(suffix(i)) for i in range(agents)]
     sampling = Sampling(new_tokens)

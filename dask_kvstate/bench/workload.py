@@ -83,9 +83,7 @@ def _reset(dask_worker) -> None:
     """Empty the store (unheld blocks) and an engine's own prefix cache, and start the peak counters afresh."""
     plugin = dask_worker.plugins[WORKER_PLUGIN]
     for rt in plugin.runtimes.values():
-        reset_engine_cache = getattr(rt.backend, "reset_engine_cache", None)  # a vLLM engine's, say
-        if reset_engine_cache is not None:
-            reset_engine_cache()
+        rt.backend.reset_engine_cache()  # a vLLM engine's, say
         rt.store.discard(list(rt.store))
         rt.store.device_peak = rt.store.device.total_weight
         rt.counters["kv_peak_bytes"] = rt.store.device.total_weight

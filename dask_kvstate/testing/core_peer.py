@@ -1,4 +1,4 @@
-"""Another engine's claim on a core-sharing board (:mod:`dask_kvstate.backends.vllm_cores`),
+"""Another engine's claim on a core-sharing board (:func:`dask_kvstate.backends.core_share`),
 from a process of its own, for tests: the board's rules are about other processes.
 
 ::
@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from dask_kvstate.backends.vllm_cores import CoreShare
+from dask_kvstate.backends import core_share
 
 MODES = ("stepping", "stuck", "idle")
 
@@ -45,7 +45,7 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def _steps(board: CoreShare) -> None:
+def _steps(board) -> None:
     while True:
         board.threads()
         time.sleep(0.005)  # the step itself
@@ -53,7 +53,7 @@ def _steps(board: CoreShare) -> None:
 
 def main(argv: list[str]) -> None:
     cores, directory, mode = argv
-    board = CoreShare(cores, directory)
+    board = core_share(cores, directory)
     if mode in ("stepping", "stuck"):
         board.threads()
     if mode == "stepping":

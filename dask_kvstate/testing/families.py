@@ -278,8 +278,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def _judge(model_type: str, class_name: str) -> Outcome:
-    from dask_kvstate.backends import layout
-    from dask_kvstate.backends.hf import HFBackend
+    from dask_kvstate.backends import from_model, layout
     from dask_kvstate.testing import architectures
 
     tok = architectures.tokenizer()
@@ -306,7 +305,7 @@ def _judge(model_type: str, class_name: str) -> Outcome:
         assert error is not None, "a build that failed has an error"
         return Outcome(model_type, class_name, NOT_INSTANTIABLE, f"model.generate fails: {_one_line(error)}")
     try:
-        backend = HFBackend(model_type, model, tok, device="cpu")
+        backend = from_model(model_type, model, tok, device="cpu")
     except ValueError as e:  # what kvs.install raises when a worker's load refuses the model
         return Outcome(model_type, class_name, REFUSED, _one_line(e))
     ok = run_paths(backend, refs.__getitem__)

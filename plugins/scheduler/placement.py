@@ -31,6 +31,7 @@ import functools
 import logging
 import traceback
 from collections import Counter, defaultdict
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from distributed import Scheduler
 
 from dask_kvstate import config
-from dask_kvstate.cost import transfer_or_recompute, transfer_seconds
+from dask_kvstate.placement import Assignment, Decision, Estimate, Link, price
 from dask_kvstate.plugins.scheduler.handshake import serve_hello
 from dask_kvstate.plugins.scheduler.liveness import heard_from
 from dask_kvstate.plugins.scheduler.ref_relay import RefRelay
@@ -188,11 +189,10 @@ class KVPlacement(SchedulerPlugin):
     @_guarded("an outcome report")
     def _on_outcome(self, worker=None, **outcome) -> None:
         outcome.pop("op", None)
-        other = outcome["t_recompute"] if outcome["action"] == "pull" else outcome["t_transfer"]
-        slower = outcome["seconds"] > other
+        d = Decision.from_wire(outcome)
         self.counters["outcomes"] += 1
-        self.counters["slower_choice"] += slower
-        self.scheduler.log_event(PLACEMENT_TOPIC, {"kind": "outcome", "worker": worker, "slower": slower, **outcome})
+        self.counters["slower_choice"] += d.slower
+        self.scheduler.log_event(PLACEMENT_TOPIC, {"kind": "outcome", "worker": worker, "slower": d.slower, **d.wire()})
 
     # -- Dask hooks ----------------------------------------------------------------
     def transition(self, key, start, finish, *args, **kwargs) -> None:
@@ -236,71 +236,67 @@ class KVPlacement(SchedulerPlugin):
         # it (measured: the second of two batched resumes on SmolLM2 started 2.6 s late).
         planned: dict[str, float] = defaultdict(float)
         cap = config.get("placement.max-copies")
+        held = self.holders(ref)  # the workers holding every block now: what is priced and told
         # Workers with a copy of the state; grows as this pass places consumers away from them.
-        copies = self.holders(ref) if cap is not None else set()
+        copies = set(held)
         for dts in ts.dependents:
             if dts.state not in ("waiting", "no-worker", "released"):
                 continue
             if dts.worker_restrictions or dts.host_restrictions or dts.resource_restrictions:
-                continue  # the user's restriction wins
-            capped = cap is not None and len(copies) >= cap
-            best = self.choose(ref, planned, among=copies if capped else None)
-            if best is None:
+                # The user's restriction wins; the worker still learns the copies with the task.
+                told = Assignment(worker=None, copies=tuple(sorted(held)))
+                dts.annotations = {**(dts.annotations or {}), PLACEMENT_ANNOTATION: told.wire()}
                 continue
-            best["capped"] = capped
+            capped = cap is not None and len(copies) >= cap
+            best = self.choose(ref, planned, among=copies if capped else None, copies=held)
+            if best is None or best.worker is None:
+                continue
+            worker: str = best.worker
+            best = replace(
+                best,
+                capped=capped,
+                copies=tuple(sorted(held)),
+                idle_threads=self._idle_threads(worker=worker),
+            )
             if cap is not None:
-                copies.add(best["worker"])
+                copies.add(worker)
             if dts.prefix.duration_average > 0 or dts.prefix.max_exec_time > 0:
                 # Only a measured (or configured) duration: Dask's 0.5 s guess for an unseen
                 # prefix would spread trivial tasks (a fork's getitem) for nothing.
-                ws = self.scheduler.workers[best["worker"]]
+                ws = self.scheduler.workers[worker]
                 planned[ws.address] += self.scheduler._get_prefix_duration(dts.prefix) / max(ws.nthreads, 1)
-            dts.worker_restrictions = {best["worker"]}
+            dts.worker_restrictions = {worker}
             dts.loose_restrictions = True
-            dts.annotations = {**(dts.annotations or {}), PLACEMENT_ANNOTATION: best}
+            dts.annotations = {**(dts.annotations or {}), PLACEMENT_ANNOTATION: best.wire()}
             self.counters["decisions"] += 1
-            self.counters[f"chose_{best['action']}"] += 1
-            self.scheduler.log_event(PLACEMENT_TOPIC, {"kind": "decision", "key": str(dts.key), **best})
+            self.counters[f"chose_{best.action}"] += 1
+            self.scheduler.log_event(PLACEMENT_TOPIC, {"kind": "decision", "key": str(dts.key), **best.wire()})
 
-    def estimate(self, ref: dict, worker: str, copies: set[str] | None = None) -> dict | None:
-        """Both estimates for serving ``ref`` on ``worker``, pulling from the copy (of
+    def estimate(self, ref: dict, worker: str, copies: set[str] | None = None) -> Assignment | None:
+        """Both options for serving ``ref`` on ``worker``, pulling from the copy (of
         ``copies``, default :meth:`holders`) it reaches fastest; None without its measurements yet."""
         m = self.metrics.get(worker)
         coeffs = None if m is None else m.get("prefill", {}).get(ref["model"])
         if m is None or coeffs is None:
             return None
         held = self.blocks_on.get(worker, set())
-        blocks, bt = ref["blocks"], ref["block_tokens"]
+        blocks = ref["blocks"]
         first = next((i for i, h in enumerate(blocks) if h not in held), len(blocks))
-        missing_tokens = max(ref["num_tokens"] - first * bt, 0)
-        missing_bytes = missing_tokens * ref["bytes_per_token"]
 
-        def link(holder: str) -> tuple[float, float]:  # what ``worker`` measured of its link to ``holder``
+        def link(holder: str) -> Link:  # what ``worker`` measured of its link to ``holder``
             bw = m["bandwidth"].get(holder) or m.get("seed_bandwidth") or 1e8
-            return bw, m.get("latencies", {}).get(holder) or m.get("latency") or 1e-3
+            return Link(bw, m.get("latencies", {}).get(holder) or m.get("latency") or 1e-3)
+
+        def priced(holder: str) -> Estimate:
+            return price(ref["num_tokens"], first, ref["block_tokens"], ref["bytes_per_token"], link(holder), coeffs)
 
         # the pull comes from the copy ``worker`` reaches fastest by its own measurements
         # (on a tie, the state's own holder)
         copies = self.holders(ref) if copies is None else copies
         sources = sorted(copies - {worker}, key=lambda h: (h != ref["holder"], h)) or [ref["holder"]]
-        holder = min(sources, key=lambda h: transfer_seconds(missing_bytes, *link(h)))
-        bandwidth, latency = link(holder)
-        action, tt, tr = transfer_or_recompute(
-            missing_bytes,
-            missing_tokens,
-            first * bt,
-            bandwidth=bandwidth,
-            latency=latency,
-            per_token_s=coeffs[0],
-            per_pair_s=coeffs[1],
-        )
-        return {
-            "action": action,
-            "t_transfer": tt,
-            "t_recompute": tr,
-            "missing_tokens": missing_tokens,
-            "holder": holder,
-        }
+        holder = min(sources, key=lambda h: priced(h).t_transfer)
+        e = priced(holder)
+        return Assignment(worker, e.action, holder, e.t_transfer, e.t_recompute, e.missing_tokens)
 
     def holders(self, ref: dict) -> set[str]:
         """Running workers that hold every block of ``ref`` (its holder at least, while it runs)."""
@@ -309,31 +305,37 @@ class KVPlacement(SchedulerPlugin):
         held = {w for w, have in self.blocks_on.items() if w in running and all(h in have for h in blocks)}
         return held | ({ref["holder"]} & running)
 
-    def choose(self, ref: dict, planned: dict[str, float] | None = None, among: set[str] | None = None) -> dict | None:
+    def choose(
+        self,
+        ref: dict,
+        planned: dict[str, float] | None = None,
+        among: set[str] | None = None,
+        copies: set[str] | None = None,
+    ) -> Assignment | None:
         """The running worker, heard from lately, with the earliest expected start for a consumer of ``ref``.
 
         ``planned``: seconds per thread already promised to each worker but not yet in
         its occupancy (earlier consumers placed in the same pass). ``among``: only these
         workers (the state's copies, when ``placement.max-copies`` is reached).
+        ``copies``: the state's copies (default: :meth:`holders`).
         """
         planned = planned if planned is not None else {}
         best = None
-        copies: set[str] | None = None  # the state's copies: the first estimate finds them itself, the rest reuse
+        copies = self.holders(ref) if copies is None else copies
         s = self.scheduler
         # never a worker silent for long: one cut off looks idle, and holds the KV (liveness.py)
         for ws in heard_from(s.running, len(s.workers), self.connect_timeout):
             if among is not None and ws.address not in among:
                 continue
             est = self.estimate(ref, ws.address, copies)
-            copies = self.holders(ref) if copies is None else copies
             if est is None:
                 continue
             wait = ws.occupancy / max(ws.nthreads, 1) + planned.get(ws.address, 0.0)
-            start = wait + min(est["t_transfer"], est["t_recompute"])
-            if best is None or start < best["expected_start"]:
-                best = {"worker": ws.address, "expected_start": start, "occupancy": wait, **est}
-        if best is not None and best["action"] == "local":
-            best["action"] = "pull"  # nothing missing there: the worker finds every block local
+            start = wait + min(est.t_transfer, est.t_recompute)
+            if best is None or start < best.expected_start:
+                best = replace(est, expected_start=start, occupancy=wait)
+        if best is not None and best.action == "local":
+            best = replace(best, action="pull")  # nothing missing there: the worker finds every block local
         return best
 
     def stats(self) -> dict:

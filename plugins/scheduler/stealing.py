@@ -251,8 +251,8 @@ class LateBindingStealing(SchedulerPlugin):
                     continue
                 at_j, at_i = placement.estimate(ref, thief.address), placement.estimate(ref, victim.address)
                 if at_j is not None:
-                    kv_j = min(at_j["t_transfer"], at_j["t_recompute"])
-                    kv_i = min(at_i["t_transfer"], at_i["t_recompute"]) if at_i is not None else 0.0
+                    kv_j = min(at_j.t_transfer, at_j.t_recompute)
+                    kv_i = min(at_i.t_transfer, at_i.t_recompute) if at_i is not None else 0.0
                     cost += max(kv_j - kv_i, 0.0)
         return cost
 

@@ -17,6 +17,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from dask_kvstate.plugins.worker.measure import LinkMeter, PrefillMeter, dask_ba
 from dask_kvstate.plugins.worker.settings import WorkerSettings
 from dask_kvstate.state import KVStateRef, Lineage, Placement, new_state_id
 
+if TYPE_CHECKING:
+    from dask_kvstate.backends.base import Backend
+
 
 class KVEngine:
     """A backend, a block store and the worker's comm pool, with this worker's settings.
@@ -38,9 +42,14 @@ class KVEngine:
     """
 
     def __init__(
-        self, backend, store, worker=None, counters: Counter | None = None, settings: WorkerSettings | None = None
+        self,
+        backend: Backend,
+        store,
+        worker=None,
+        counters: Counter | None = None,
+        settings: WorkerSettings | None = None,
     ):
-        self.backend = backend
+        self.backend: Backend = backend
         self.store = store
         self.worker = worker
         self.address = worker.address if worker is not None else None
@@ -175,13 +184,7 @@ class KVEngine:
             yield 0  # another prefill has the process's thread count raised right now
             return
         least = self.settings.borrow_min_tokens
-        if (
-            self.worker is None
-            or not least
-            or tokens < least
-            or not getattr(self.backend, "elastic_threads", True)
-            or not self._alone()
-        ):
+        if self.worker is None or not least or tokens < least or not self.backend.elastic_threads or not self._alone():
             yield torch.get_num_threads()
             return
         if not _BORROWING.acquire(blocking=False):

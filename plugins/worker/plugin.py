@@ -139,9 +139,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
         self.runtimes = await loop.run_in_executor(None, self._build, worker, settings)
         self.runtime = self.runtimes[self.models[0]]
         for rt in self.runtimes.values():
-            on_death = getattr(rt.backend, "on_engine_death", None)  # backends that drive an engine thread
-            if on_death is not None:
-                on_death(self._engine_died)
+            rt.backend.on_engine_death(self._engine_died)  # a backend that drives an engine thread calls it
         self.packing = PackingBuffers(settings.packing_bytes)
         worker.handlers[GET_BLOCKS] = self._serve_blocks
         worker.handlers[EVICT] = self._evict_handler
@@ -258,9 +256,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
         if self.runtime is not None:
             self.runtime.store.close()
         for rt in self.runtimes.values():  # an engine holding threads and memory (the vLLM backend)
-            close = getattr(rt.backend, "close", None)
-            if close is not None:
-                close()
+            rt.backend.close()
         self.runtime = None
         self.runtimes = {}
         self.held.clear()

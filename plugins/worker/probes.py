@@ -20,7 +20,7 @@ from dask_kvstate.state import KVStateRef
 
 def probe(kv: KVEngine, sizes=(32, 256)) -> None:
     """Time a few prefills of ``kv``'s model to seed its prefill cost model."""
-    vocab = int(getattr(kv.backend.config, "vocab_size", 1000))
+    vocab = kv.backend.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (max(sizes),), generator=g).tolist()
     kv.backend.prefill(ids[: min(sizes)])  # warm-up: first calls pay one-off kernel setup
@@ -70,4 +70,4 @@ def measure_rule(resolver: Resolver, ref: KVStateRef, forget: bool = False) -> d
     _, decision = resolver.fill_decided(ref, ids)
     kv.store.discard(ref.blocks)
     assert decision is not None, "a state held elsewhere, none of it here: fill decides"
-    return {k: v for k, v in decision.items() if k != "key"}
+    return {k: v for k, v in decision.wire().items() if k != "key"}

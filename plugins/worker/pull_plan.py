@@ -35,7 +35,8 @@ import math
 import time
 
 from dask_kvstate.cost import transfer_seconds
-from dask_kvstate.plugins.worker import decide
+from dask_kvstate.placement import Decision
+from dask_kvstate.plugins.worker import placement
 from dask_kvstate.plugins.worker.measure import LinkMeter
 
 #: a state whose missing bytes are at most this many probes is pulled whole, as its own probe
@@ -106,12 +107,12 @@ def next_chunk(
     return pull(n, transfer_seconds(n * block_bytes, bw, lat))
 
 
-def pull_missing(resolver, ref, tensors: list, holder: str, decision: dict) -> list:
+def pull_missing(resolver, ref, tensors: list, holder: str, decision: Decision) -> list:
     """``tensors`` (``None`` where missing) with what could be pulled from ``holder`` filled in.
 
     Blocks still ``None`` after are for the caller to recompute. Where the measured link
-    to ``holder`` says recompute, another copy of ``decision["holders"]`` whose estimate
-    says pull is tried (``decision["holder"]`` names the copy pulled from last). Adds to
+    to ``holder`` says recompute, another copy of ``decision.holders`` whose estimate
+    says pull is tried (``decision.holder`` names the copy pulled from last). Fills in
     ``decision`` the steps taken (``steps``, and ``chunks``: blocks and seconds of each,
     seconds ``None`` for one cut off or failed, ``[0, None]`` for a move to another
     copy), whether one was cut off (``cut_off``) and whether the measured link turned
@@ -123,15 +124,15 @@ def pull_missing(resolver, ref, tensors: list, holder: str, decision: dict) -> l
     def filled(pulled: dict, held: list) -> list:
         return [pulled.get(h, t) if t is None else t for h, t in zip(ref.blocks, held)]
 
-    if decision["by"] == "config":
+    if decision.by == "config":
         missing = [h for h, t in zip(ref.blocks, tensors) if t is None]
-        decision["steps"] = 1
+        decision.steps = 1
         return filled(resolver.pull(holder, missing, shapes), tensors)
     per_block = ref.block_tokens * kv.backend.kv_bytes_per_token
     before = tensors
     wanted = sum(t is None for t in before)
     estimate = decision
-    untried = [h for h in decision.get("holders", ()) if h != holder]
+    untried = [h for h in decision.holders if h != holder]
     chunks: list[list] = []
     ahead = None  # the rest, asked for beside a first probe
     try:
@@ -140,43 +141,41 @@ def pull_missing(resolver, ref, tensors: list, holder: str, decision: dict) -> l
             if not missing:
                 break
             if chunks:
-                estimate = decide.rule(kv, ref, missing[0], holder)
+                estimate = placement.rule(kv, ref, missing[0], holder)
             plan = next_chunk(
                 kv.links,
                 holder,
-                estimate["missing_bytes"],
+                estimate.missing_bytes,
                 per_block,
-                estimate["t_recompute"],
+                estimate.t_recompute,
                 probe_bytes=kv.settings.probe_bytes,
                 patience=kv.settings.patience,
             )
             if ahead is not None and plan is not None:  # go on with the rest already on its way
-                wait = transfer_seconds(
-                    estimate["missing_bytes"], kv.links.bandwidth(holder), kv.links.latency_to(holder)
-                )
-                wait = max(plan[1], wait + kv.settings.patience * estimate["t_recompute"])
+                wait = transfer_seconds(estimate.missing_bytes, kv.links.bandwidth(holder), kv.links.latency_to(holder))
+                wait = max(plan[1], wait + kv.settings.patience * estimate.t_recompute)
             elif ahead is not None:
                 # The probe says recompute, but it shared the link and the puller's event loop
                 # with the rest: over a fast link the rest lands about when the probe does, and
                 # one already here costs nothing. It gets half the probe's time, at most half
                 # the patience.
-                wait = min(chunks[-1][1] or 0.0, kv.settings.patience * estimate["t_recompute"]) / 2
+                wait = min(chunks[-1][1] or 0.0, kv.settings.patience * estimate.t_recompute) / 2
             if ahead is not None:
                 t0 = time.perf_counter()
                 pulled = resolver.take(holder, ahead, shapes, wait)
                 n, ahead = len(ahead.hashes), None
                 if not pulled and plan is None:  # not here in time: recompute, as the probe said
-                    decision["switched"] = True
+                    decision.switched = True
                     break
             else:
                 if plan is None:  # the measured link says recompute: unless another copy is worth a try
-                    untried.sort(key=lambda h: decide.pull_seconds(kv, ref, missing[0], h))
+                    untried.sort(key=lambda h: placement.pull_seconds(kv, ref, missing[0], h))
                     other = untried.pop(0) if untried else None
-                    if other is not None and decide.rule(kv, ref, missing[0], other)["action"] == "pull":
-                        holder = decision["holder"] = other
+                    if other is not None and placement.rule(kv, ref, missing[0], other).action == "pull":
+                        holder = decision.holder = other
                         chunks.append([0, None])  # a step that moved to another copy
                         continue
-                    decision["switched"] = True
+                    decision.switched = True
                     break
                 chunk = [ref.blocks[i] for i in missing[: plan[0]]]
                 rest = [ref.blocks[i] for i in missing[plan[0] :]]
@@ -189,7 +188,7 @@ def pull_missing(resolver, ref, tensors: list, holder: str, decision: dict) -> l
                     pulled = resolver.pull(holder, chunk, shapes, patience=plan[1])
             chunks.append([n, time.perf_counter() - t0 if pulled else None])
             if not pulled:  # cut off, failed or the holder lost them: the caller recomputes
-                decision["cut_off"] = True
+                decision.cut_off = True
                 break
             tensors = filled(pulled, tensors)
             if len(pulled) < n:
@@ -197,9 +196,9 @@ def pull_missing(resolver, ref, tensors: list, holder: str, decision: dict) -> l
     finally:
         if ahead is not None:
             resolver.drop(ahead)
-    decision["steps"], decision["chunks"] = len(chunks), chunks
+    decision.steps, decision.chunks = len(chunks), chunks
     pulled_n = wanted - sum(t is None for t in tensors)
-    if (decision.get("switched") or decision.get("cut_off")) and pulled_n * 2 < wanted:
+    if (decision.switched or decision.cut_off) and pulled_n * 2 < wanted:
         # Given up after little more than the probe: recompute all of it from the blocks held
         # before, not on top of the probe's few. A prefill on top of a short cached prefix
         # costs more than one from that prefix's start (measured with tiny-llama on CPU: 5,500

@@ -1,7 +1,7 @@
 """Resolving a ref: turning a state's metadata into its KV tensors on this worker.
 
 The paper's rule: local blocks are hits; missing blocks are pulled from the holder
-(or recomputed, as :mod:`~dask_kvstate.plugins.worker.decide` chooses); whatever is
+(or recomputed, as :mod:`~dask_kvstate.plugins.worker.placement` chooses); whatever is
 still missing (holder gone, holder evicted them, pull failed) is recomputed from the
 state's text. An incompatible state (other model, config or tokenizer) is never used:
 its text is prefilled from scratch by the operator. No path raises because KV went
@@ -23,7 +23,8 @@ import torch
 
 from dask_kvstate.blocks import BlockKV, join_blocks, same_storage
 from dask_kvstate.blocks import nbytes as tensor_bytes
-from dask_kvstate.plugins.worker import decide
+from dask_kvstate.placement import Decision
+from dask_kvstate.plugins.worker import placement
 from dask_kvstate.plugins.worker.checksum import ChecksumError
 from dask_kvstate.plugins.worker.engine import KVEngine
 from dask_kvstate.plugins.worker.events import worker_event
@@ -111,7 +112,7 @@ class Resolver:
 
     def fill_decided(
         self, ref: KVStateRef, ids: list[int], joined: bool = True
-    ) -> tuple[torch.Tensor | BlockKV, dict | None]:
+    ) -> tuple[torch.Tensor | BlockKV, Decision | None]:
         """:meth:`fill`, and the transfer-or-recompute decision it carried out with its
         ``seconds`` (None when nothing was missing or no peer held it; benchmarks read it)."""
         kv = self.kv
@@ -123,18 +124,20 @@ class Resolver:
         t0 = time.perf_counter()
         if missing and kv.worker is not None and holder not in (None, kv.address):
             first = next(i for i, t in enumerate(tensors) if t is None)
-            decision = decide.choose(kv, ref, first, holder)
-            decision["decide_s"] = time.perf_counter() - t0  # the rule, and asking for other copies
+            decision = placement.choose(kv, ref, first, holder)
+            decision.decide_s = time.perf_counter() - t0  # the rule (and, for a task never placed, asking for copies)
             t0 = time.perf_counter()
-        if decision is not None and decision["action"] == "pull":
-            tensors = pull_missing(self, ref, tensors, decision["holder"], decision)
+        if decision is not None and decision.action == "pull":
+            source = decision.holder or holder
+            assert source is not None, "a decision is made only for a state held elsewhere"
+            tensors = pull_missing(self, ref, tensors, source, decision)
         first_missing = next((i for i, t in enumerate(tensors) if t is None), None)
         if first_missing is not None:
             tensors = self.recompute(ids, ref.blocks, tensors, first_missing, namespace=ref.namespace)
         if decision is not None:
             # what the choice cost in all: a pull's steps and whatever was recomputed after
-            decision["seconds"] = time.perf_counter() - t0
-            decide.record_outcome(kv, decision)
+            decision.seconds = time.perf_counter() - t0
+            placement.record_outcome(kv, decision)
         device = kv.backend.device  # a block read back from a lower tier may sit in host memory
         on_device = [t.to(device, non_blocking=True) for t in tensors]
         if not joined:

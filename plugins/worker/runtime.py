@@ -4,7 +4,7 @@ One :class:`StateRuntime` per model lives in each worker's ``kvstate`` plugin; t
 tasks in :mod:`dask_kvstate.tasks` call its methods. It is a
 :class:`~dask_kvstate.plugins.worker.engine.KVEngine` (hash, prefill, store) with the
 operators on top; resolving a consumer's ref is :mod:`~dask_kvstate.plugins.worker.resolve`,
-the pull-or-recompute choice inside it :mod:`~dask_kvstate.plugins.worker.decide`,
+the pull-or-recompute choice inside it :mod:`~dask_kvstate.plugins.worker.placement`,
 measurements for benchmarks :mod:`~dask_kvstate.plugins.worker.probes`.
 
 Every operator keeps the library's promise: the KV it builds or reads is the KV of
@@ -17,19 +17,23 @@ import itertools
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from dask_kvstate.blocks import BlockKV, join_blocks, same_storage
 from dask_kvstate.errors import MergeError
 from dask_kvstate.generation import Generation, Sampling
-from dask_kvstate.plugins.worker import decide, prefix_cache, probes
+from dask_kvstate.plugins.worker import placement, prefix_cache, probes
 from dask_kvstate.plugins.worker.accounting import runtime_stats
 from dask_kvstate.plugins.worker.engine import KVEngine
 from dask_kvstate.plugins.worker.events import worker_event
 from dask_kvstate.plugins.worker.resolve import Resolver
 from dask_kvstate.protocol import STORE_TOPIC
 from dask_kvstate.state import KVState, KVStateRef, Lineage, Placement, incompatibility, new_state_id
+
+if TYPE_CHECKING:
+    from dask_kvstate.backends.base import Backend
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:
@@ -50,7 +54,7 @@ def common_prefix(a: Sequence, b: Sequence) -> int:
 class StateRuntime(KVEngine):
     """Operators on one worker: a backend, a block store and the worker's comm pool."""
 
-    def __init__(self, backend, store, worker=None, counters=None, settings=None):
+    def __init__(self, backend: Backend, store, worker=None, counters=None, settings=None):
         super().__init__(backend, store, worker, counters=counters, settings=settings)
         self.resolver = Resolver(self)
 
@@ -61,7 +65,8 @@ class StateRuntime(KVEngine):
 
     def estimate(self, ref: KVStateRef) -> dict:
         """What the transfer-or-recompute rule would do for ``ref`` here now, without doing it."""
-        return decide.estimate(self, ref)
+        d = placement.estimate(self, ref)
+        return {"action": "local", "t_transfer": 0.0, "t_recompute": 0.0} if d is None else d.wire()
 
     def measure_fill(self, ref: KVStateRef, action: str) -> float:
         """Seconds to pull or recompute all of ``ref``'s blocks here (benchmarks of the rule)."""

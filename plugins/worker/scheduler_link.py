@@ -1,11 +1,12 @@
 """What the runtime asks and tells the scheduler, and what it reads of the running task.
 
 Every exchange with the scheduler that the operators make sits here, so the runtime's
-other modules are plain computation: the idle threads a long prefill may borrow (an
-RPC to the placement extension), the placement extension's choice for the running
-task (its annotation), the other workers holding a state's blocks (an RPC to the
-placement extension), and the outcome of a transfer-or-recompute choice (a stream
-message, only to a scheduler that runs the extension). Every function here is a no-op
+other modules are plain computation: the placement extension's assignment of the
+running task (its annotation: the worker chosen, the state's copies, the idle threads
+there), the idle threads a long prefill may borrow and the other workers holding a
+state's blocks (RPCs to the extension, only for a task it did not place), and the
+outcome of a transfer-or-recompute choice (a stream message, only to a scheduler that
+runs the extension). Every function here is a no-op
 or a neutral answer without a worker (the runtime used directly, as benchmarks do).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Hashable
 
+from dask_kvstate.placement import Assignment
 from dask_kvstate.protocol import HOLDERS, IDLE_THREADS, OUTCOME, PLACEMENT_ANNOTATION, WORKER_PLUGIN
 
 logger = logging.getLogger("dask_kvstate")
@@ -30,13 +32,19 @@ def current_task(worker) -> Hashable | None:
 
 
 def idle_threads(worker, timeout: float) -> int:
-    """Threads the placement extension counts idle on this worker's host; 0 if it cannot say.
+    """Threads idle on this worker's host that the running task's long prefill may borrow; 0
+    if nobody can say.
 
-    Costs one scheduler round trip. Never raises: without the extension, or with the
-    scheduler away, the answer is 0 (borrow nothing).
+    A task the placement extension sent here carries the count it saw then (its
+    :class:`~dask_kvstate.placement.Assignment`); any other costs one scheduler round trip.
+    Never raises: without the extension, or with the scheduler away, the answer is 0
+    (borrow nothing).
     """
     from distributed.utils import sync
 
+    placed = assignment(worker, current_task(worker))
+    if placed is not None and placed.worker == getattr(worker, "address", None):
+        return placed.idle_threads
     try:
         return int(
             sync(
@@ -55,7 +63,8 @@ def holders(worker, blocks: list[bytes], timeout: float) -> list[str]:
     """Running workers other than this one that the placement extension knows to hold every
     one of ``blocks``; ``[]`` if it cannot say.
 
-    Costs one scheduler round trip. Never raises: without the extension, or with the
+    Costs one scheduler round trip: only for a task the extension did not place (its
+    assignment names the copies). Never raises: without the extension, or with the
     scheduler away, there are no other holders to choose from.
     """
     from distributed.utils import sync
@@ -74,11 +83,18 @@ def holders(worker, blocks: list[bytes], timeout: float) -> list[str]:
     return [w for w in found if isinstance(w, str)] if isinstance(found, (list, tuple)) else []
 
 
-def placement_choice(worker, key: Hashable | None) -> dict:
-    """The placement extension's choice for task ``key`` (its ``kvstate-placement``
-    annotation), or ``{}`` when the task carries none."""
-    ts = worker.state.tasks.get(key) if key is not None else None
-    return ((ts.annotations or {}).get(PLACEMENT_ANNOTATION) if ts is not None else None) or {}
+def assignment(worker, key: Hashable | None) -> Assignment | None:
+    """The placement extension's word on task ``key`` (its ``kvstate-placement``
+    annotation), or None when the task carries none, or one this worker cannot read
+    (then it decides by itself, as for a task the extension never saw)."""
+    ts = worker.state.tasks.get(key) if worker is not None and key is not None else None
+    raw = (ts.annotations or {}).get(PLACEMENT_ANNOTATION) if ts is not None else None
+    if raw is None:
+        return None
+    try:
+        return Assignment.from_wire(raw)
+    except (TypeError, ValueError):
+        return None
 
 
 def send_outcome(worker, decision: dict) -> None:
