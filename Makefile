@@ -57,12 +57,13 @@ test: install lint
 test-fast: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not slow"
 
-# The AAFLOW+ experiments (python -m dask_kvstate.bench); BENCH_ARGS=--quick for the few-minute run.
+# The bench command (python -m dask_kvstate.bench <experiment>): the AAFLOW+ five (BENCH_ARGS=--quick for the
+# few-minute run), then the Nalar workflows and the KV lifecycle.
 bench: install
 	$(PIP) install -e ".[bench]"
 	HF_HUB_OFFLINE=1 $(PY) -m dask_kvstate.bench $(BENCH_ARGS)
-	HF_HUB_OFFLINE=1 $(PY) examples/nalar_workflows.py --workflow all --out results/nalar
-	HF_HUB_OFFLINE=1 $(PY) examples/kv_lifecycle.py --repeats 3 --out results/lifecycle
+	HF_HUB_OFFLINE=1 $(PY) -m dask_kvstate.bench nalar-workflows --workflow all --out results/nalar
+	HF_HUB_OFFLINE=1 $(PY) -m dask_kvstate.bench kv-lifecycle --repeats 3 --out results/lifecycle
 
 # The docs site: Sphinx with MyST pages and the API reference from docstrings, built
 # offline into docs/_build/html, every warning an error. The docs extra is installed into

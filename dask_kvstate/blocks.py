@@ -113,9 +113,8 @@ class BlockKV:
 
     What a backend that keeps KV in its own paged cache (``reads_blocks``: the vLLM
     backend) resumes from. Joining first would copy the state into fresh memory only
-    for the engine to copy it once more into its pages: on a 2-core VM the join of a
-    4,096-token SmolLM2 state (180 MiB into a new tensor) took 0.38-0.62 s, page faults
-    mostly, while the copy into the engine's warm pages takes ~0.03 s.
+    for the engine to copy it once more into its pages: the join writes into fresh memory
+    (page faults, mostly), many times slower than the copy into the engine's warm pages.
 
     Examples
     --------

@@ -11,42 +11,20 @@ Run: ``python examples/crossover.py [--model tiny-llama] [--protocol tcp] [--thr
 With ``--links netns`` (root, Linux) the sweep runs over real links between network
 namespaces shaped with htb (:mod:`dask_kvstate.bench.crossover_netns`), beside the config
 throttle on the same cells, and writes ``cells.json`` and ``table.md`` to ``--out``.
+
+The script is ``python -m dask_kvstate.bench crossover-sweep [flags]`` (``--help`` lists the flags).
 """
 
 from __future__ import annotations
 
-import argparse
+import sys
 
-from dask_kvstate.bench import crossover, crossover_netns
+from dask_kvstate import bench
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny-llama")
-    ap.add_argument("--protocol", default="tcp", help="comm of the sweep's cluster: tcp, tls or ucx")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--throughput", default="tcp", help="comma-separated comms to measure KV pull throughput on")
-    ap.add_argument("--mib", type=int, default=64, help="bytes of KV moved per throughput measurement")
-    ap.add_argument("--skip-sweep", action="store_true")
-    ap.add_argument("--packed", action="store_true", help="also time pulls with the zero-copy path off, interleaved")
-    ap.add_argument(
-        "--checksum", action="store_true", help="also time pulls with frame checksums off and on, interleaved"
-    )
-    ap.add_argument("--tp-repeats", type=int, default=9, help="pulls and fetches per throughput measurement")
-    ap.add_argument("--links", choices=["throttle", "netns"], default="throttle", help="the sweep's links")
-    ap.add_argument("--contexts", type=int, nargs="+", default=crossover_netns.CONTEXTS, help="--links netns contexts")
-    ap.add_argument("--out", default="results/crossover-netns", help="where --links netns writes its table")
-    args = ap.parse_args(argv)
-    if args.links == "netns":
-        res = crossover_netns.compare(args.model, args.repeats, contexts=args.contexts)
-        print(crossover_netns.write(res, args.out))
-        return res
-    cells = [] if args.skip_sweep else crossover.sweep(args.model, args.protocol, args.repeats)
-    protocols = list(filter(None, args.throughput.split(",")))
-    rates = crossover.throughputs(
-        args.model, protocols, args.mib, args.tp_repeats, packed=args.packed, checksum=args.checksum
-    )
-    return {"cells": cells, "throughput": rates}
+def main(argv: list[str] | None = None):
+    """``python -m dask_kvstate.bench crossover-sweep`` with this script's arguments (``--help`` lists them)."""
+    return bench.main(["crossover-sweep", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -14,28 +14,20 @@ Run::
 
     python examples/nalar_kv.py --duration 20 --repeats 1 --out results/kv
     python examples/nalar_kv.py --repeats 3 --configs default,kvstate   # medians of 3 interleaved runs
+
+The script is ``python -m dask_kvstate.bench nalar-kv [flags]`` (``--help`` lists the flags).
 """
 
 from __future__ import annotations
 
-import argparse
+import sys
 
-from dask_kvstate.bench.nalar import kv_heavy
+from dask_kvstate import bench
 
 
-def main(argv=None) -> list[dict]:
-    d = kv_heavy.Options()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--duration", type=float, default=d.duration, help="seconds of arrivals")
-    p.add_argument("--rate", type=float, default=d.rate, help="requests per second (Poisson)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument(
-        "--repeats", type=int, default=d.repeats, help="runs per config, interleaved; the table shows medians"
-    )
-    p.add_argument("--configs", default=d.configs, help=f"comma-separated, of {','.join(kv_heavy.CONFIGS)}")
-    p.add_argument("--out", default=d.out, help="folder for kv.md and kv.json")
-    args = p.parse_args(argv)
-    return kv_heavy.run(kv_heavy.Options(**vars(args)))
+def main(argv: list[str] | None = None):
+    """``python -m dask_kvstate.bench nalar-kv`` with this script's arguments (``--help`` lists them)."""
+    return bench.main(["nalar-kv", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -27,76 +27,20 @@ Run::
 It prints a line per run (and per grid run), a markdown table (avg, P50, P95, P99, max
 end-to-end latency in seconds; ratios against ``default`` and the best baseline of the
 run) and the grid, and writes ``<out>/<workflow>.md``, ``.json`` and ``.png``.
+
+The script is ``python -m dask_kvstate.bench nalar-workflows [flags]`` (``--help`` lists the flags).
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
+import sys
 
-from dask_kvstate.bench import nalar
+from dask_kvstate import bench
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workflow", choices=[*nalar.WORKFLOWS, "all"], default="swe")
-    ap.add_argument(
-        "--configs",
-        default=nalar.DEFAULT_CONFIGS,
-        help="comma-separated, of " + ",".join(nalar.CONFIGS) + "; a +hints suffix adds the component hints",
-    )
-    ap.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
-    ap.add_argument("--drain", type=float, default=120.0, help="seconds allowed after the last arrival")
-    ap.add_argument("--rate", type=float, default=None, help="requests per second (default: the workflow's)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=1, help="seeds seed..seed+repeats-1, interleaved; medians")
-    ap.add_argument("--roles", default=None, help="units per role at start, e.g. planner=1,developer=7,tester=4")
-    ap.add_argument("--median", default=None, help="median seconds per component call, e.g. router=0.06")
-    ap.add_argument(
-        "--stateful",
-        action="store_true",
-        help="mark swe's developer stateful: its retries keep session affinity (Nalar's stateful hint)",
-    )
-    ap.add_argument("--grid-max", type=int, default=10, help="static-best: candidate splits run at most")
-    ap.add_argument(
-        "--grid-duration",
-        type=float,
-        default=None,
-        help="static-best: seconds of arrivals a grid run (default: --duration)",
-    )
-    ap.add_argument("--out", default="results/nalar")
-    ap.add_argument("--control-loop", type=int, default=0, metavar="N", help="measure the loop with N queued futures")
-    ap.add_argument(
-        "--control-loop-scale",
-        nargs="?",
-        const="1000,10000,100000",
-        default=None,
-        metavar="N,N,...",
-        help="the loop's pass against queued futures (over 1000 sessions, 100 workers); sizes comma-separated",
-    )
-    args = ap.parse_args()
-    logging.getLogger("distributed").setLevel(logging.ERROR)  # cluster start/stop chatter, per run
-    if args.control_loop_scale:
-        nalar.measure_control_loop_scale([int(n) for n in args.control_loop_scale.split(",")], args.out)
-        return
-    if args.control_loop:
-        nalar.measure_control_loop(args.control_loop, args.out)
-        return
-    nalar.run(
-        args.workflow,
-        configs=args.configs,
-        duration=args.duration,
-        drain=args.drain,
-        rate=args.rate,
-        seed=args.seed,
-        repeats=args.repeats,
-        roles=args.roles,
-        median=args.median,
-        stateful=args.stateful,
-        grid_max=args.grid_max,
-        grid_duration=args.grid_duration,
-        out=args.out,
-    )
+def main(argv: list[str] | None = None):
+    """``python -m dask_kvstate.bench nalar-workflows`` with this script's arguments (``--help`` lists them)."""
+    return bench.main(["nalar-workflows", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -16,23 +16,20 @@ Three measurements, each a median of ``--repeats``, both sides interleaved:
 The measurements are :mod:`dask_kvstate.bench.serve_path`.
 
 Run: ``python examples/serve_path.py [--repeats 25] [--wire]``.
+
+The script is ``python -m dask_kvstate.bench serve-path [flags]`` (``--help`` lists the flags).
 """
 
 from __future__ import annotations
 
-import argparse
+import sys
 
-from dask_kvstate.bench import serve_path
+from dask_kvstate import bench
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mib", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=25)
-    ap.add_argument("--wire", action="store_true", help="also time the two reply shapes between two processes")
-    ap.add_argument("--torch-threads", type=int, default=1, help="as the workers run (kvs.install(torch_threads=1))")
-    args = ap.parse_args(argv)
-    return serve_path.run(args.mib, args.repeats, with_wire=args.wire, torch_threads=args.torch_threads)
+def main(argv: list[str] | None = None):
+    """``python -m dask_kvstate.bench serve-path`` with this script's arguments (``--help`` lists them)."""
+    return bench.main(["serve-path", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ pytestmark = VLLM_TESTS
 
 PARTS = vllm_prompts()
 PREFIX = PARTS[0][0]
-GREEDY = Sampling(max_new_tokens=16, temperature=0.0, top_p=1.0, seed=None)
+GREEDY = Sampling(max_new_tokens=8, temperature=0.0, top_p=1.0, seed=None)
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +161,7 @@ def test_replay_equals_transformers_generate(backend, hf_model):
         ids = backend.tokenize(prefix + suffix)
         got = backend.generate(ids, None, GREEDY).token_ids
         with torch.inference_mode():
-            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
         assert got == out[0, len(ids) :].tolist()[: len(got)]
 
 
@@ -295,20 +295,18 @@ def test_every_path_on_two_engines_is_token_identical_to_replay():
             with on(a):
                 state = kvs.materialize(PREFIX)
             with on(b):
-                resumed = [
-                    kvs.resume(s, suffix, max_new_tokens=16) for s, (_, suffix) in zip(kvs.fork(state, 3), PARTS)
-                ]
-                batched = kvs.resume_many(state, [suffix for _, suffix in PARTS], max_new_tokens=16)
+                resumed = [kvs.resume(s, suffix, max_new_tokens=8) for s, (_, suffix) in zip(kvs.fork(state, 3), PARTS)]
+                batched = kvs.resume_many(state, [suffix for _, suffix in PARTS], max_new_tokens=8)
                 longer = kvs.extend(state, PARTS[0][1])
-                from_longer = kvs.resume(longer, " In short,", max_new_tokens=16)
+                from_longer = kvs.resume(longer, " In short,", max_new_tokens=8)
             with on(a):  # replay on the other engine: the same engine build, the same tokens
-                replay = [kvs.generate(p, s, max_new_tokens=16) for p, s in PARTS]
-                replay_longer = kvs.generate(PARTS[0][0] + PARTS[0][1] + " In short,", max_new_tokens=16)
+                replay = [kvs.generate(p, s, max_new_tokens=8) for p, s in PARTS]
+                replay_longer = kvs.generate(PARTS[0][0] + PARTS[0][1] + " In short,", max_new_tokens=8)
             ref, got, got_batched, got_longer, want, want_longer = dask.compute(
                 state, resumed, batched, from_longer, replay, replay_longer
             )
             with on(a):  # the extension's own blocks, stored on B from its engine, pulled back to A
-                got_longer_on_a = kvs.resume(longer, " In short,", max_new_tokens=16).compute()
+                got_longer_on_a = kvs.resume(longer, " In short,", max_new_tokens=8).compute()
             stats = kvs.stats(client).workers
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert [g.token_ids for g in got_batched] == [w.token_ids for w in want]
@@ -323,7 +321,7 @@ def test_the_compiler_on_vllm_is_token_identical():
     """Plain ``kvs.generate`` calls sharing a long prompt prefix: the compiler makes it a state."""
 
     def graph():
-        return [kvs.generate(PREFIX, suffix, max_new_tokens=16) for _, suffix in PARTS]
+        return [kvs.generate(PREFIX, suffix, max_new_tokens=8) for _, suffix in PARTS]
 
     blocks = dask.config.set({"kvstate.block-tokens": 64})
     with blocks, LocalCluster(n_workers=1, threads_per_worker=4, processes=True, dashboard_address=":0") as cluster:

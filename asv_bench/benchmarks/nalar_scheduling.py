@@ -19,7 +19,7 @@ import asyncio
 from dask_kvstate.bench import nalar
 
 #: Seconds of seeded arrivals per workflow and run: 35 requests of swe and analyst, 100
-#: of router (``examples/nalar_workflows.py`` runs 40 s and a grid of 10 for its tables).
+#: of router (``python -m dask_kvstate.bench nalar-workflows`` runs 40 s and a grid of 10 for its tables).
 ARRIVAL_SECONDS = 5.0
 #: Role-free SWE arrives at 3.2 requests/s and loads its threads only after a few seconds.
 ROLE_FREE_SECONDS = 12.0
@@ -31,7 +31,7 @@ class WorkflowLatency:
     """Per workflow, ``all`` (every policy on) against the best of the baselines.
 
     ``phases`` needs two 10 s phases to mean anything: it stays in
-    ``examples/nalar_workflows.py``, keeping this suite near two minutes. ``swe-free``
+    ``python -m dask_kvstate.bench nalar-workflows``, keeping this suite near two minutes. ``swe-free``
     has no split to search: :class:`RoleFreeLatency`.
     """
 

@@ -5,8 +5,7 @@ Dask workers on one host whose engines are both given all of its cores then run 
 many threads as cores whenever both step at once, and teams oversubscribed that way wait
 on each other at every barrier. Giving each engine a core of its own avoids that but
 leaves a core idle while the other engine prefills alone, and a prefill is the longest
-step there is (4,096 SmolLM2 tokens: about 12 s on one core of this 2-core machine, 6.5 s
-on two).
+step there is (the figures are in the benchmark pages).
 
 So engines given the same cores post on a board in shared memory whether they are
 stepping, and before each step an engine takes its share of the cores: all of them while

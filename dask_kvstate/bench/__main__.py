@@ -1,4 +1,4 @@
-from dask_kvstate.bench.cli import main
+from dask_kvstate.bench.registry import main
 
 if __name__ == "__main__":
     main()

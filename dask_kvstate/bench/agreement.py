@@ -2,7 +2,7 @@
 
 ::
 
-    python -m dask_kvstate.bench.agreement --model smollm2-135m --dtypes float32 bfloat16 --out results/agreement
+    python -m dask_kvstate.bench agreement --model smollm2-135m --dtypes float32 bfloat16 --out results/agreement
 
 For each dtype, the model is loaded in that dtype and every prompt (the bench's shared
 incident-log context plus one agent's suffix) is decoded greedily four ways:
@@ -22,7 +22,7 @@ the rounding is 65,536 times coarser.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -92,25 +92,41 @@ def measure(model: str, dtype: str, *, agents: int, context_lines: int, new_toke
     return report
 
 
-def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(prog="python -m dask_kvstate.bench.agreement", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    ap.add_argument("--agents", type=int, default=16)
-    ap.add_argument("--context-lines", type=int, default=40, help="incident-log lines in the shared context")
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args(argv)
+@dataclasses.dataclass
+class Options:
+    """The model, the dtypes it is loaded in, and the prompts' shape."""
+
+    model: str = dataclasses.field(default="smollm2-135m", metadata={"help": "the model, loaded in this process"})
+    dtypes: list[str] = dataclasses.field(
+        default_factory=lambda: ["float32", "bfloat16"], metadata={"help": "torch dtypes, one measurement each"}
+    )
+    agents: int = dataclasses.field(default=16, metadata={"help": "prompts: the shared context and one suffix each"})
+    context_lines: int = dataclasses.field(default=40, metadata={"help": "incident-log lines in the shared context"})
+    new_tokens: int = dataclasses.field(default=32, metadata={"help": "tokens decoded greedily per prompt and path"})
+    out: Path | None = dataclasses.field(default=None, metadata={"help": "folder for <model>.json"})
+
+
+def command(opts: Options) -> list[dict]:
+    """:func:`measure` per dtype, a line each; the reports also go to ``<out>/<model>.json``."""
     reports = []
-    for dtype in args.dtypes:
-        r = measure(args.model, dtype, agents=args.agents, context_lines=args.context_lines, new_tokens=args.new_tokens)
+    for dtype in opts.dtypes:
+        r = measure(opts.model, dtype, agents=opts.agents, context_lines=opts.context_lines, new_tokens=opts.new_tokens)
         reports.append(r)
         cells = ", ".join(f"{p} {r[p]['agree']}/{r['prompts']}" for p in PATHS)
-        print(f"{args.model} {dtype} ({r['context_tokens']}-token context): {cells} agree ({r['seconds']} s)")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{Path(args.model).name}.json").write_text(json.dumps(reports, indent=1))
+        print(f"{opts.model} {dtype} ({r['context_tokens']}-token context): {cells} agree ({r['seconds']} s)")
+    if opts.out:
+        opts.out.mkdir(parents=True, exist_ok=True)
+        (opts.out / f"{Path(opts.model).name}.json").write_text(json.dumps(reports, indent=1))
     return reports
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """``python -m dask_kvstate.bench.agreement``: the same as ``python -m dask_kvstate.bench agreement``."""
+    import sys
+
+    from dask_kvstate.bench.registry import main as bench
+
+    return bench(["agreement", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

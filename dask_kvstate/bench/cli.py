@@ -1,6 +1,8 @@
-"""Command line of the bench: pick experiments, a grid (full or ``--quick``), a folder.
+"""The AAFLOW+ suite of the bench command: pick experiments, a grid (full or ``--quick``), a folder.
 
-::
+The five experiments (and ``overhead``) share one set of options and run together, so
+their rows come from the same clusters and prompts. :mod:`dask_kvstate.bench.registry`
+routes a command line here when it names one of them, starts with a flag or is empty::
 
     python -m dask_kvstate.bench                       # all five, SmolLM2, the full grid
     python -m dask_kvstate.bench ttft scaling --quick  # tiny-llama, small grid (minutes)
@@ -14,22 +16,24 @@ serves the model), on the same prompts, each with its own baselines.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import importlib.util
 import platform
-import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dask_kvstate.backends import check_model_name, describe_known
 from dask_kvstate.backends.models import GEMMA3, TINY_LLAMA
+from dask_kvstate.bench import registry
+from dask_kvstate.bench.options import to_argv
 
 BACKENDS = ("hf", "vllm")
 # Known models the vLLM backend does not serve: one built in memory, one with sliding-window layers.
 NOT_ON_VLLM = (TINY_LLAMA, GEMMA3)
 
-EXPERIMENTS = {"1": "ttft", "2": "scaling", "3": "crossover", "4": "memory", "5": "throughput"}
+NUMBERS = {"1": "ttft", "2": "scaling", "3": "crossover", "4": "memory", "5": "throughput"}
 
 # The paper's grid (AAFLOW+ section 6), and a small one that finishes in minutes on two cores.
 FULL = {
@@ -64,58 +68,86 @@ QUICK = {
 }
 
 
-def parse(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m dask_kvstate.bench", description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "experiments",
-        nargs="*",
-        metavar="experiment",
-        help="ttft scaling crossover memory throughput (or 1-5; throughput includes "
-        "overhead, which also runs alone); default: all",
+@dataclass
+class Options:
+    """The suite's settings: which experiments, the grid (``None``: the full or ``--quick`` grid's value), where to."""
+
+    experiments: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "ttft scaling crossover memory throughput (or 1-5; throughput includes overhead, which also "
+            "runs alone); default: all five",
+            "positional": True,
+            "metavar": "experiment",
+        },
     )
-    ap.add_argument("--quick", action="store_true", help="tiny-llama and a small grid (a few minutes)")
-    ap.add_argument(
-        "--model",
-        help=f"default smollm2-135m, or tiny-llama with --quick; one of: {describe_known()}",
+    quick: bool = field(default=False, metadata={"help": "tiny-llama and a small grid (a few minutes)"})
+    model: str | None = field(
+        default=None, metadata={"help": f"default smollm2-135m, or tiny-llama with --quick; one of: {describe_known()}"}
     )
-    ap.add_argument("--out", type=Path, help="results folder (default: bench-results/<model>-<time>)")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--lengths", type=int, nargs="+", help="experiment 1's context lengths L")
-    ap.add_argument("--agents", type=int, help="experiment 1's number of agents")
-    ap.add_argument("--ks", type=int, nargs="+", help="experiment 2's agent counts (also 4's branch factors)")
-    ap.add_argument("--scaling-context", type=int, help="experiment 2's context length")
-    ap.add_argument("--new-tokens", type=int, help="experiment 2's tokens generated per agent (Y)")
-    ap.add_argument("--memory-context", type=int, help="context length of experiment 4's all-branches-live runs")
-    ap.add_argument("--overhead-tasks", type=int, help="size of experiment 5's non-LLM graph (default 10,000)")
-    ap.add_argument("--overhead-repeats", type=int, help="measured rounds of the non-LLM graph")
-    ap.add_argument(
-        "--links",
-        choices=["throttle", "netns"],
+    out: Path | None = field(default=None, metadata={"help": "results folder (default: bench-results/<model>-<time>)"})
+    workers: int = field(default=2, metadata={"help": "worker processes"})
+    lengths: list[int] | None = field(default=None, metadata={"help": "experiment 1's context lengths L"})
+    agents: int | None = field(default=None, metadata={"help": "experiment 1's number of agents"})
+    ks: list[int] | None = field(
+        default=None, metadata={"help": "experiment 2's agent counts (also 4's branch factors)"}
+    )
+    scaling_context: int | None = field(default=None, metadata={"help": "experiment 2's context length"})
+    new_tokens: int | None = field(default=None, metadata={"help": "experiment 2's tokens generated per agent (Y)"})
+    memory_context: int | None = field(
+        default=None, metadata={"help": "context length of experiment 4's all-branches-live runs"}
+    )
+    overhead_tasks: int | None = field(
+        default=None, metadata={"help": "size of experiment 5's non-LLM graph (default: the grid's)"}
+    )
+    overhead_repeats: int | None = field(default=None, metadata={"help": "measured rounds of the non-LLM graph"})
+    links: str = field(
         default="throttle",
-        help="experiment 3's links: the config throttle, or also real shaped links between network namespaces (root)",
+        metadata={
+            "help": "experiment 3's links: the config throttle, or also real shaped links between network "
+            "namespaces (root)",
+            "choices": ("throttle", "netns"),
+        },
     )
-    ap.add_argument("--variants", nargs="+", help="experiment 2's variants (replay prefix kvstate kvstate-unbatched)")
-    ap.add_argument(
-        "--backends",
-        nargs="+",
-        choices=BACKENDS,
-        help="backends experiments 1, 2, 4 and 5 run on, one after the other (default: hf, and vllm beside it "
-        "where the vllm extra is installed and serves the model)",
+    variants: list[str] | None = field(
+        default=None, metadata={"help": "experiment 2's variants (replay prefix kvstate kvstate-unbatched)"}
     )
-    args = ap.parse_args(argv)
-    if args.model is not None:
-        try:
-            check_model_name(args.model)
-        except ValueError as bad:
-            ap.error(str(bad))
-    wanted = []
-    for e in args.experiments or list(EXPERIMENTS.values()):
-        name = EXPERIMENTS.get(e, e)
-        if name not in (*EXPERIMENTS.values(), "overhead"):
-            ap.error(f"unknown experiment {e!r}; choose from {', '.join(EXPERIMENTS.values())}, overhead or 1-5")
-        wanted.append(name)
-    args.experiments = list(dict.fromkeys(wanted))
-    return args
+    backends: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "backends experiments 1, 2, 4 and 5 run on, one after the other (default: hf, and vllm beside "
+            "it where the vllm extra is installed and serves the model)",
+            "choices": BACKENDS,
+        },
+    )
+
+    def __post_init__(self):
+        # Checked before a cluster starts; a ValueError here is the command line's error.
+        if self.model is not None:
+            check_model_name(self.model)
+        wanted = []
+        for e in self.experiments or list(NUMBERS.values()):
+            name = NUMBERS.get(e, e)
+            if name not in (*NUMBERS.values(), "overhead"):
+                raise ValueError(
+                    f"unknown experiment {e!r} among the AAFLOW+ ones; choose from "
+                    f"{', '.join(NUMBERS.values())}, overhead or 1-5 (any other experiment runs alone)"
+                )
+            wanted.append(name)
+        self.experiments = list(dict.fromkeys(wanted))
+
+
+def parse(argv: list[str] | None = None) -> Options:
+    """The suite's options of a command line (argparse's exit if it names no AAFLOW+ experiment)."""
+    exp, opts = registry.parse(argv)
+    if not exp.suite:
+        registry.top_parser().error(f"{exp.name!r} is not one of the AAFLOW+ experiments")
+    return opts
+
+
+def main(argv: list[str] | None = None) -> Any:
+    """The bench command, :func:`dask_kvstate.bench.registry.main`; the suite returns its results dict."""
+    return registry.main(argv)
 
 
 def default_backends(model: str) -> list[str]:
@@ -125,11 +157,11 @@ def default_backends(model: str) -> list[str]:
     return ["hf", "vllm"]
 
 
-def grid(args) -> dict:
-    g = dict(QUICK if args.quick else FULL)
-    if args.model:
-        g["model"] = args.model
-    g["backends"] = list(dict.fromkeys(args.backends or default_backends(str(g["model"]))))
+def grid(opts: Options) -> dict:
+    g = dict(QUICK if opts.quick else FULL)
+    if opts.model:
+        g["model"] = opts.model
+    g["backends"] = list(dict.fromkeys(opts.backends or default_backends(str(g["model"]))))
     for name in (
         "lengths",
         "agents",
@@ -140,8 +172,8 @@ def grid(args) -> dict:
         "overhead_repeats",
         "memory_context",
     ):
-        if getattr(args, name) is not None:
-            g[name] = getattr(args, name)
+        if getattr(opts, name) is not None:
+            g[name] = getattr(opts, name)
     return g
 
 
@@ -160,7 +192,7 @@ def _steps(exps, g) -> int:
     return n
 
 
-def main(argv=None) -> dict:
+def run(opts: Options) -> dict:
     """Run the chosen experiments and write their results; returns the results dict."""
     from distributed import Client, LocalCluster
 
@@ -169,24 +201,23 @@ def main(argv=None) -> dict:
     from dask_kvstate.bench import experiments as ex
     from dask_kvstate.bench import overhead, report, workload
 
-    args = parse(argv)
-    g = grid(args)
-    variants = tuple(args.variants or ex.VARIANTS)
+    g = grid(opts)
+    variants = tuple(opts.variants or ex.VARIANTS)
     for required in ("replay", "prefix", "kvstate"):
         if required not in variants:
             variants = (required, *variants)
     stamp = datetime.datetime.now(datetime.timezone.utc)
-    out = args.out or Path("bench-results") / f"{Path(g['model']).name}-{stamp:%Y%m%d-%H%M%S}"
-    exps = args.experiments
+    out = opts.out or Path("bench-results") / f"{Path(g['model']).name}-{stamp:%Y%m%d-%H%M%S}"
+    exps = opts.experiments
     res: dict = {
         "meta": {
             "model": g["model"],
-            "quick": args.quick,
+            "quick": opts.quick,
             "experiments": exps,
             "grid": g,
-            "command": "python -m dask_kvstate.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": " ".join([registry.PROG, *to_argv(opts)]),
             "machine": f"{platform.machine()} {platform.system()}, {__import__('os').cpu_count()} CPUs",
-            "workers": args.workers,
+            "workers": opts.workers,
             "started": f"{stamp:%Y-%m-%d %H:%M} UTC",
             "scaling_context": g["scaling_context"],
             "new_tokens": g["new_tokens"],
@@ -205,15 +236,15 @@ def main(argv=None) -> dict:
         for backend in g["backends"] if llm else []:
             # The transformers backend computes one task at a time per worker thread; a vLLM
             # engine steps every request its worker holds, so its workers take all agents at once.
-            threads = 1 if backend == "hf" else -(-max(g["agents"], *g["ks"]) // args.workers)
+            threads = 1 if backend == "hf" else -(-max(g["agents"], *g["ks"]) // opts.workers)
             res["meta"].setdefault("threads", {})[backend] = threads
             with (
                 LocalCluster(
-                    n_workers=args.workers, threads_per_worker=threads, processes=True, dashboard_address=":0"
+                    n_workers=opts.workers, threads_per_worker=threads, processes=True, dashboard_address=":0"
                 ) as cluster,
                 Client(cluster) as client,
             ):
-                progress.write(f"loading {g['model']} on {args.workers} workers, {backend} backend ...")
+                progress.write(f"loading {g['model']} on {opts.workers} workers, {backend} backend ...")
                 kvs.install(client, g["model"], backend=backend, torch_threads=1 if backend == "hf" else None)
                 client.run(workload.warm_up)
                 setup = ex.Setup(client, backend)
@@ -243,12 +274,12 @@ def main(argv=None) -> dict:
             }
         if "memory" in exps:
             res["memory_live"] = ex.memory_live(
-                g["model"], g["memory_context"], g["ks"], g["new_tokens"], args.workers, bar
+                g["model"], g["memory_context"], g["ks"], g["new_tokens"], opts.workers, bar
             )
             checkpoint()
         if "crossover" in exps:
             res["crossover"] = ex.crossover_sweep(g["model"], g["bandwidths"], g["contexts"], g["repeats"], bar)
-            if args.links == "netns":
+            if opts.links == "netns":
                 from dask_kvstate.bench import crossover_netns
 
                 res["crossover_netns"] = crossover_netns.sweep(g["model"], g["repeats"], contexts=g["contexts"])

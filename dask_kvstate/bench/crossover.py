@@ -5,9 +5,9 @@ rule (its live measurements: pull bandwidth and latency per peer, prefill cost o
 model), then both options are really carried out and timed (:func:`sweep_cell`). The
 rule is right when it picked the faster of the two measured times. :func:`throughput`
 sets a KV pull beside a raw Dask transfer of a numpy array of the same bytes, on the
-same link, in the same run. ``examples/crossover.py`` runs both from the command line;
-the bench's experiment 3 and the asv suite ``transfer_or_recompute`` call the same
-functions.
+same link, in the same run. ``python -m dask_kvstate.bench crossover-sweep``
+(:mod:`~dask_kvstate.bench.crossover_sweep`, ``examples/crossover.py``) runs both; the
+bench's experiment 3 and the asv suite ``transfer_or_recompute`` call the same functions.
 """
 
 from __future__ import annotations

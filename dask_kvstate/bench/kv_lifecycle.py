@@ -23,8 +23,8 @@ needs a history; ``cold`` skips it). :func:`run_config` reports per configuratio
 median and P90 resume latency (time to first token of the resume task, which includes
 reading the state's blocks), resumes that found their KV offloaded-then-prefetched (and
 their median), recomputed blocks and tokens, peak device bytes, and the KV bytes left by
-ended sessions. ``examples/kv_lifecycle.py`` and the asv suite ``kv_lifecycle`` call
-:func:`run`.
+ended sessions. ``python -m dask_kvstate.bench kv-lifecycle`` (``examples/kv_lifecycle.py``)
+and the asv suite ``kv_lifecycle`` call :func:`run`.
 """
 
 from __future__ import annotations
@@ -47,21 +47,29 @@ from dask_kvstate.session import new_session_id
 
 @dataclasses.dataclass
 class Options:
-    """One experiment's settings; ``examples/kv_lifecycle.py`` has a flag for each."""
+    """One experiment's settings; ``python -m dask_kvstate.bench kv-lifecycle`` has a flag for each."""
 
-    sessions: int = 8
-    live: int = 4  # sessions running at once
-    rounds: int = 3  # test-and-retry invocations per session
-    tool_seconds: float = 0.8  # median test-run duration
-    new_tokens: int = 8
-    block_tokens: int = 16
-    device_bytes: int = 1024 * 1024  # device tier budget (small configs)
-    disk_bytes: int = 1024 * 1024  # disk tier budget (small configs)
-    seed: int = 0
-    configs: str = "resident,lru,lifecycle"
-    out: str | None = None  # folder for lifecycle.md and lifecycle.json
-    cold: bool = False  # no tester run before the sessions: no history to predict from
-    repeats: int = 1  # runs per config, interleaved; the table shows medians
+    sessions: int = dataclasses.field(default=8, metadata={"help": "developer-agent sessions in all"})
+    live: int = dataclasses.field(default=4, metadata={"help": "sessions running at once"})
+    rounds: int = dataclasses.field(default=3, metadata={"help": "test-and-retry invocations per session"})
+    tool_seconds: float = dataclasses.field(default=0.8, metadata={"help": "median test-run duration"})
+    new_tokens: int = dataclasses.field(default=8, metadata={"help": "tokens each resume generates"})
+    block_tokens: int = dataclasses.field(default=16, metadata={"help": "tokens per KV block"})
+    device_bytes: int = dataclasses.field(default=1024 * 1024, metadata={"help": "device tier budget (small configs)"})
+    disk_bytes: int = dataclasses.field(default=1024 * 1024, metadata={"help": "disk tier budget (small configs)"})
+    seed: int = dataclasses.field(
+        default=0, metadata={"help": "seed of the test-run durations (run r of --repeats: seed + r)"}
+    )
+    configs: str = dataclasses.field(
+        default="resident,lru,lifecycle", metadata={"help": "comma-separated, of resident, lru and lifecycle"}
+    )
+    out: str | None = dataclasses.field(default=None, metadata={"help": "folder for lifecycle.md and lifecycle.json"})
+    cold: bool = dataclasses.field(
+        default=False, metadata={"help": "no tester run before the sessions: no history to predict from"}
+    )
+    repeats: int = dataclasses.field(
+        default=1, metadata={"help": "runs per config, interleaved; the table shows medians"}
+    )
 
 
 SYSTEM = (

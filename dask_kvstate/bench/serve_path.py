@@ -12,13 +12,15 @@ Three measurements, each a median of ``repeats``, both sides interleaved:
   reply should use), beside Dask's ``get_data`` of a numpy array of the same bytes.
 
 Worker-side code and torch are imported inside the functions, so importing this
-module stays as light as the core. ``examples/serve_path.py`` runs :func:`run`.
+module stays as light as the core. ``python -m dask_kvstate.bench serve-path``
+(``examples/serve_path.py``) runs :func:`command`.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass, field
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 64  # SmolLM2-135M
 
@@ -175,3 +177,20 @@ def run(mib: int = 64, repeats: int = 25, *, with_wire: bool = False, torch_thre
             flush=True,
         )
     return out
+
+
+@dataclass
+class Options:
+    """The measurement's size and repeats, and whether the two-process wire runs too."""
+
+    mib: int = field(default=64, metadata={"help": "MiB of KV blocks served per measurement"})
+    repeats: int = field(default=25, metadata={"help": "timings per side; the medians are reported"})
+    wire: bool = field(default=False, metadata={"help": "also time the two reply shapes between two processes"})
+    torch_threads: int = field(
+        default=1, metadata={"help": "torch threads, as the workers run them (kvs.install(torch_threads=1))"}
+    )
+
+
+def command(opts: Options) -> dict:
+    """:func:`run` with ``opts``."""
+    return run(opts.mib, opts.repeats, with_wire=opts.wire, torch_threads=opts.torch_threads)

@@ -6,18 +6,21 @@ materializes it once, forks the state, and each branch resumes from it (pulling 
 blocks when it runs on another worker); ``compiler`` runs the text-replay code under
 ``kvs.stateflow()``, which inserts the state tasks by itself. :func:`table` compares
 per-branch time to first token, total wall time, KV bytes and whether outputs are
-token-identical. ``examples/tree_of_thought.py`` (``make demo``) runs it on SmolLM2.
+token-identical. :func:`command` is ``python -m dask_kvstate.bench tree-of-thought`` (``make demo``,
+``examples/tree_of_thought.py``), on SmolLM2 by default.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass, field
 
-from distributed import Client
+from distributed import Client, LocalCluster
 
 import dask_kvstate as kvs
 from dask_kvstate import progress
+from dask_kvstate.backends import check_model_name, describe_known
 from dask_kvstate.bench import workload
 
 SYSTEM = "You are a senior site reliability engineer. Read the incident report and answer briefly."
@@ -161,3 +164,34 @@ def table(m: dict) -> str:
         f"branch 0 says: {kv['results'][0].strip()!r}",
     ]
     return "\n".join(rows)
+
+
+@dataclass
+class Options:
+    """The demo's settings: the model, the cluster and the tree."""
+
+    model: str = field(default="smollm2-135m", metadata={"help": f"one of: {describe_known()}"})
+    workers: int = field(default=2, metadata={"help": "worker processes, one thread each"})
+    branches: int = field(default=4, metadata={"help": f"branches, one question each (at most {len(QUESTIONS)})"})
+    lines: int = field(default=52, metadata={"help": "log lines in the shared report (52: ~1,500 tokens)"})
+    new_tokens: int = field(default=32, metadata={"help": "tokens each branch generates"})
+
+    def __post_init__(self):
+        check_model_name(self.model)  # before a cluster starts, not in each worker
+        if not 1 <= self.branches <= len(QUESTIONS):
+            raise ValueError(f"branches must be in 1..{len(QUESTIONS)}, got {self.branches}")
+
+
+def command(opts: Options) -> dict:
+    """Start a cluster, install the model, :func:`run` the three modes and print :func:`table`."""
+    with (
+        LocalCluster(n_workers=opts.workers, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        t0 = time.perf_counter()
+        print(f"loading {opts.model} on {opts.workers} workers ...", flush=True)
+        kvs.install(client, opts.model, torch_threads=1)
+        print(f"loaded in {time.perf_counter() - t0:.1f} s; running {opts.branches} branches three ways", flush=True)
+        m = run(client, branches=opts.branches, lines=opts.lines, new_tokens=opts.new_tokens)
+    print(table(m))
+    return m

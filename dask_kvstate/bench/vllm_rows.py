@@ -2,8 +2,8 @@
 
 ::
 
-    python -m dask_kvstate.bench.vllm_rows --out results/vllm          # SmolLM2, L = 4,096
-    python -m dask_kvstate.bench.vllm_rows --length 1024 --agents 8    # a shorter run
+    python -m dask_kvstate.bench vllm-rows --out results/vllm          # SmolLM2, L = 4,096
+    python -m dask_kvstate.bench vllm-rows --length 1024 --agents 8    # a shorter run
 
 Two Dask workers, one vLLM engine each (each bound to its own core), and the baselines:
 
@@ -25,12 +25,13 @@ replay on the same engine build; a mismatch stops the run.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import statistics
+import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import dask
@@ -247,41 +248,52 @@ def arrivals(client, a: str, b: str, context: str, readers: int, mode: str) -> d
 MODES = ("local", "kvstate")
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m dask_kvstate.bench.vllm_rows", description=__doc__.splitlines()[0])
-    ap.add_argument("--length", type=int, default=4096, help="shared context tokens (default 4096)")
-    ap.add_argument("--agents", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--readers", type=int, default=6)
-    ap.add_argument("--repeats", type=int, default=3, help="rounds of the branch TTFT row (medians)")
-    ap.add_argument("--agent-repeats", type=int, default=3, help="runs of each agents row, interleaved (medians)")
-    ap.add_argument("--out", type=Path, default=Path("results/vllm"))
-    ap.add_argument(
-        "--shared-cores",
-        action="store_true",
-        help="also run the agents rows with both engines given both cores, sharing them and not",
+@dataclass
+class Options:
+    """The workload's shape, the repeats of each row, where the results go."""
+
+    length: int = field(default=4096, metadata={"help": "shared context tokens"})
+    agents: int = field(default=16, metadata={"help": "agents over the shared context"})
+    new_tokens: int = field(default=64, metadata={"help": "tokens each agent generates"})
+    readers: int = field(default=6, metadata={"help": "readers arriving on alternating workers"})
+    repeats: int = field(default=3, metadata={"help": "rounds of the branch TTFT row (medians)"})
+    agent_repeats: int = field(default=3, metadata={"help": "runs of each agents row, interleaved (medians)"})
+    out: Path = field(default=Path("results/vllm"), metadata={"help": "folder for vllm_rows.json and table.md"})
+    shared_cores: bool = field(
+        default=False,
+        metadata={"help": "also run the agents rows with both engines given both cores, sharing them and not"},
     )
-    args = ap.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"length": args.length, "n_agents": args.agents, "new_tokens": args.new_tokens}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m dask_kvstate.bench.vllm_rows``: the same as ``python -m dask_kvstate.bench vllm-rows``."""
+    from dask_kvstate.bench.registry import main as bench
+
+    bench(["vllm-rows", *(sys.argv[1:] if argv is None else argv)])
+
+
+def command(opts: Options) -> dict:
+    """Every row, each checked against vLLM's own replay; writes ``vllm_rows.json`` and ``table.md`` to ``out``."""
+    opts.out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"length": opts.length, "n_agents": opts.agents, "new_tokens": opts.new_tokens}
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     cluster, client, (a, b) = _cluster(2, [{0}, {1}])
     try:
-        context = workload.contexts(client, [args.length])[args.length]
+        context = workload.contexts(client, [opts.length])[opts.length]
         print("branch TTFT on the worker without the state ...", flush=True)
-        results["branch_ttft"] = branch_ttft(client, a, b, context, args.repeats)
+        results["branch_ttft"] = branch_ttft(client, a, b, context, opts.repeats)
         print(results["branch_ttft"], flush=True)
-        print(f"{args.agents} agents over both workers ...", flush=True)
-        rows = agents_rows(client, [a, b], context, args.agents, args.new_tokens, MODES, args.agent_repeats)
+        print(f"{opts.agents} agents over both workers ...", flush=True)
+        rows = agents_rows(client, [a, b], context, opts.agents, opts.new_tokens, MODES, opts.agent_repeats)
         local, ours = rows["local"], rows["kvstate"]
         _check_ids(ours["outputs"], local["outputs"], "16 agents")
         results["agents"] = {"vllm_local_prefix_each_worker": local, "kvstate": ours}
         print("KV pull into the engine vs Dask's own transfer of the same bytes ...", flush=True)
         results["transfer"] = transfer(client, a, b, context)
         print("readers arriving on alternating workers ...", flush=True)
-        r_local = arrivals(client, a, b, context, args.readers, "local")
-        r_ours = arrivals(client, a, b, context, args.readers, "kvstate")
+        r_local = arrivals(client, a, b, context, opts.readers, "local")
+        r_ours = arrivals(client, a, b, context, opts.readers, "kvstate")
         _check_ids(r_ours["outputs"], r_local["outputs"], "arrivals")
         results["arrivals"] = {"vllm_local_prefix_each_worker": r_local, "kvstate": r_ours}
     finally:
@@ -290,27 +302,27 @@ def main(argv=None) -> None:
 
     cluster, client, (solo,) = _cluster(1, [{0, 1}])
     try:
-        one = agents_rows(client, [solo], context, args.agents, args.new_tokens, ["local"], args.agent_repeats)["local"]
+        one = agents_rows(client, [solo], context, opts.agents, opts.new_tokens, ["local"], opts.agent_repeats)["local"]
         _check_ids(one["outputs"], results["agents"]["vllm_local_prefix_each_worker"]["outputs"], "one engine")
         results["agents"]["one_engine_both_cores"] = one
     finally:
         client.close()
         cluster.close()
 
-    print(f"{args.agents} agents, kvstate over transformers ...", flush=True)
-    hf = hf_agents_row(context, args.agents, args.new_tokens, args.agent_repeats)
+    print(f"{opts.agents} agents, kvstate over transformers ...", flush=True)
+    hf = hf_agents_row(context, opts.agents, opts.new_tokens, opts.agent_repeats)
     # Other kernels, so not checked against vLLM's replay: counted (the transformers
     # backend's own reuse paths are checked against its replay by its tests and bench).
     hf["same_as_vllm"] = sum(g == w for g, w in zip(hf["outputs"], one["outputs"]))
     results["agents"]["kvstate_over_transformers"] = hf
 
-    if args.shared_cores:
+    if opts.shared_cores:
         both = os.sched_getaffinity(0)  # every core this process may use
         for key, share in (("agents_shared_cores", True), ("agents_shared_cores_unshared", False)):
             with dask.config.set({"kvstate.vllm.share-cores": share}):  # read by each worker's engine at start
                 cluster, client, workers = _cluster(2, [both, both])
             try:
-                shared = agents_rows(client, workers, context, args.agents, args.new_tokens, MODES, args.agent_repeats)
+                shared = agents_rows(client, workers, context, opts.agents, opts.new_tokens, MODES, opts.agent_repeats)
                 for m in MODES:
                     _check_ids(shared[m]["outputs"], one["outputs"], f"engines on both cores, {m}, share {share}")
                 results[key] = shared
@@ -318,9 +330,10 @@ def main(argv=None) -> None:
                 client.close()
                 cluster.close()
 
-    (args.out / "vllm_rows.json").write_text(json.dumps(results, indent=1))
-    (args.out / "table.md").write_text(table(results))
+    (opts.out / "vllm_rows.json").write_text(json.dumps(results, indent=1))
+    (opts.out / "table.md").write_text(table(results))
     print(table(results))
+    return results
 
 
 def _check_ids(got: list, want: list, what: str) -> None:

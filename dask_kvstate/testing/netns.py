@@ -3,10 +3,8 @@
 Each call runs ``ip`` or ``tc`` as a subprocess with a deadline. Links are shaped with
 ``htb`` whose bucket holds about one packet, so a link sends at its rate from its first
 byte, as a real link of that rate does: a ``tbf`` bucket of a few milliseconds of the
-rate lets a short transfer through at veth speed (measured here with 64 KiB request /
-reply pairs over "100 Mbit/s": 0.9 ms through tbf with a 5 ms bucket, 6.8 ms through this
-htb, 5.2 ms the rate's own time), which makes short probes of a link read it many times
-faster than it is. Over "1 Gbit/s" this htb carried 1 MiB in 9.1 ms (0.92 Gbit/s).
+rate lets a short transfer through at veth speed, which makes short probes of a link read
+it many times faster than it is (the measurements are in docs/design/transport.md).
 
 Every name a run makes starts with :data:`PREFIX` and its owner's pid
 (``kvh<pid>x<n>...``), so :func:`cleanup_stale` can delete what a killed run left.

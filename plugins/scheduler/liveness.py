@@ -4,8 +4,8 @@ Dask keeps a worker ``running`` until its ``worker-ttl`` passes (5 minutes by de
 its stream to the scheduler breaks (after ``distributed.comm.timeouts.tcp``, 30 s by
 default). Meanwhile a worker cut off from the network looks idle, the best place for
 work: KV placement and stealing sent a state's consumers to its unreachable holder, the
-one worker with the KV at hand, where they waited until Dask removed it (measured on the
-network-namespace hosts: 30 s after the cut, the consumer itself done in 0.3 s).
+one worker with the KV at hand, where they waited until Dask removed it (``tests/test_partition.py``
+shows the cost).
 
 So placement and stealing move work only to workers whose last heartbeat is recent: within
 ``transport.connect-timeout`` (what a consumer gives a holder before recomputing), or

@@ -34,8 +34,8 @@ GROUP = 4 << 20  # bytes: without a packing buffer, smaller blocks share frames 
 #: bytes: a zero-copy reply's runs go out in frames of at most this much (whole blocks each).
 #: The puller's comm reads every frame into a new buffer; below glibc's mmap threshold
 #: (raised to 32 MiB by ``worker.malloc-retain``) that buffer comes from the heap the
-#: worker keeps warm, where a larger one is fresh pages from the kernel. A 180 MiB state
-#: pulled as one frame took 0.40-0.75 s on a 2-core VM, 0.05-0.07 s into warm memory.
+#: worker keeps warm, where a larger one is fresh pages from the kernel, several times
+#: slower to fill (docs/design/transport.md).
 RUN_FRAME = 16 << 20
 
 
@@ -50,7 +50,7 @@ def serve_blocks(
     into a reused buffer (see :class:`PackingBuffers`). Otherwise a block of 1 MiB or
     more is its own frame, sent straight from its memory, and smaller blocks are packed
     a few MiB to a frame: thousands of 32 KiB frames spend their time in per-frame
-    bookkeeping (measured: 14% of a raw Dask transfer of the same bytes). Raw bytes
+    bookkeeping. Raw bytes
     rather than Dask's torch serializer, which goes through ``.numpy()`` and refuses
     bfloat16 and CUDA tensors.
     """

@@ -56,8 +56,8 @@ and requests), :mod:`.baselines` (the baselines, offered load, grid candidates),
 :mod:`.runner` (one run, repeats, the grid, the whole experiment), :mod:`.report`
 (table, plot, files), :mod:`.loop_latency` (the control loop's latency under 10,000 futures),
 :mod:`.loop_scale` (that latency from 10^3 to 10^5 futures over 10^3 sessions).
-``examples/nalar_workflows.py`` is the command line; asv's ``nalar_scheduling`` suite
-calls :func:`run_one`, :func:`grid_search` and :func:`control_loop`.
+:mod:`.command` is the command line (``python -m dask_kvstate.bench nalar-workflows``);
+asv's ``nalar_scheduling`` suite calls :func:`run_one`, :func:`grid_search` and :func:`control_loop`.
 """
 
 from __future__ import annotations

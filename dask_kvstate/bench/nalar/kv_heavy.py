@@ -25,7 +25,7 @@ user would write by hand), ``kvstate`` (``kvs.install`` with the library's defau
 ``all`` (scheduling and lifecycle explicitly on). For the first ``checked`` requests,
 each lane's last answer is compared, token for token, with plain text replay
 (``kvs.generate`` of the state's text and the prompt, no prefix cache) after the run;
-a mismatch fails the run. ``examples/nalar_kv.py`` is the command line.
+a mismatch fails the run. ``python -m dask_kvstate.bench nalar-kv`` (``examples/nalar_kv.py``) runs it.
 """
 
 from __future__ import annotations
@@ -60,22 +60,34 @@ DEFAULT_CONFIGS = ",".join(CONFIGS)
 
 @dataclasses.dataclass
 class Options:
-    """One experiment's settings; ``examples/nalar_kv.py`` has a flag for the first six."""
+    """One experiment's settings; ``python -m dask_kvstate.bench nalar-kv`` has a flag for each."""
 
-    duration: float = 30.0  # seconds of arrivals
-    rate: float = 1.0  # requests per second (Poisson)
-    seed: int = 0
-    repeats: int = 1  # runs per config, interleaved; rows hold medians
-    configs: str = DEFAULT_CONFIGS
-    out: str | None = None  # folder for kv.md and kv.json
-    drain: float = 90.0  # seconds allowed after the last arrival
-    workers: int = 4  # single-thread worker processes
-    context_repeats: int = 16  # sentences of the planner's context (about 70 tokens each)
-    new_tokens: int = 8  # tokens a developer attempt generates
-    attempts: int = 3  # developer attempts per lane at most (the last one passes)
-    pass_chance: float = 0.5
-    tool_seconds: float = 0.25  # median tester duration (log-normal)
-    checked: int = 3  # requests whose answers are compared with text replay
+    duration: float = dataclasses.field(default=30.0, metadata={"help": "seconds of arrivals"})
+    rate: float = dataclasses.field(default=1.0, metadata={"help": "requests per second (Poisson)"})
+    seed: int = dataclasses.field(default=0, metadata={"help": "the first seed of arrivals, outcomes and durations"})
+    repeats: int = dataclasses.field(
+        default=1, metadata={"help": "runs per config, interleaved; the table shows medians"}
+    )
+    configs: str = dataclasses.field(
+        default=DEFAULT_CONFIGS, metadata={"help": f"comma-separated, of {','.join(CONFIGS)}"}
+    )
+    out: str | None = dataclasses.field(default=None, metadata={"help": "folder for kv.md and kv.json"})
+    drain: float = dataclasses.field(default=90.0, metadata={"help": "seconds allowed after the last arrival"})
+    workers: int = dataclasses.field(default=4, metadata={"help": "single-thread worker processes"})
+    context_repeats: int = dataclasses.field(
+        default=16, metadata={"help": "sentences of the planner's context (about 70 tokens each)"}
+    )
+    new_tokens: int = dataclasses.field(default=8, metadata={"help": "tokens a developer attempt generates"})
+    attempts: int = dataclasses.field(
+        default=3, metadata={"help": "developer attempts per lane at most (the last one passes)"}
+    )
+    pass_chance: float = dataclasses.field(
+        default=0.5, metadata={"help": "the chance a tester run passes (the last attempt always passes)"}
+    )
+    tool_seconds: float = dataclasses.field(default=0.25, metadata={"help": "median tester duration (log-normal)"})
+    checked: int = dataclasses.field(
+        default=3, metadata={"help": "requests whose answers are compared with text replay"}
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -242,7 +242,7 @@ def write(rows: list[dict], out: str, seconds: float) -> None:
     sizes = ",".join(str(n) for n in sorted({r["futures"] for r in rows}))
     with open(os.path.join(out, "control_loop_scale.md"), "w") as f:
         f.write(
-            f"Command: python examples/nalar_workflows.py --control-loop-scale {sizes}; every policy on "
+            f"Command: python -m dask_kvstate.bench nalar-workflows --control-loop-scale {sizes}; every policy on "
             f"(priority, stealing, capacity, lifecycle); {seconds:.0f} s measured per point after every future "
             "reached the scheduler; cells are P50 / P99 / max ms per pass (capacity runs every other pass). "
             f"See dask_kvstate/bench/nalar/loop_scale.py for the trickle of completions.\n\n{md}\n"

@@ -313,7 +313,7 @@ def run(
     grid_duration: float | None = None,
     out: str = "results/nalar",
 ) -> dict[str, list[dict]]:
-    """``examples/nalar_workflows.py``: each workflow (``all``: every one) under ``configs``; workflow -> rows.
+    """Each workflow (``all``: every one) under ``configs``; workflow -> rows (``... bench nalar-workflows``).
 
     Prints a line per run and a markdown table per workflow, and writes
     ``<out>/<workflow>.md``, ``.json`` and ``.png``. The overrides (``rate``, ``roles``,
@@ -347,7 +347,7 @@ def run(
         md = report.table(rows)
         print(f"{report.best_line(rows)}\n{md}\n{report.grid_table(rows)}")
         command = (
-            f"python examples/nalar_workflows.py --workflow {name} --duration {duration} "
+            f"python -m dask_kvstate.bench nalar-workflows --workflow {name} --duration {duration} "
             f"--seed {seed} --repeats {repeats}{' --stateful' if stateful else ''} "
             f"{f'--roles {roles} ' if roles else ''}{f'--median {median} ' if median else ''}"
             f"--grid-max {grid_max} --grid-duration {grid_duration} --configs {configs}"
