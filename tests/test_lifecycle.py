@@ -130,13 +130,16 @@ def test_session_state_survives_between_invocations(lc_client):
 def test_suspended_session_is_offloaded_then_prefetched(lc_client):
     c = lc_client
     w = sorted(c.nthreads())[1]
+    with on(w):  # the first task unpickles this module on the worker (imports): kept out of
+        # the tester's history, or its seconds would make it longer than the runs it predicts
+        c.compute(dask.delayed(run_tests)(0.0, "import", dask_key_name="run_tests-import")).result()
     with on(w), kvs.component("tester"):  # history: the scheduler learns how long a test run takes
-        c.compute(dask.delayed(run_tests)(1.5, "warm-up", dask_key_name="run_tests-history")).result()
+        c.compute(dask.delayed(run_tests)(1.0, "warm-up", dask_key_name="run_tests-history")).result()
     with on(w), kvs.session("swe") as s:
         f = c.compute(kvs.materialize(CONTEXT, " Write the function. "))
         ref = f.result()
         with kvs.component("tester"):
-            report = dask.delayed(run_tests)(3.0, " 3 tests failed: fix the edge case.")
+            report = dask.delayed(run_tests)(2.5, " 3 tests failed: fix the edge case.")
         resumed = c.compute(kvs.resume(ref, report, max_new_tokens=8))
         out = resumed.result()
         replay = c.compute(
@@ -149,7 +152,10 @@ def test_suspended_session_is_offloaded_then_prefetched(lc_client):
     assert off["why"] == "prediction" and off["tier"] == "host"
     assert off["predicted_s"] > sum(off["costs"]["host"])  # it idles longer than moving out and back costs
     assert events(c, "offload", "done", s.id)[0]["blocks"] == len(ref.blocks)
-    (pre,) = events(c, "prefetch", "decision", s.id)
+    # The first prefetch comes from the prediction, before the task runs; one more may follow
+    # when it runs (``why: running``), for lower-tier copies its report still shows.
+    pre, *more = events(c, "prefetch", "decision", s.id)
+    assert pre["why"] == "prediction" and all(m["why"] == "running" for m in more), [pre, *more]
     # Due back within the restore time plus the margin (0.2 s here, widened by the spread of
     # the tester's past durations, which the policy adds to it).
     # The rule prices a restore at its slowest tier (the blocks may lie in either).
