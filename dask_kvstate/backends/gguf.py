@@ -121,7 +121,7 @@ def convert(gguf: Path, dest: Path, label: str) -> None:
         bar.update()
         # The weights are already dequantized to float32; drop the GGUF quantizer so
         # transformers agrees to save them as plain safetensors.
-        model.hf_quantizer = None  # type: ignore[assignment]
+        model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         bar.set_postfix_str("writing safetensors")

@@ -122,6 +122,16 @@ EXPERIMENTS: dict[str, Experiment] = {
             "kvstate over vLLM against what a vLLM user would run instead (needs the vllm extra)",
             "dask_kvstate.bench.vllm_rows",
         ),
+        Experiment(
+            "beyond-memory",
+            "sessions returning after the engine evicted their KV: raw vLLM vs kvstate, memory and disk tiers",
+            "dask_kvstate.bench.beyond_memory",
+        ),
+        Experiment(
+            "agents-vs-raw",
+            "k agents over one long context: raw vLLM alone vs the README's kvstate code, on each backend",
+            "dask_kvstate.bench.agents_vs_raw",
+        ),
     )
 }
 SUITE = EXPERIMENTS["ttft"]  # what a command line without an experiment's name runs (the five)

@@ -60,16 +60,30 @@ def suffix(i: int) -> str:
     )
 
 
-def _fit_lines(tokens: int, dask_worker=None) -> int:
-    """Most log lines whose context stays within ``tokens`` tokens (run on a worker: it has the tokenizer)."""
-    tok = dask_worker.plugins[WORKER_PLUGIN].runtime.backend.tokenize
+def fit(text_of, tokens: int, tokenize) -> int:
+    """Most lines ``n`` whose ``text_of(n)`` stays within ``tokens`` tokens under ``tokenize``."""
     lo, hi = 0, 1
-    while len(tok(context_text(hi))) <= tokens:
+    while len(tokenize(text_of(hi))) <= tokens:
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if len(tok(context_text(mid))) <= tokens else (lo, mid)
+        lo, hi = (mid, hi) if len(tokenize(text_of(mid))) <= tokens else (lo, mid)
     return lo
+
+
+def _fit_lines(tokens: int, dask_worker=None) -> int:
+    """Most log lines whose context stays within ``tokens`` tokens (run on a worker: it has the tokenizer)."""
+    return fit(context_text, tokens, dask_worker.plugins[WORKER_PLUGIN].runtime.backend.tokenize)
+
+
+def tokenizer_of(model: str):
+    """``text -> token ids`` with ``model``'s own tokenizer, in this process (the rule the backends tokenize by)."""
+    from transformers import AutoTokenizer
+
+    from dask_kvstate.backends import models
+
+    tok = AutoTokenizer.from_pretrained(models.folder(model))
+    return lambda text: tok(text)["input_ids"]
 
 
 def contexts(client, lengths) -> dict[int, str]:

@@ -1,0 +1,272 @@
+"""The baseline a vLLM user runs alone: one ``vllm.LLM`` engine in its own process, no Dask.
+
+Every speedup the bench claims for kvstate over vLLM is a ratio against this engine,
+measured in the same run: the engine with every core of the host
+(``VLLM_CPU_OMP_THREADS_BIND``), vLLM's own prefix caching on, its own defaults
+otherwise (its engine core in a process of its own, its block size), and requests
+handed to it the way a user hands them:
+
+- :meth:`RawEngine.generate`: requests known at once go in one ``LLM.generate`` call
+  (vLLM batches them, and its prefix cache serves what they share);
+- :meth:`RawEngine.one_by_one`: requests that arrive over time go in one at a time,
+  each timed to its first token from the engine's own step loop (what a client of
+  a streaming server sees).
+
+The engine runs in a child process started with ``spawn``, so it owns its cores and
+memory the way a separate server would, and nothing of the parent's threads, torch
+settings or Dask event loop reaches it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+def every_core() -> str:
+    """Every core this process may run on, as vLLM's binding spec (``"0,1"``)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return ",".join(str(c) for c in cores)
+
+
+#: The raw engine's variants by name: vLLM's default start (compiled) and eager. Rows
+#: against the raw engine take the faster of the two for each figure.
+RAW = {"raw-vllm": False, "raw-vllm-eager": True}
+
+
+def cpu_model() -> str:
+    """The CPU's model name, which every figure is given with (machines differ between runs)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+@dataclass(frozen=True)
+class RawResult:
+    """One request served by the raw engine."""
+
+    token_ids: list[int]
+    ttft_s: float  # submission to first token (one_by_one), or to the call's end (generate)
+    latency_s: float  # submission to the last token
+    cached_tokens: int  # prompt tokens vLLM's own prefix cache served
+
+
+@dataclass(frozen=True)
+class RawSettings:
+    """How the raw engine is started: what a user of ``vllm.LLM`` would set, nothing more."""
+
+    folder: str  # the model's safetensors folder
+    cores: str  # "0-1" style: the engine's OpenMP threads bind here
+    kv_cache_bytes: int | None = None  # vLLM's kv_cache_memory_bytes; None: its own default
+    dtype: str = "float32"
+    block_tokens: int | None = None  # None: vLLM's default block size
+    max_model_len: int | None = None
+    enforce_eager: bool = False  # vLLM's default compiles the model
+
+
+class RawEngineError(RuntimeError):
+    """The raw engine's process failed; the message carries its traceback."""
+
+
+class RawEngine:
+    """A ``vllm.LLM`` in a child process, driven over a pipe.
+
+    Parameters
+    ----------
+    model
+        A model name :mod:`dask_kvstate.backends.models` knows, or a local folder.
+    cores
+        The cores the engine binds (``"0-1"``); default: every core this process may use.
+    kv_cache_bytes
+        The engine's KV memory in bytes (``kv_cache_memory_bytes``); default: vLLM's.
+    start_timeout
+        Seconds to wait for the engine to start (51-83 s seen on a 2-core CPU machine).
+
+    Raises
+    ------
+    RawEngineError
+        If the engine does not start; the child's traceback is in the message.
+    """
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        *,
+        cores: str | None = None,
+        kv_cache_bytes: int | None = None,
+        dtype: str = "float32",
+        block_tokens: int | None = None,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+        start_timeout: float = 600.0,
+    ):
+        from dask_kvstate.backends import models
+
+        self.settings = RawSettings(
+            folder=str(models.folder(model)),
+            cores=cores or every_core(),
+            kv_cache_bytes=kv_cache_bytes,
+            dtype=dtype,
+            block_tokens=block_tokens,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+        )
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_serve, args=(child, asdict(self.settings)), name="raw-vllm")
+        self._process.start()
+        child.close()
+        t0 = time.perf_counter()
+        self.start_s = self._reply(start_timeout)["start_s"]
+        self.wall_start_s = time.perf_counter() - t0
+
+    def generate(self, prompts: list[str], max_new_tokens: int) -> tuple[list[RawResult], float]:
+        """Every prompt in one ``LLM.generate`` call (greedy): the results in order and the call's wall seconds."""
+        reply = self._ask("generate", prompts=prompts, max_new_tokens=max_new_tokens)
+        return [RawResult(**r) for r in reply["results"]], reply["wall_s"]
+
+    def one_by_one(self, prompts: list[str], max_new_tokens: int) -> list[RawResult]:
+        """Each prompt submitted after the last one finished (greedy), each timed to its first token."""
+        reply = self._ask("one_by_one", prompts=prompts, max_new_tokens=max_new_tokens)
+        return [RawResult(**r) for r in reply["results"]]
+
+    def reset_prefix_cache(self) -> None:
+        """Empty the engine's prefix cache, so the next request starts cold."""
+        self._ask("reset")
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            try:
+                self._conn.send(("close", {}))
+                self._process.join(timeout=60)
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(timeout=10)
+        self._conn.close()
+
+    def __enter__(self) -> RawEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _ask(self, op: str, timeout: float | None = None, **kwargs) -> dict:
+        self._conn.send((op, kwargs))
+        return self._reply(timeout)
+
+    def _reply(self, timeout: float | None) -> dict:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._conn.poll(1.0):
+            if not self._process.is_alive():
+                raise RawEngineError(f"the raw vLLM engine's process exited with code {self._process.exitcode}")
+            if deadline is not None and time.monotonic() > deadline:
+                self.close()
+                raise RawEngineError(f"the raw vLLM engine did not answer within {timeout:.0f} s")
+        reply = self._conn.recv()
+        if "error" in reply:
+            raise RawEngineError(f"the raw vLLM engine failed:\n{reply['error']}")
+        return reply
+
+
+# -- the child process -----------------------------------------------------------------
+def _serve(conn, settings: dict[str, Any]) -> None:
+    """The engine's process: start ``vllm.LLM``, then answer the parent's requests until told to close."""
+    try:
+        llm, start_s = _start(RawSettings(**settings))
+    except BaseException:
+        conn.send({"error": traceback.format_exc()})
+        return
+    conn.send({"start_s": start_s})
+    ops: dict[str, Callable[..., dict]] = {
+        "generate": _generate,
+        "one_by_one": _one_by_one,
+        "reset": lambda llm: {"reset": llm.reset_prefix_cache()},
+    }
+    while True:
+        try:
+            op, kwargs = conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        if op == "close":
+            return
+        try:
+            conn.send(ops[op](llm, **kwargs))
+        except BaseException:
+            conn.send({"error": traceback.format_exc()})
+
+
+def _start(settings: RawSettings):
+    # Read by vLLM when the engine starts: the cores, and no GiB-rounded KV size overriding ours.
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cores
+    if settings.kv_cache_bytes is not None:
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {"model": settings.folder, "dtype": settings.dtype, "enable_prefix_caching": True}
+    kwargs["seed"] = 0
+    kwargs["enforce_eager"] = settings.enforce_eager
+    for name, value in (
+        ("kv_cache_memory_bytes", settings.kv_cache_bytes),
+        ("block_size", settings.block_tokens),
+        ("max_model_len", settings.max_model_len),
+    ):
+        if value is not None:
+            kwargs[name] = value
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    return llm, time.perf_counter() - t0
+
+
+def _greedy(max_new_tokens: int, **kwargs):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max(1, max_new_tokens), temperature=0.0, **kwargs)
+
+
+def _generate(llm, prompts: list[str], max_new_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, _greedy(max_new_tokens), use_tqdm=False)
+    wall = time.perf_counter() - t0
+    results = [
+        asdict(RawResult(list(o.outputs[0].token_ids), wall, wall, int(o.num_cached_tokens or 0))) for o in outputs
+    ]
+    return {"results": results, "wall_s": wall}
+
+
+def _one_by_one(llm, prompts: list[str], max_new_tokens: int) -> dict:
+    """The engine's own step loop (what ``LLM.generate`` runs), one request at a time, noting its first token."""
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    params = _greedy(max_new_tokens, output_kind=RequestOutputKind.CUMULATIVE)
+    results = []
+    for i, prompt in enumerate(prompts):
+        t0 = time.perf_counter()
+        engine.add_request(f"raw-{i}-{time.monotonic_ns()}", prompt, params)
+        first = None
+        done = None
+        while done is None:
+            for out in engine.step():
+                if first is None and out.outputs and out.outputs[0].token_ids:
+                    first = time.perf_counter() - t0
+                if out.finished:
+                    done = out
+        latency = time.perf_counter() - t0
+        results.append(
+            asdict(
+                RawResult(list(done.outputs[0].token_ids), first or latency, latency, int(done.num_cached_tokens or 0))
+            )
+        )
+    return {"results": results}
