@@ -45,7 +45,7 @@ def test_returning_sessions_read_their_kv_from_the_store_and_match_the_raw_engin
     res = beyond_memory.command(opts)
     rows = res["rows"]
     visits = opts.sessions * opts.rounds
-    assert res["identical"] == {name: f"{visits}/{visits}" for name in rows}
+    assert res["identical"] == dict.fromkeys(rows, f"{visits}/{visits}")
     raw = rows["raw-vllm-eager"][0]
     # The regime: the raw engine's prefix cache had lost most of each document when its session came back.
     assert all(x["reused_tokens"] < 300 for x in raw if x["round"] > 0), [x["reused_tokens"] for x in raw]
