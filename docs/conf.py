@@ -30,6 +30,9 @@ exclude_patterns = [
     "nalar/**",
     # likewise the vLLM rows' tables, into guide/benchmarks-vllm.md
     "bench/vllm/**",
+    # the raw-engine runs' own reports: their tables are in guide/benchmarks-vllm.md
+    "bench/beyond-memory/**",
+    "bench/agents-vs-raw/**",
 ]
 
 # MyST: heading anchors so `page.md#a-heading` links resolve. No syntax extensions: the

@@ -12,6 +12,18 @@ import pytest
 from distributed import Client, LocalCluster
 
 import dask_kvstate as kvs
+from dask_kvstate.testing.processes import fork_worker_processes
+
+# Worker processes forked from a server that imported torch, transformers and the worker
+# plugin once, not spawned (each spawned worker imports them anew: seconds per cluster).
+# The UCX settings of tests/test_comms.py must reach the fork server: set before it starts.
+os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+fork_worker_processes()
+
+#: Config under which a cluster's workers are spawned after all: a vLLM engine in a worker
+#: forked from the fork server hung in tests/test_vllm.py (two engines, each in its worker).
+SPAWNED = {"distributed.worker.multiprocessing-method": "spawn"}
 
 # A block size that makes short test prompts span several blocks.
 TEST_CONFIG = {"kvstate.block-tokens": 16, "kvstate.placement.rule": "pull"}

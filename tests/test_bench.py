@@ -9,7 +9,7 @@ import pytest
 from dask_kvstate.bench import cli
 from dask_kvstate.bench.overhead import non_llm_graph
 
-from .conftest import vllm_missing
+from .conftest import SPAWNED, vllm_missing
 
 
 def test_bench_scaling_and_memory_end_to_end(tmp_path):
@@ -110,7 +110,7 @@ def test_bench_puts_vllm_rows_beside_the_hf_rows(tmp_path):
     import dask
 
     out = tmp_path / "bench"
-    with dask.config.set({"kvstate.block-tokens": 64}):  # vLLM's CPU attention: a multiple of 32
+    with dask.config.set({"kvstate.block-tokens": 64, **SPAWNED}):  # vLLM's CPU attention: a multiple of 32
         res = _both_backends(out)
     assert [r["backend"] for r in res["ttft"]] == [r["backend"] for r in res["scaling"]] == ["hf", "vllm"]
     assert {r["backend"] for r in res["throughput"]} == {"hf", "vllm"}

@@ -14,7 +14,7 @@ from distributed import Client, LocalCluster
 import dask_kvstate as kvs
 from dask_kvstate.generation import Sampling
 
-from .conftest import VLLM_TESTS, on, vllm_prompts
+from .conftest import SPAWNED, VLLM_TESTS, on, vllm_prompts
 
 pytestmark = VLLM_TESTS
 
@@ -288,7 +288,7 @@ def test_a_failed_step_leaves_no_unwritten_block_in_the_engine_cache(backend):
 def two_engines():
     """A client of two worker processes with a vLLM engine each (64-token blocks, whatever an
     earlier test left set; the pull rule: short prompts could make the rule recompute)."""
-    settings = dask.config.set({"kvstate.placement.rule": "pull", "kvstate.block-tokens": 64})
+    settings = dask.config.set({"kvstate.placement.rule": "pull", "kvstate.block-tokens": 64, **SPAWNED})
     with settings, LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0") as cluster:
         with Client(cluster) as client:
             kvs.install(client, "smollm2-135m", backend="vllm")

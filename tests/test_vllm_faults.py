@@ -22,7 +22,7 @@ from distributed.utils_test import poll_for
 import dask_kvstate as kvs
 from dask_kvstate.protocol import WORKER_PLUGIN
 
-from .conftest import VLLM_TESTS, vllm_prompts
+from .conftest import SPAWNED, VLLM_TESTS, vllm_prompts
 
 pytestmark = VLLM_TESTS
 
@@ -53,7 +53,7 @@ def test_tenants_and_faults_on_a_vllm_worker():
     from dask_kvstate.errors import EngineFailed
     from dask_kvstate.testing.engine_faults import fail_steps, stop_driver
 
-    config = {"kvstate.block-tokens": 64, "distributed.scheduler.allowed-failures": 5}
+    config = {"kvstate.block-tokens": 64, "distributed.scheduler.allowed-failures": 5, **SPAWNED}
     with (
         dask.config.set(config),
         LocalCluster(n_workers=1, threads_per_worker=3, processes=True, dashboard_address=":0") as cluster,

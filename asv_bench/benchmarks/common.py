@@ -39,15 +39,12 @@ import tempfile
 import dask
 import torch
 import transformers.models.llama.modeling_llama  # noqa: F401  (imported once in the fork server, see above)
-from distributed.utils import get_mp_context
 
 import dask_kvstate.backends.hf  # noqa: F401
+from dask_kvstate.testing import processes
 
 SEED = 0
 TORCH_THREADS = 1
-#: What a forked worker process finds imported (distributed's own choice first).
-WORKER_PRELOAD = ["distributed", "numpy", "torch", "transformers.models.llama.modeling_llama"]
-WORKER_PRELOAD += ["dask_kvstate.plugins.worker.plugin"]
 DEFAULT_BACKEND = "transformers"
 #: Backend name (the value of ``kvstate.backend``) -> the optional package it needs,
 #: None for one that dask-kvstate itself requires.
@@ -58,7 +55,7 @@ _BACKENDS: dict = {}
 
 
 def fork_worker_processes() -> None:
-    """Start this process's Dask worker processes from a fork server holding :data:`WORKER_PRELOAD`.
+    """Start this process's Dask worker processes from a fork server holding the worker's imports.
 
     A forked worker has its fork server's environment, not the environment of the
     process that starts the cluster: UCX's settings (loopback TCP and shared memory on
@@ -67,10 +64,7 @@ def fork_worker_processes() -> None:
     """
     os.environ.setdefault("UCX_TLS", "tcp,self,sm")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
-    # distributed names its preload on first use; this list replaces it (the fork
-    # server starts with the first worker, so until then the list can change).
-    get_mp_context().set_forkserver_preload(WORKER_PRELOAD)
+    processes.fork_worker_processes()
 
 
 fork_worker_processes()
@@ -102,7 +96,6 @@ def backend_config(name: str):
     """The config under which backend ``name`` loads (nothing to set for the default)."""
     if name == DEFAULT_BACKEND:
         return contextlib.nullcontext()
-    import dask
 
     return dask.config.set({"kvstate.backend": name})
 
