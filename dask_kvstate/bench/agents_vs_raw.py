@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import dask
+from dask.utils import parse_bytes
 from distributed import Client, LocalCluster
 
 import dask_kvstate as kvs
@@ -48,6 +49,9 @@ class Options:
     length: int = dataclasses.field(default=4096, metadata={"help": "tokens of the shared context"})
     agents: int = dataclasses.field(default=16, metadata={"help": "agents over the shared context"})
     new_tokens: int = dataclasses.field(default=64, metadata={"help": "tokens each agent generates"})
+    engine_kv: str = dataclasses.field(
+        default="2GiB", metadata={"help": "every engine's KV memory, raw and kvstate alike"}
+    )
     backends: list[str] = dataclasses.field(
         default_factory=lambda: ["vllm", "hf"], metadata={"help": "kvstate's backends", "nargs": "+"}
     )
@@ -78,8 +82,9 @@ def run_kvstate(client, parts: list[tuple[str, str]], new_tokens: int) -> dict:
     return {"wall_s": wall, "outputs": [list(g.token_ids) for g in got]}
 
 
-def _cluster(model: str, backend: str):
-    cluster = LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0")
+def _cluster(model: str, backend: str, engine_kv: str):
+    with dask.config.set({"kvstate.vllm.kv-cache-bytes": parse_bytes(engine_kv)}):  # read by the workers' engines
+        cluster = LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0")
     client = Client(cluster)
     kvs.install(client, model, backend=backend)
     client.run(workload.warm_up)
@@ -99,11 +104,11 @@ def command(args: Options) -> dict:
     clusters: dict[str, tuple] = {}
     try:
         for name in args.raw:
-            raws[name] = RawEngine(args.model, enforce_eager=RAW[name])
+            raws[name] = RawEngine(args.model, kv_cache_bytes=parse_bytes(args.engine_kv), enforce_eager=RAW[name])
             run_raw(raws[name], warm, args.new_tokens)
             print(f"  {name}: engine started in {raws[name].start_s:.1f} s", flush=True)
         for backend in args.backends:
-            clusters[f"kvstate/{backend}"] = cluster, client = _cluster(args.model, backend)
+            clusters[f"kvstate/{backend}"] = cluster, client = _cluster(args.model, backend, args.engine_kv)
             with client.as_current():
                 run_kvstate(client, warm, args.new_tokens)
         for rep in range(args.repeats):

@@ -19,8 +19,10 @@ settings or Dask event loop reaches it.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -151,8 +153,9 @@ class RawEngine:
                 self._process.join(timeout=60)
             except (BrokenPipeError, EOFError, OSError):
                 pass
-        if self._process.is_alive():
-            self._process.kill()
+        if self._process.is_alive() and self._process.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, signal.SIGKILL)  # vLLM's own processes with it
             self._process.join(timeout=10)
         self._conn.close()
 
@@ -182,7 +185,12 @@ class RawEngine:
 
 # -- the child process -----------------------------------------------------------------
 def _serve(conn, settings: dict[str, Any]) -> None:
-    """The engine's process: start ``vllm.LLM``, then answer the parent's requests until told to close."""
+    """The engine's process: start ``vllm.LLM``, then answer the parent's requests until told to close.
+
+    It leads a process group of its own, so the processes vLLM starts (its engine core and
+    model executor) go with it when the parent has to kill it.
+    """
+    os.setpgrp()
     try:
         llm, start_s = _start(RawSettings(**settings))
     except BaseException:
@@ -194,17 +202,20 @@ def _serve(conn, settings: dict[str, Any]) -> None:
         "one_by_one": _one_by_one,
         "reset": lambda llm: {"reset": llm.reset_prefix_cache()},
     }
-    while True:
-        try:
-            op, kwargs = conn.recv()
-        except EOFError:  # the parent is gone
-            return
-        if op == "close":
-            return
-        try:
-            conn.send(ops[op](llm, **kwargs))
-        except BaseException:
-            conn.send({"error": traceback.format_exc()})
+    try:
+        while True:
+            try:
+                op, kwargs = conn.recv()
+            except EOFError:  # the parent is gone
+                return
+            if op == "close":
+                return
+            try:
+                conn.send(ops[op](llm, **kwargs))
+            except BaseException:
+                conn.send({"error": traceback.format_exc()})
+    finally:
+        llm.llm_engine.engine_core.shutdown()  # vLLM's engine core process would outlive this one
 
 
 def _start(settings: RawSettings):
