@@ -81,6 +81,14 @@ def core_share(cores: str, directory: str | Path | None = None) -> CoreShare:
     return CoreShare(cores, directory)
 
 
+def cores_of_this_process() -> str:
+    """Every core this process may run on, as vLLM's binding spec (``"0,1"``); what an
+    engine started here is given by default (:func:`~.vllm_cores.cores_of_this_process`)."""
+    from dask_kvstate.backends.vllm_cores import cores_of_this_process
+
+    return cores_of_this_process()
+
+
 def check_backend(kind: str) -> str:
     """``kind`` if it is one of :data:`BACKENDS`, else ValueError naming it.
 

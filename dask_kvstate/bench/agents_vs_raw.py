@@ -14,21 +14,27 @@ token for token with the raw engine's:
   prefix caching on, all ``k`` prompts in one ``generate`` call
   (:mod:`dask_kvstate.bench.raw_vllm`), compiled (vLLM's default) and eager; the
   baseline is the faster of the two;
+- ``dask-path/<backend>``: the same requests as plain Dask tasks on one worker whose one
+  engine has every core (a thread per request, so the engine batches them): what the
+  Dask path alone costs against the raw engine, with nothing of kvstate's KV handling;
 - ``kvstate/<backend>``: the code the README shows a user, as it is:
   ``LocalCluster(n_workers=2, threads_per_worker=1)``, ``kvs.install(client, model,
   backend=...)`` and the plain ``kvs.generate`` calls under ``kvs.stateflow()`` (the
   compiler and every default).
 
-Rounds are interleaved (raw, raw eager, kvstate per backend, then again); the table
-shows medians.
+Rounds are interleaved (raw, raw eager, the Dask path, kvstate per backend, then again)
+and every row runs alone: started, warmed up on another context (untimed), measured and
+closed before the next starts. The table shows medians.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +61,10 @@ class Options:
     backends: list[str] = dataclasses.field(
         default_factory=lambda: ["vllm", "hf"], metadata={"help": "kvstate's backends", "nargs": "+"}
     )
+    dask_path: list[str] = dataclasses.field(
+        default_factory=lambda: ["vllm"],
+        metadata={"help": "backends of the Dask-path row (one worker, one engine, plain tasks)", "nargs": "*"},
+    )
     raw: list[str] = dataclasses.field(
         default_factory=lambda: list(RAW), metadata={"help": "raw engine variants", "nargs": "*", "choices": list(RAW)}
     )
@@ -72,69 +82,119 @@ def run_raw(engine: RawEngine, parts: list[tuple[str, str]], new_tokens: int) ->
     return {"wall_s": wall, "outputs": [r.token_ids for r in results]}
 
 
-def run_kvstate(client, parts: list[tuple[str, str]], new_tokens: int) -> dict:
-    """The README's code: plain ``kvs.generate`` calls, computed under ``kvs.stateflow()``."""
+def run_kvstate(client, parts: list[tuple[str, str]], new_tokens: int, *, stateflow: bool = True) -> dict:
+    """The README's code: plain ``kvs.generate`` calls, computed under ``kvs.stateflow()``.
+
+    Without ``stateflow`` the same calls are plain Dask tasks, each sending its whole
+    prompt to the worker's engine (whose own prefix cache serves what they share): the
+    Dask path alone, with nothing of kvstate's KV handling.
+    """
     workload.settle(client)
     t0 = time.perf_counter()
-    with kvs.stateflow():
+    with kvs.stateflow() if stateflow else contextlib.nullcontext():
         got = dask.compute(*[kvs.generate(c, s, max_new_tokens=new_tokens) for c, s in parts])
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "outputs": [list(g.token_ids) for g in got]}
 
 
-def _cluster(model: str, backend: str, engine_kv: str):
-    with dask.config.set({"kvstate.vllm.kv-cache-bytes": parse_bytes(engine_kv)}):  # read by the workers' engines
-        cluster = LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0")
-    client = Client(cluster)
-    kvs.install(client, model, backend=backend)
-    client.run(workload.warm_up)
-    return cluster, client
+def rows(args: Options) -> list[str]:
+    """The rows, in the order every round runs them."""
+    return [*args.raw, *(f"dask-path/{b}" for b in args.dask_path), *(f"kvstate/{b}" for b in args.backends)]
+
+
+@contextlib.contextmanager
+def started(name: str, args: Options) -> Iterator[tuple[float, Callable[[list[tuple[str, str]]], dict]]]:
+    """Row ``name`` started, alone on the host: its start time and how to run a round on it.
+
+    Every row runs with nothing else of the experiment resident (a raw engine and two
+    clusters side by side slowed the raw engine's rounds by 30-45% on a 2-core VM), so
+    each is started, warmed up with a round of another context (untimed), measured and
+    closed, round after round.
+    """
+    kv = parse_bytes(args.engine_kv)
+    t0 = time.perf_counter()
+    if name in RAW:
+        with RawEngine(args.model, kv_cache_bytes=kv, enforce_eager=RAW[name]) as engine:
+            yield engine.start_s, lambda parts: run_raw(engine, parts, args.new_tokens)
+        return
+    kind, backend = name.split("/")
+    dask_path = kind == "dask-path"
+    # The Dask path: one worker holding one engine on every core, a thread per request so
+    # the engine batches them all. kvstate: the README's cluster, as it is.
+    n_workers, threads = (1, args.agents) if dask_path else (2, 1)
+    with dask.config.set({"kvstate.vllm.kv-cache-bytes": kv}):  # read by the workers' engines
+        cluster = LocalCluster(n_workers=n_workers, threads_per_worker=threads, dashboard_address=":0")
+    try:
+        with Client(cluster) as client:
+            kvs.install(client, args.model, backend=backend)
+            client.run(workload.warm_up)
+            with client.as_current():
+                yield (
+                    time.perf_counter() - t0,
+                    lambda parts: run_kvstate(client, parts, args.new_tokens, stateflow=not dask_path),
+                )
+    finally:
+        cluster.close()
 
 
 def command(args: Options) -> dict:
-    """Every row ``args.repeats`` times, interleaved; the report to ``args.out``."""
+    """Every row ``args.repeats`` times, interleaved, each alone; the report to ``args.out``."""
     tokenize = workload.tokenizer_of(args.model)
     context = workload.context_text(workload.fit(workload.context_text, args.length, tokenize))
     print(f"agents-vs-raw: {args.agents} agents over a {len(tokenize(context))}-token context, Y = {args.new_tokens}")
     parts = prompts(context, args.agents)
-    # A round of another context first on every engine, untimed: no row times its warm-up.
-    warm = prompts(workload.context_text(8), args.agents)
+    warm = prompts(workload.context_text(8), args.agents)  # no row times its warm-up
     runs: dict[str, list[dict]] = {}
-    raws: dict[str, RawEngine] = {}
-    clusters: dict[str, tuple] = {}
-    try:
-        for name in args.raw:
-            raws[name] = RawEngine(args.model, kv_cache_bytes=parse_bytes(args.engine_kv), enforce_eager=RAW[name])
-            run_raw(raws[name], warm, args.new_tokens)
-            print(f"  {name}: engine started in {raws[name].start_s:.1f} s", flush=True)
-        for backend in args.backends:
-            clusters[f"kvstate/{backend}"] = cluster, client = _cluster(args.model, backend, args.engine_kv)
-            with client.as_current():
-                run_kvstate(client, warm, args.new_tokens)
-        for rep in range(args.repeats):
-            for name, engine in raws.items():
-                runs.setdefault(name, []).append(run_raw(engine, parts, args.new_tokens))
-                print(f"  round {rep}: {name} {runs[name][-1]['wall_s']:.2f} s", flush=True)
-            for name, (_, client) in clusters.items():
-                with client.as_current():
-                    runs.setdefault(name, []).append(run_kvstate(client, parts, args.new_tokens))
-                print(f"  round {rep}: {name} {runs[name][-1]['wall_s']:.2f} s", flush=True)
-    finally:
-        for engine in raws.values():
-            engine.close()
-        for cluster, client in clusters.values():
-            client.close()
-            cluster.close()
+    for rep in range(args.repeats):
+        for name in rows(args):
+            with started(name, args) as (start_s, run):
+                run(warm)
+                runs.setdefault(name, []).append({**run(parts), "start_s": start_s})
+            print(f"  round {rep}: {name} {runs[name][-1]['wall_s']:.2f} s (started in {start_s:.1f} s)", flush=True)
     res = report(runs, args)
     res["context_tokens"] = len(tokenize(context))
     res["cpu"] = cpu_model()
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "agents_vs_raw.json").write_text(json.dumps(res, indent=1))
-        (out / "agents_vs_raw.md").write_text(markdown(res))
+        write(res, Path(args.out))
     print(markdown(res))
     return res
+
+
+def write(res: dict, out: Path) -> None:
+    """``agents_vs_raw.{json,md,png}`` in ``out``: the png, each row's rounds and median beside the raw engine's."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "agents_vs_raw.json").write_text(json.dumps(res, indent=1))
+    (out / "agents_vs_raw.md").write_text(markdown(res))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    table = res["table"]
+    names = list(table)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.barh(names, [table[n]["wall_s"] for n in names], color=["0.6" if n in RAW else "tab:blue" for n in names])
+    for y, n in enumerate(names):
+        ax.plot(table[n]["walls"], [y] * len(table[n]["walls"]), "k.", ms=5)
+        ax.annotate(
+            f"{table[n].get('speedup_vs_raw', 1):.2f}x",
+            (table[n]["wall_s"], y),
+            xytext=(4, -3),
+            textcoords="offset points",
+            fontsize=8,
+        )
+    ax.invert_yaxis()
+    o = res["options"]
+    ax.set_xlabel("wall (s): bar the median, dots the rounds; label: the faster raw engine's median / the row's")
+    ax.set_title(
+        f"{o['agents']} agents over a {res.get('context_tokens', o['length'])}-token context ({res.get('cpu', '')})",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(out / "agents_vs_raw.png", dpi=120)
+    plt.close(fig)
 
 
 def report(runs: dict[str, list[dict]], args: Options) -> dict:

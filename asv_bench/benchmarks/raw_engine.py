@@ -1,0 +1,106 @@
+"""kvstate against the engine a user would run alone: raw ``vllm.LLM`` in its own process.
+
+Each suite runs one of the bench command's raw-engine experiments once, in
+``setup_cache``, at a size that fits the suite's time (the bench command runs the full
+sizes; the figures in the docs come from there), and tracks its ratios:
+
+- ``AgentsVsRaw``: k agents over one context, all requests known at once
+  (:mod:`dask_kvstate.bench.agents_vs_raw`): the README's code (kvstate over vLLM) and
+  the Dask path alone (plain tasks into one worker's engine), each as raw wall / row wall;
+- ``BeyondMemoryVsRaw``: sessions returning after the engine evicted their KV
+  (:mod:`dask_kvstate.bench.beyond_memory`): returning-visit TTFT, raw / kvstate, with the
+  states in the store's memory and on its disk.
+
+Every output is compared with the raw engine's inside the experiments; a suite whose
+outputs differ fails instead of tracking a ratio. Skipped, by name, where the ``vllm``
+extra is not installed. Clusters holding vLLM engines spawn their workers (two vLLM
+engines in forked workers hung; see ``tests/conftest.py``).
+"""
+
+from __future__ import annotations
+
+from . import common
+
+SPAWNED = {"distributed.worker.multiprocessing-method": "spawn", "kvstate.block-tokens": 64}
+
+
+def _all_identical(identical: dict[str, str]) -> None:
+    for row, frac in identical.items():
+        same, total = frac.split("/")
+        if same != total:
+            raise AssertionError(f"{row}: {frac} outputs equal to the raw engine's")
+
+
+class AgentsVsRaw:
+    timeout = 900
+
+    def setup_cache(self):
+        common.require_backend("vllm")
+        import dask
+
+        from dask_kvstate.bench import agents_vs_raw
+
+        opts = agents_vs_raw.Options(
+            length=1024,
+            agents=8,
+            new_tokens=16,
+            engine_kv="512MiB",
+            backends=["vllm"],
+            raw=["raw-vllm-eager"],
+            repeats=1,
+        )
+        with dask.config.set(SPAWNED):
+            res = agents_vs_raw.command(opts)
+        _all_identical({name: row["identical"] for name, row in res["table"].items()})
+        return {name: row["speedup_vs_raw"] for name, row in res["table"].items()}
+
+    def setup(self, ratios):
+        common.require_backend("vllm")
+
+    def track_kvstate_vs_raw(self, ratios):
+        return ratios["kvstate/vllm"]
+
+    track_kvstate_vs_raw.unit = "raw vLLM wall / kvstate wall"
+
+    def track_dask_path_vs_raw(self, ratios):
+        return ratios["dask-path/vllm"]
+
+    track_dask_path_vs_raw.unit = "raw vLLM wall / Dask-path wall"
+
+
+class BeyondMemoryVsRaw:
+    timeout = 900
+
+    def setup_cache(self):
+        common.require_backend("vllm")
+        import dask
+
+        from dask_kvstate.bench import beyond_memory
+
+        opts = beyond_memory.Options(
+            sessions=3,
+            doc_tokens=600,
+            rounds=2,
+            new_tokens=4,
+            engine_kv="60MiB",
+            max_model_len=1024,
+            memory_tier="4MiB",
+            variants=["raw-vllm-eager", "kvstate", "kvstate-disk"],
+        )
+        with dask.config.set(SPAWNED):
+            res = beyond_memory.command(opts)
+        _all_identical(res["identical"])
+        return {name: row["returning_speedup"] for name, row in res["table"].items()}
+
+    def setup(self, ratios):
+        common.require_backend("vllm")
+
+    def track_returning_ttft_vs_raw(self, ratios):
+        return ratios["kvstate/vllm"]
+
+    track_returning_ttft_vs_raw.unit = "raw vLLM returning TTFT / kvstate's"
+
+    def track_returning_ttft_from_disk_vs_raw(self, ratios):
+        return ratios["kvstate-disk/vllm"]
+
+    track_returning_ttft_from_disk_vs_raw.unit = "raw vLLM returning TTFT / kvstate's, states on disk"

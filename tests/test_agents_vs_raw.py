@@ -1,0 +1,53 @@
+"""The agents-vs-raw report: rows in the order each round runs them, ratios against the
+faster raw engine, outputs counted against the raw engine's, and its files.
+
+The experiment itself starts a raw vLLM engine and two clusters (minutes): it runs from
+the bench command and, at a small size, from asv (``asv_bench/benchmarks/raw_engine.py``).
+These tests check what it reports from given rounds.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dask_kvstate.bench import agents_vs_raw
+
+
+def _rounds(walls: list[float], outputs: list[list[int]]) -> list[dict]:
+    return [{"wall_s": w, "outputs": outputs, "start_s": 1.0} for w in walls]
+
+
+def test_rows_run_raw_engines_then_the_dask_path_then_kvstate():
+    opts = agents_vs_raw.Options(backends=["vllm", "hf"], dask_path=["vllm"], raw=["raw-vllm-eager", "raw-vllm"])
+    assert agents_vs_raw.rows(opts) == ["raw-vllm-eager", "raw-vllm", "dask-path/vllm", "kvstate/vllm", "kvstate/hf"]
+
+
+def test_ratios_are_against_the_faster_raw_engine_and_outputs_against_its_first_round():
+    want = [[1, 2, 3], [4, 5]]
+    runs = {
+        "raw-vllm": _rounds([40.0, 44.0, 42.0], want),
+        "raw-vllm-eager": _rounds([37.0, 39.0, 38.0], want),
+        "dask-path/vllm": _rounds([40.0, 39.0, 41.0], want),
+        "kvstate/vllm": _rounds([30.0, 31.0, 29.0], [[1, 2, 3], [4, 6]]),  # one output differs each round
+    }
+    res = agents_vs_raw.report(runs, agents_vs_raw.Options(repeats=3))
+    table = res["table"]
+    assert table["raw-vllm-eager"]["wall_s"] == 38.0 and table["raw-vllm"]["wall_s"] == 42.0
+    assert table["kvstate/vllm"]["speedup_vs_raw"] == pytest.approx(38.0 / 30.0)
+    assert table["dask-path/vllm"]["speedup_vs_raw"] == pytest.approx(38.0 / 40.0)
+    assert table["raw-vllm"]["speedup_vs_raw"] == pytest.approx(38.0 / 42.0)
+    assert table["kvstate/vllm"]["identical"] == "3/6"
+    assert table["dask-path/vllm"]["identical"] == "6/6"
+
+
+def test_the_report_files_hold_every_row(tmp_path):
+    runs = {"raw-vllm-eager": _rounds([10.0], [[7]]), "kvstate/hf": _rounds([8.0], [[7]])}
+    res = agents_vs_raw.report(runs, agents_vs_raw.Options(repeats=1))
+    res.update(context_tokens=100, cpu="test cpu")
+    agents_vs_raw.write(res, tmp_path)
+    assert json.loads((tmp_path / "agents_vs_raw.json").read_text())["table"]["kvstate/hf"]["identical"] == "1/1"
+    md = (tmp_path / "agents_vs_raw.md").read_text()
+    assert "| kvstate/hf | 8.00 s | 8.00 | 1.25x | 1/1 |" in md and "(test cpu)" in md
+    assert (tmp_path / "agents_vs_raw.png").stat().st_size > 0
