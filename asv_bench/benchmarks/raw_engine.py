@@ -9,7 +9,10 @@ sizes; the figures in the docs come from there), and tracks its ratios:
   the Dask path alone (plain tasks into one worker's engine), each as raw wall / row wall;
 - ``BeyondMemoryVsRaw``: sessions returning after the engine evicted their KV
   (:mod:`dask_kvstate.bench.beyond_memory`): returning-visit TTFT, raw / kvstate, with the
-  states in the store's memory and on its disk.
+  states on the store's disk tier.
+
+The two take about 4.5 minutes of the suite's run on 2 cores, most of it the engines' and
+clusters' starts (six of them, about 20 s each).
 
 Every output is compared with the raw engine's inside the experiments; a suite whose
 outputs differ fails instead of tracking a ratio. Skipped, by name, where the ``vllm``
@@ -85,7 +88,9 @@ class BeyondMemoryVsRaw:
             engine_kv="60MiB",
             max_model_len=1024,
             memory_tier="4MiB",
-            variants=["raw-vllm-eager", "kvstate", "kvstate-disk"],
+            # The states on the store's disk tier: the row that goes past the host's memory
+            # (the bench command also runs them from memory; a third row here is 30 s more).
+            variants=["raw-vllm-eager", "kvstate-disk"],
         )
         with dask.config.set(SPAWNED):
             res = beyond_memory.command(opts)
@@ -94,11 +99,6 @@ class BeyondMemoryVsRaw:
 
     def setup(self, ratios):
         common.require_backend("vllm")
-
-    def track_returning_ttft_vs_raw(self, ratios):
-        return ratios["kvstate/vllm"]
-
-    track_returning_ttft_vs_raw.unit = "raw vLLM returning TTFT / kvstate's"
 
     def track_returning_ttft_from_disk_vs_raw(self, ratios):
         return ratios["kvstate-disk/vllm"]

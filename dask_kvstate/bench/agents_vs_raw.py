@@ -174,24 +174,18 @@ def write(res: dict, out: Path) -> None:
         return
     table = res["table"]
     names = list(table)
+    right = max(w for n in names for w in table[n]["walls"]) * 1.02
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.barh(names, [table[n]["wall_s"] for n in names], color=["0.6" if n in RAW else "tab:blue" for n in names])
     for y, n in enumerate(names):
         ax.plot(table[n]["walls"], [y] * len(table[n]["walls"]), "k.", ms=5)
-        ax.annotate(
-            f"{table[n].get('speedup_vs_raw', 1):.2f}x",
-            (table[n]["wall_s"], y),
-            xytext=(4, -3),
-            textcoords="offset points",
-            fontsize=8,
-        )
+        ax.annotate(f"{table[n].get('speedup_vs_raw', 1):.2f}x", (right, y), va="center", fontsize=9)
+    ax.set_xlim(0, right * 1.12)
     ax.invert_yaxis()
     o = res["options"]
-    ax.set_xlabel("wall (s): bar the median, dots the rounds; label: the faster raw engine's median / the row's")
-    ax.set_title(
-        f"{o['agents']} agents over a {res.get('context_tokens', o['length'])}-token context ({res.get('cpu', '')})",
-        fontsize=9,
-    )
+    ax.set_xlabel("wall (s): bars the medians, dots the rounds; at the right: vs the faster raw engine")
+    title = f"{o['agents']} agents over a {res.get('context_tokens', o['length'])}-token context ({res.get('cpu', '')})"
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "agents_vs_raw.png", dpi=120)
     plt.close(fig)
