@@ -11,7 +11,9 @@ conversation), are visited round-robin for ``R`` rounds, one request at a time: 
 (``--engine-kv``) is below the documents' total, so an engine alone has evicted a
 document (LRU) by the time its session returns and prefills it again.
 
-Side by side, in one run, every output compared token for token with the raw engine's:
+Side by side, in one run, each row alone on the host (started, warmed up on a spare
+document, measured, closed; repeats interleaved), every output compared token for token
+with the raw engine's:
 
 - ``raw-vllm``: one ``vllm.LLM`` in its own process, every core, prefix caching on,
   the same KV memory (:mod:`dask_kvstate.bench.raw_vllm`), each request submitted as it
@@ -32,10 +34,12 @@ returning visit read its blocks from.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -191,12 +195,44 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
     }
 
 
-def command(args: Options) -> dict:
-    """Run every row ``args.repeats`` times, interleaved; write the report to ``args.out``.
+def row_names(args: Options) -> list[str]:
+    """The rows, in the order every repeat runs them."""
+    names = [name for name in RAW if name in args.variants]
+    for backend in args.backends:
+        names += [f"{v}/{backend}" for v in args.variants if v.startswith("kvstate")]
+    return names
 
-    Every engine serves one untimed visit of a spare document first (its kernels, its
-    allocator and, compiled, its graphs warmed up), so no row times its own start.
-    """
+
+@contextlib.contextmanager
+def started(name: str, args: Options, spare: str) -> Iterator[Callable[[list[str], list[tuple[int, int]]], list[dict]]]:
+    """Row ``name`` started alone on the host and warmed up on the ``spare`` document
+    (untimed, so no row times its kernels', allocator's or compiled graphs' first use):
+    how to run the visits on it. Closed on leaving, before the next row starts (rows
+    resident side by side slowed each other's rounds, ``agents_vs_raw.started``)."""
+    if name in RAW:
+        with RawEngine(
+            args.model,
+            kv_cache_bytes=parse_bytes(args.engine_kv),
+            max_model_len=args.max_model_len,
+            enforce_eager=RAW[name],
+        ) as engine:
+            engine.one_by_one([spare + question(0, 0)], args.new_tokens)
+            print(f"  {name}: engine started in {engine.start_s:.1f} s", flush=True)
+            yield lambda docs, order: run_raw(engine, docs, order, args.new_tokens)
+        return
+    variant, backend = name.split("/")
+    cluster, client = _cluster(backend, args, disk=variant == "kvstate-disk")
+    try:
+        with client.as_current():
+            _visit(spare, question(0, 0), args.new_tokens).compute()
+            yield lambda docs, order: run_kvstate(client, docs, order, args.new_tokens)
+    finally:
+        client.close()
+        cluster.close()
+
+
+def command(args: Options) -> dict:
+    """Run every row ``args.repeats`` times, interleaved, each alone; write the report to ``args.out``."""
     docs = documents(args.model, args.sessions + 1, args.doc_tokens)
     spare, docs = docs[-1], docs[:-1]
     order = visits(args.sessions, args.rounds)
@@ -206,39 +242,11 @@ def command(args: Options) -> dict:
         flush=True,
     )
     rows: dict[str, list[list[dict]]] = {}
-    raws: dict[str, RawEngine] = {}
-    clusters: dict[str, tuple] = {}
-    try:
-        for name, eager in RAW.items():
-            if name in args.variants:
-                raws[name] = RawEngine(
-                    args.model,
-                    kv_cache_bytes=parse_bytes(args.engine_kv),
-                    max_model_len=args.max_model_len,
-                    enforce_eager=eager,
-                )
-                raws[name].one_by_one([spare + question(0, 0)], args.new_tokens)
-                print(f"  {name}: engine started in {raws[name].start_s:.1f} s", flush=True)
-        for backend in args.backends:
-            for variant in args.variants:
-                if variant.startswith("kvstate"):
-                    cluster, client = _cluster(backend, args, disk=variant == "kvstate-disk")
-                    clusters[f"{variant}/{backend}"] = (cluster, client)
-                    _visit(spare, question(0, 0), args.new_tokens).compute()
-        for rep in range(args.repeats):
-            for name, engine in raws.items():
-                rows.setdefault(name, []).append(run_raw(engine, docs, order, args.new_tokens))
-                print(f"  repeat {rep}: {name} {summarize(rows[name][-1])}", flush=True)
-            for name, (_, client) in clusters.items():
-                with client.as_current():
-                    rows.setdefault(name, []).append(run_kvstate(client, docs, order, args.new_tokens))
-                print(f"  repeat {rep}: {name} {summarize(rows[name][-1])}", flush=True)
-    finally:
-        for engine in raws.values():
-            engine.close()
-        for cluster, client in clusters.values():
-            client.close()
-            cluster.close()
+    for rep in range(args.repeats):
+        for name in row_names(args):
+            with started(name, args, spare) as run:
+                rows.setdefault(name, []).append(run(docs, order))
+            print(f"  repeat {rep}: {name} {summarize(rows[name][-1])}", flush=True)
     res = report(rows, args)
     res["cpu"] = cpu_model()
     if args.out:
