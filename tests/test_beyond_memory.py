@@ -32,17 +32,8 @@ def test_returning_sessions_read_their_kv_from_the_store_and_match_the_raw_engin
 
     # Three ~600-token documents, an engine holding about two of them (the raw engine's
     # blocks are vLLM's default size, kvstate's 64 tokens; both round the memory down).
-    opts = beyond_memory.Options(
-        sessions=3,
-        doc_tokens=600,
-        rounds=2,
-        new_tokens=4,
-        engine_kv="60MiB",
-        max_model_len=1024,
-        memory_tier="4MiB",
-        variants=["raw-vllm-eager", "kvstate-disk"],  # the memory tiers' row is the same path, read from RAM
-        out=str(tmp_path),
-    )
+    # The memory tiers' row is the same path, read from RAM.
+    opts = beyond_memory.small(variants=["raw-vllm-eager", "kvstate-disk"], out=str(tmp_path))
     # 64-token blocks (a size vLLM's CPU attention takes), whatever an earlier test left set
     with dask.config.set({"kvstate.block-tokens": 64, **SPAWNED}):
         res = beyond_memory.command(opts)

@@ -80,18 +80,9 @@ class BeyondMemoryVsRaw:
 
         from dask_kvstate.bench import beyond_memory
 
-        opts = beyond_memory.Options(
-            sessions=3,
-            doc_tokens=600,
-            rounds=2,
-            new_tokens=4,
-            engine_kv="60MiB",
-            max_model_len=1024,
-            memory_tier="4MiB",
-            # The states on the store's disk tier: the row that goes past the host's memory
-            # (the bench command also runs them from memory; a third row here is 30 s more).
-            variants=["raw-vllm-eager", "kvstate-disk"],
-        )
+        # The states on the store's disk tier: the row that goes past the host's memory
+        # (the bench command also runs them from memory; a third row here is 30 s more).
+        opts = beyond_memory.small(variants=["raw-vllm-eager", "kvstate-disk"])
         with dask.config.set(SPAWNED):
             res = beyond_memory.command(opts)
         _all_identical(res["identical"])

@@ -45,6 +45,7 @@ from distributed import Client, LocalCluster
 import dask_kvstate as kvs
 from dask_kvstate.bench import workload
 from dask_kvstate.bench.raw_vllm import RAW, RawEngine, cpu_model
+from dask_kvstate.bench.report import pyplot
 
 
 @dataclasses.dataclass
@@ -165,12 +166,8 @@ def write(res: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "agents_vs_raw.json").write_text(json.dumps(res, indent=1))
     (out / "agents_vs_raw.md").write_text(markdown(res))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     table = res["table"]
     names = list(table)

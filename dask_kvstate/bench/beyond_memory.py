@@ -50,6 +50,7 @@ from distributed import Client, LocalCluster
 import dask_kvstate as kvs
 from dask_kvstate.bench import workload
 from dask_kvstate.bench.raw_vllm import RAW, RawEngine, cpu_model
+from dask_kvstate.bench.report import pyplot
 
 VARIANTS = (*RAW, "kvstate", "kvstate-disk")
 
@@ -80,6 +81,22 @@ class Options:
     )
     repeats: int = dataclasses.field(default=1, metadata={"help": "interleaved repeats; the table shows medians"})
     out: str | None = dataclasses.field(default=None, metadata={"help": "folder for beyond_memory.{md,json,png}"})
+
+
+def small(**settings) -> Options:
+    """The experiment at the smallest size that still shows the regime (three ~600-token
+    documents, an engine holding about two of them, store memory tiers of one block):
+    what the test and the asv suite run."""
+    return Options(
+        sessions=3,
+        doc_tokens=600,
+        rounds=2,
+        new_tokens=4,
+        engine_kv="60MiB",
+        max_model_len=1024,
+        memory_tier="4MiB",
+        **settings,
+    )
 
 
 # -- the workload ---------------------------------------------------------------------
@@ -306,12 +323,8 @@ def write(res: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "beyond_memory.json").write_text(json.dumps(res, indent=1))
     (out / "beyond_memory.md").write_text(markdown(res))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, reps in res["rows"].items():

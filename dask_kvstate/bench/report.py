@@ -196,6 +196,19 @@ def _overhead(o: dict) -> list[str]:
     return out
 
 
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or None where matplotlib is not
+    installed (the reports' tables and json are written without it)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
 def plots(res: dict, out: Path) -> list[str]:
     """PNG plots of what ran; returns the file names written."""
     import matplotlib
