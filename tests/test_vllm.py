@@ -141,6 +141,28 @@ def test_a_prefill_over_a_past_copies_out_only_the_kv_from_keep_from(backend):
         torch.testing.assert_close(tail, whole[:, :, :, 2 * size :], atol=1e-4, rtol=1e-4)
 
 
+def test_a_generation_hands_its_prompt_kv_from_keep_from_on_and_decodes_as_replay(backend):
+    """The local prefix cache asks only for the blocks its store lacks: ``on_prefill`` gets
+    the KV from ``keep_from``'s block on, equal to the whole prompt's there, and the tokens
+    are those of a generation that hands nothing out."""
+    ids = backend.tokenize(PREFIX + PARTS[0][1])
+    size = backend.block_tokens
+    sampling = Sampling(max_new_tokens=6)
+    backend.reset_engine_cache()
+    whole, _ = backend.prefill(ids)
+    backend.reset_engine_cache()
+    want = backend.generate(ids, None, sampling).token_ids
+    for keep_from in (0, 2 * size, 2 * size + 5):
+        backend.reset_engine_cache()
+        handed: list = []
+        got = backend.generate(ids, whole[:, :, :, : 2 * size], sampling, on_prefill=handed.append, keep_from=keep_from)
+        assert got.token_ids == want, keep_from
+        (kv,) = [backend.kv_from_cache(c) for c in handed]
+        first = keep_from // size * size
+        assert kv.shape[3] == len(ids) - first, keep_from
+        torch.testing.assert_close(kv, whole[:, :, :, first:], atol=1e-4, rtol=1e-4)
+
+
 def test_every_form_of_a_loaded_state_resumes_token_identical(backend):
     ids = backend.tokenize(PREFIX)
     kv, _ = backend.prefill(ids)

@@ -95,3 +95,32 @@ class BeyondMemoryVsRaw:
         return ratios["kvstate-disk/vllm"]
 
     track_returning_ttft_from_disk_vs_raw.unit = "raw vLLM returning TTFT / kvstate's, states on disk"
+
+
+class SessionsVsRaw:
+    timeout = 900
+
+    def setup_cache(self):
+        common.require_backend("vllm")
+        import dask
+
+        from dask_kvstate.bench import sessions_vs_raw
+
+        opts = sessions_vs_raw.small(variants=["raw-vllm-eager", "kvstate"])
+        with dask.config.set(SPAWNED):
+            res = sessions_vs_raw.command(opts)
+        _all_identical({name: row["identical"] for name, row in res["table"].items()})
+        return res["table"]["kvstate"]
+
+    def setup(self, row):
+        common.require_backend("vllm")
+
+    def track_mean_session_latency_vs_raw(self, row):
+        return row["mean_speedup"]
+
+    track_mean_session_latency_vs_raw.unit = "raw vLLM mean session latency / kvstate's"
+
+    def track_p99_session_latency_change_vs_raw(self, row):
+        return 100 * row["p99_change"]
+
+    track_p99_session_latency_change_vs_raw.unit = "% change of the P99 session latency against raw vLLM"

@@ -153,13 +153,15 @@ class Backend(Protocol):
         *,
         started: float | None = None,
         on_prefill: Callable[[Any], None] | None = None,
+        keep_from: int = 0,
         namespace: str | None = None,
     ) -> GenerationResult:
         """Generate from ``ids`` as ``sampling`` says, reusing ``past_kv`` for their leading tokens.
 
         Greedy output must equal text replay (``past_kv=None``) token for token.
         ``started`` is when the caller began (for TTFT); ``on_prefill`` is called with the
-        prompt's cache (see :meth:`kv_from_cache`) before decoding.
+        prompt's cache (see :meth:`kv_from_cache`) before decoding, holding the KV from the
+        block of token ``keep_from`` on at least (as :meth:`prefill`'s).
         """
         ...
 

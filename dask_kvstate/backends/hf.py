@@ -202,6 +202,7 @@ class HFBackend(Backend):
         *,
         started: float | None = None,
         on_prefill: Callable[[Any], None] | None = None,
+        keep_from: int = 0,
         namespace: str | None = None,
     ) -> GenerationResult:
         """Generate from prompt ``ids`` as ``sampling`` says, reusing ``past_kv`` (or None) for its leading tokens.
@@ -209,7 +210,8 @@ class HFBackend(Backend):
         ``past_kv`` must be the KV of ``ids[:past_len]`` with ``past_len < len(ids)``.
         ``started`` is when the caller began (for TTFT); defaults to now. ``on_prefill``
         is called with the prompt's cache before decoding starts (the local prefix cache
-        keeps the prompt's blocks there); its time counts as decode time.
+        keeps the prompt's blocks there); its time counts as decode time. The cache holds
+        every token, whatever ``keep_from`` says (nothing is copied to hand it over).
         """
         t0 = time.perf_counter() if started is None else started
         if not ids:

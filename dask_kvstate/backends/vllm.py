@@ -223,13 +223,22 @@ class VLLMBackend(Backend):
         *,
         started: float | None = None,
         on_prefill: Callable[[Any], None] | None = None,
+        keep_from: int = 0,
         namespace: str | None = None,
     ) -> GenerationResult:
         """Generate from ``ids`` reusing ``past_kv`` for their leading tokens (see the transformers
-        backend), as a request of ``namespace`` (its :func:`salt`)."""
+        backend), as a request of ``namespace`` (its :func:`salt`).
+
+        ``on_prefill`` gets the prompt's KV from ``keep_from``'s block on only: the local
+        prefix cache stores the blocks after those it already holds, and copying every
+        token out of the engine for each call of a growing conversation cost more than
+        the blocks it kept.
+        """
         if not ids:
             raise ValueError("cannot generate from an empty prompt: give at least one token of text")
-        order = vllm_connector.Order(load=self._load(ids, past_kv), capture=len(ids) if on_prefill is not None else 0)
+        capture = len(ids) if on_prefill is not None else 0
+        start = min(max(keep_from, 0), len(ids) - 1) // self.block_tokens * self.block_tokens
+        order = vllm_connector.Order(load=self._load(ids, past_kv), capture=capture, capture_from=start)
         (done,) = self._run([Job(list(ids), self._params(sampling, order.load), order, salt(namespace))])
         if on_prefill is not None and order.captured is not None:
             on_prefill(order.captured)

@@ -10,7 +10,11 @@ handed to it the way a user hands them:
   (vLLM batches them, and its prefix cache serves what they share);
 - :meth:`RawEngine.one_by_one`: requests that arrive over time go in one at a time,
   each timed to its first token from the engine's own step loop (what a client of
-  a streaming server sees).
+  a streaming server sees);
+- :meth:`RawEngine.sessions`: multi-call sessions, each call submitted the moment the
+  session's previous answer is out (and its first at the session's arrival), while
+  the other sessions' calls run: what a server fed by many agents sees, first come,
+  first served.
 
 The engine runs in a child process started with ``spawn``, so it owns its cores and
 memory the way a separate server would, and nothing of the parent's threads, torch
@@ -137,6 +141,19 @@ class RawEngine:
         reply = self._ask("one_by_one", prompts=prompts, max_new_tokens=max_new_tokens)
         return [RawResult(**r) for r in reply["results"]]
 
+    def sessions(self, sessions: list[dict], max_new_tokens: int, closing: str) -> list[dict]:
+        """Run multi-call sessions on the engine as their requests arrive (greedy).
+
+        ``sessions``: one ``{"arrival": s, "context": str, "prompts": [str, ...]}`` each.
+        Call ``i`` of a session is its context followed by ``prompts[i]``; once it is
+        answered the context grows by the prompt, the answer's text and ``closing``, and
+        call ``i + 1`` goes in at once. One dict per session back: ``arrival_s``,
+        ``end_s`` (from the first arrival's clock) and ``calls`` (per call: ``token_ids``,
+        ``latency_s``, ``cached_tokens`` (served by the prefix cache), ``computed_tokens``).
+        """
+        reply = self._ask("sessions", sessions=sessions, max_new_tokens=max_new_tokens, closing=closing)
+        return reply["sessions"]
+
     def reset_prefix_cache(self) -> None:
         """Empty the engine's prefix cache, so the next request starts cold."""
         self._ask("reset")
@@ -219,6 +236,7 @@ def _serve(conn, settings: dict[str, Any]) -> None:
     ops: dict[str, Callable[..., dict]] = {
         "generate": _generate,
         "one_by_one": _one_by_one,
+        "sessions": _sessions,
         "reset": lambda llm: {"reset": llm.reset_prefix_cache()},
     }
     try:
@@ -300,3 +318,61 @@ def _one_by_one(llm, prompts: list[str], max_new_tokens: int) -> dict:
             )
         )
     return {"results": results}
+
+
+def _sessions(llm, sessions: list[dict], max_new_tokens: int, closing: str) -> dict:
+    """The engine's own step loop fed as a server is: each call added when it arrives.
+
+    A session's first call arrives at its arrival time, every later one the moment the
+    previous answer is out; vLLM's scheduler runs them first come, first served, its
+    prefix cache serving what a call shares with the session's earlier ones.
+    """
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    # The answer's text as the tokenizer decodes its ids: the rule the kvstate rows use
+    # too (``Generation`` text), so both sides grow the very same contexts.
+    tokenizer = llm.get_tokenizer()
+    params = _greedy(max_new_tokens, output_kind=RequestOutputKind.FINAL_ONLY)
+    state = [{"context": s["context"], "calls": [], "arrival_s": s["arrival"], "end_s": None} for s in sessions]
+    arrivals = sorted(range(len(sessions)), key=lambda i: sessions[i]["arrival"])
+    inflight: dict[str, tuple[int, float]] = {}
+    t0 = time.perf_counter()
+
+    def submit(i: int) -> None:
+        n = len(state[i]["calls"])
+        request_id = f"s{i}-c{n}-{time.monotonic_ns()}"
+        inflight[request_id] = (i, time.perf_counter())
+        engine.add_request(request_id, state[i]["context"] + sessions[i]["prompts"][n], params)
+
+    left = len(sessions)
+    while left:
+        now = time.perf_counter() - t0
+        while arrivals and sessions[arrivals[0]]["arrival"] <= now:
+            submit(arrivals.pop(0))
+        if not inflight:
+            time.sleep(max(0.0, sessions[arrivals[0]]["arrival"] - now))
+            continue
+        for out in engine.step():
+            if not out.finished:
+                continue
+            i, submitted = inflight.pop(out.request_id)
+            st, prompts = state[i], sessions[i]["prompts"]
+            ids = list(out.outputs[0].token_ids)
+            prompt = prompts[len(st["calls"])]
+            cached = int(out.num_cached_tokens or 0)
+            st["calls"].append(
+                {
+                    "token_ids": ids,
+                    "latency_s": time.perf_counter() - submitted,
+                    "cached_tokens": cached,
+                    "computed_tokens": len(out.prompt_token_ids or []) - cached,
+                }
+            )
+            st["context"] += prompt + tokenizer.decode(ids, skip_special_tokens=True) + closing
+            if len(st["calls"]) < len(prompts):
+                submit(i)
+            else:
+                st["end_s"] = time.perf_counter() - t0
+                left -= 1
+    return {"sessions": [{k: v for k, v in st.items() if k != "context"} for st in state]}

@@ -132,6 +132,11 @@ EXPERIMENTS: dict[str, Experiment] = {
             "k agents over one long context: raw vLLM alone vs the README's kvstate code, on each backend",
             "dask_kvstate.bench.agents_vs_raw",
         ),
+        Experiment(
+            "sessions-vs-raw",
+            "many multi-round SWE-loop sessions arriving over time: raw vLLM fed as a server vs kvstate's defaults",
+            "dask_kvstate.bench.sessions_vs_raw",
+        ),
     )
 }
 SUITE = EXPERIMENTS["ttft"]  # what a command line without an experiment's name runs (the five)

@@ -15,9 +15,13 @@ any ref, so the store's scored eviction may drop them, as an engine's LRU would.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
-from dask_kvstate.blocks import join_blocks
+from dask_kvstate.blocks import BlockKV
 from dask_kvstate.generation import Generation, Sampling
+
+if TYPE_CHECKING:
+    import torch
 
 
 def generate(rt, text: str, namespace: str, sampling: Sampling) -> Generation:
@@ -45,19 +49,27 @@ def generate(rt, text: str, namespace: str, sampling: Sampling) -> Generation:
     rt.counters["block_hits"] += len(present)
     rt.counters["prefix_cache_hits"] += len(present)
     rt.counters["prefix_cache_misses"] += len(hashes) - len(present)
-    past = join_blocks(present)
     # At least the last prompt token is re-run: its logits start decoding.
-    keep = 0 if past is None else min(int(past.shape[3]), len(ids) - 1)
+    keep = min(sum(int(t.shape[3]) for t in present), len(ids) - 1)
+    past: torch.Tensor | BlockKV | None = None
+    if keep:
+        # A backend with its own paged cache copies the blocks into it: joining them first
+        # would copy the prefix once more, into fresh memory, on every call (see BlockKV).
+        head = BlockKV(tuple(present)).head(keep)
+        past = head if backend.reads_blocks else head.joined()
+    stored = len(present) * rt.block_tokens  # the prompt's tokens the store already holds
 
-    def keep_prompt(cache) -> None:  # before decoding: the cache holds exactly the prompt
-        if len(present) < len(hashes):
-            rt.store_kv(backend.kv_from_cache(cache), hashes, len(present))
+    def keep_prompt(cache) -> None:  # before decoding: the cache holds the prompt from `stored` on
+        kv = backend.kv_from_cache(cache)
+        rt.store_kv(kv, hashes, len(present), first_token=len(ids) - int(kv.shape[3]))
 
     return rt.generate_from(
         ids,
-        past[:, :, :, :keep] if keep and past is not None else None,
+        past,
         sampling,
         t0,
         namespace=namespace,
-        on_prefill=keep_prompt,
+        # Only the blocks the store lacks are asked of the backend, and none when it has them all.
+        on_prefill=keep_prompt if len(present) < len(hashes) else None,
+        keep_from=stored,
     )

@@ -138,7 +138,7 @@ class StateRuntime(KVEngine):
     def generate_from(
         self,
         ids: list[int],
-        past: torch.Tensor | None,
+        past: torch.Tensor | BlockKV | None,
         sampling: Sampling,
         started: float,
         *,
@@ -148,9 +148,9 @@ class StateRuntime(KVEngine):
         """Decode from ``ids`` with ``past`` as the KV of their leading tokens; counts and measures.
 
         ``started`` is when the call began, for its time to first token; ``hooks`` go to
-        the backend's ``generate`` (``on_prefill``).
+        the backend's ``generate`` (``on_prefill``, ``keep_from``).
         """
-        keep = 0 if past is None else int(past.shape[3])
+        keep = 0 if past is None else past.tokens if isinstance(past, BlockKV) else int(past.shape[3])
         self.counters["reused_tokens"] += keep
         with self.live.hold((len(ids) + sampling.max_new_tokens) * self.backend.kv_bytes_per_token):
             res = self.backend.generate(ids, past, sampling, started=started, namespace=namespace, **hooks)

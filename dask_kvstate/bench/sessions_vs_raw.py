@@ -1,0 +1,326 @@
+"""Many multi-round agent sessions at once, against the engine a user would run alone.
+
+::
+
+    python -m dask_kvstate.bench sessions-vs-raw --out docs/bench/sessions-vs-raw
+    python -m dask_kvstate.bench sessions-vs-raw --sessions 8 --doc-tokens 300 --rounds 2   # shorter
+
+``S`` sessions of the SWE-loop shape, each on its own ticket: round after round a
+*planner*, a *developer* and a *tester* answer in turn on one growing shared context
+(the ticket, then every earlier prompt and answer of the session), so each call's
+prompt is the last one's plus a few dozen tokens. Sessions arrive open-loop (Poisson,
+``--rate``; 0: all at once), and every call goes in the moment the session's previous
+answer is out.
+
+Side by side, in one run, each row alone on the host (started, warmed up on a spare
+session, measured, closed; repeats interleaved), every answer compared token for token
+with the raw engine's:
+
+- ``raw-vllm`` and ``raw-vllm-eager``: one ``vllm.LLM`` in its own process, every core,
+  prefix caching on, fed as a server is (:meth:`RawEngine.sessions`): each call added to
+  its step loop as it arrives, first come, first served;
+- ``kvstate``: what a user of this library writes: a ``LocalCluster`` whose worker holds
+  the vLLM engine, ``kvs.install`` with every default (workflow-progress priority
+  included), each session a ``kvs.session`` of plain
+  ``kvs.generate(context, prompt, prefix_cache=True)`` calls;
+- ``kvstate-fcfs``: the same with ``scheduling=False``: what the scheduling gives.
+
+Both sides get the same engine KV memory (``--engine-kv``). Reported per row: mean,
+P50 and P99 end-to-end session latency (arrival to last answer), the makespan, prompt
+tokens the engine computed, and their ratios to the raw engine's (the better raw
+variant per figure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import dask
+import numpy as np
+from dask.utils import format_bytes, parse_bytes
+from distributed import Client, LocalCluster
+
+import dask_kvstate as kvs
+from dask_kvstate.bench import workload
+from dask_kvstate.bench.raw_vllm import RAW, RawEngine, cpu_model
+from dask_kvstate.bench.report import pyplot
+
+#: ``kvs.install`` overrides of the kvstate rows.
+KVSTATE = {"kvstate": {}, "kvstate-fcfs": {"scheduling": False}}
+VARIANTS = (*RAW, *KVSTATE)
+ROLES = (
+    ("planner", "Planner: say in one sentence what the team should change next to close the ticket."),
+    ("developer", "Developer: write the one-line code change for the planner's step."),
+    ("tester", "Tester: name the test that checks the change and say whether it passes."),
+)
+#: what closes an answer's turn in the growing context (SmolLM2's chat format)
+CLOSING = "<|im_end|>\n"
+
+
+@dataclasses.dataclass
+class Options:
+    """The experiment's settings; ``python -m dask_kvstate.bench sessions-vs-raw`` has a flag for each."""
+
+    model: str = dataclasses.field(default="smollm2-135m", metadata={"help": "model name or folder"})
+    sessions: int = dataclasses.field(default=32, metadata={"help": "sessions, each on its own ticket"})
+    doc_tokens: int = dataclasses.field(default=600, metadata={"help": "tokens of each session's ticket"})
+    rounds: int = dataclasses.field(default=3, metadata={"help": "planner, developer, tester rounds per session"})
+    new_tokens: int = dataclasses.field(default=16, metadata={"help": "tokens each call generates at most"})
+    rate: float = dataclasses.field(
+        default=0.5, metadata={"help": "sessions arriving per second (Poisson); 0: all at once"}
+    )
+    seed: int = dataclasses.field(default=0, metadata={"help": "the arrivals' seed"})
+    engine_kv: str = dataclasses.field(
+        default="1GiB", metadata={"help": "every engine's KV memory, raw and kvstate alike"}
+    )
+    max_model_len: int | None = dataclasses.field(
+        default=None, metadata={"help": "the engines' longest request (tokens); default: the model's own"}
+    )
+    threads: int = dataclasses.field(
+        default=8, metadata={"help": "kvstate: the worker's threads, the calls its engine runs at once"}
+    )
+    variants: list[str] = dataclasses.field(
+        default_factory=lambda: list(VARIANTS), metadata={"help": "rows to run", "nargs": "+", "choices": VARIANTS}
+    )
+    repeats: int = dataclasses.field(default=2, metadata={"help": "interleaved repeats; the table shows medians"})
+    out: str | None = dataclasses.field(default=None, metadata={"help": "folder for sessions_vs_raw.{md,json,png}"})
+
+
+def small(**settings) -> Options:
+    """The experiment at a size the test and the asv suite can afford: eight sessions of two
+    rounds on ~300-token tickets, all arriving at once, in an engine holding about half of
+    what they grow to (SmolLM2-135M: 45 KiB of KV a token)."""
+    defaults = {"sessions": 8, "doc_tokens": 300, "rounds": 2, "new_tokens": 8, "rate": 0.0, "repeats": 1}
+    return Options(**{**defaults, "engine_kv": "128MiB", "max_model_len": 1024, **settings})
+
+
+# -- the workload ---------------------------------------------------------------------
+def ticket(s: int, lines: int) -> str:
+    """Session ``s``'s ticket: its own header first, so no two sessions share a block."""
+    body = "".join(workload.log_line(i + 6151 * s) for i in range(lines))
+    return (
+        f"<|im_start|>system\nSession {s}. You are one agent of a software team fixing a ticket. "
+        f"Answer briefly.<|im_end|>\n<|im_start|>user\nTicket BUG-{4200 + s}: checkout times out under load. "
+        f"Failing log:\n{body}{CLOSING}"
+    )
+
+
+def prompts(rounds: int) -> list[str]:
+    """The calls of a session, in order: planner, developer, tester, round after round."""
+    return [
+        f"<|im_start|>user\nRound {r + 1}. {text}{CLOSING}<|im_start|>assistant\n"
+        for r in range(rounds)
+        for _, text in ROLES
+    ]
+
+
+def arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds from the start at which each session arrives: Poisson at ``rate``, the first at 0.
+
+    >>> arrivals(3, 0.0, 0)
+    [0.0, 0.0, 0.0]
+    >>> a = arrivals(4, 2.0, 1); a[0], a == sorted(a), a == arrivals(4, 2.0, 1)
+    (0.0, True, True)
+    """
+    if rate <= 0:
+        return [0.0] * n
+    gaps = np.random.default_rng([seed, 36]).exponential(1 / rate, n)
+    return [0.0, *np.cumsum(gaps[1:]).round(3).tolist()]
+
+
+def sessions_of(args: Options, first: int = 0) -> list[dict]:
+    """The sessions every row runs: ``{"arrival", "context", "prompts"}`` each."""
+    tokenize = workload.tokenizer_of(args.model)
+    calls = prompts(args.rounds)
+    times = arrivals(args.sessions, args.rate, args.seed)
+    return [
+        {
+            "arrival": t,
+            "context": ticket(s, workload.fit(lambda n, s=s: ticket(s, n), args.doc_tokens, tokenize)),
+            "prompts": calls,
+        }
+        for s, t in zip(range(first, first + args.sessions), times)
+    ]
+
+
+# -- the rows -------------------------------------------------------------------------
+def run_kvstate(client: Client, sessions: list[dict], new_tokens: int) -> list[dict]:
+    """The sessions as a user writes them: a ``kvs.session`` each, plain ``kvs.generate``
+    calls with the prefix cache, each computed as its prompt is known; from empty stores
+    and engine caches. A thread per session stands for the users."""
+    workload.settle(client)
+    t0 = time.perf_counter()
+
+    def session(i: int) -> dict:
+        s = sessions[i]
+        time.sleep(max(0.0, s["arrival"] - (time.perf_counter() - t0)))
+        context, calls = s["context"], []
+        with kvs.session(f"swe-{i}", client=client):
+            for prompt in s["prompts"]:
+                t = time.perf_counter()
+                g = kvs.generate(context, prompt, max_new_tokens=new_tokens, prefix_cache=True).compute()
+                calls.append(
+                    {
+                        "token_ids": list(g.token_ids),
+                        "latency_s": time.perf_counter() - t,
+                        "computed_tokens": g.prefill_tokens,
+                    }
+                )
+                context += prompt + g + CLOSING
+        return {"calls": calls, "arrival_s": s["arrival"], "end_s": time.perf_counter() - t0}
+
+    with ThreadPoolExecutor(len(sessions), thread_name_prefix="session") as pool:
+        return list(pool.map(session, range(len(sessions))))
+
+
+def run_raw(engine: RawEngine, sessions: list[dict], new_tokens: int) -> list[dict]:
+    engine.reset_prefix_cache()
+    return engine.sessions(sessions, new_tokens, CLOSING)
+
+
+def summarize(result: list[dict]) -> dict[str, float]:
+    """End-to-end session latency (arrival to last answer): mean, P50, P99, and the makespan;
+    prompt tokens the engine computed (not served from a cache or a state)."""
+    e2e = np.array([s["end_s"] - s["arrival_s"] for s in result])
+    computed = sum(c["computed_tokens"] for s in result for c in s["calls"])
+    return {
+        "mean_s": float(e2e.mean()),
+        "p50_s": float(np.percentile(e2e, 50)),
+        "p99_s": float(np.percentile(e2e, 99)),
+        "makespan_s": max(s["end_s"] for s in result),
+        "computed_tokens": computed,
+    }
+
+
+def row_names(args: Options) -> list[str]:
+    """The rows, in the order every repeat runs them."""
+    return [v for v in VARIANTS if v in args.variants]
+
+
+@contextlib.contextmanager
+def started(name: str, args: Options, spare: list[dict]) -> Iterator[Callable[[list[dict]], list[dict]]]:
+    """Row ``name`` started alone on the host and warmed up on the ``spare`` sessions
+    (untimed): how to run the sessions on it; closed on leaving, before the next row
+    starts (rows resident side by side slow each other, ``agents_vs_raw.started``)."""
+    kv = parse_bytes(args.engine_kv)
+    if name in RAW:
+        with RawEngine(args.model, kv_cache_bytes=kv, max_model_len=args.max_model_len, enforce_eager=RAW[name]) as e:
+            print(f"  {name}: engine started in {e.start_s:.1f} s", flush=True)
+            run_raw(e, spare, args.new_tokens)
+            yield lambda sessions: run_raw(e, sessions, args.new_tokens)
+        return
+    settings = {"kvstate.vllm.kv-cache-bytes": kv, "kvstate.vllm.max-model-len": args.max_model_len}
+    with dask.config.set(settings):  # read by the worker's engine
+        cluster = LocalCluster(n_workers=1, threads_per_worker=args.threads, dashboard_address=":0")
+    try:
+        with Client(cluster) as client:
+            kvs.install(client, args.model, backend="vllm", **KVSTATE[name])
+            client.run(workload.warm_up)
+            with client.as_current():
+                run_kvstate(client, spare, args.new_tokens)
+                yield lambda sessions: run_kvstate(client, sessions, args.new_tokens)
+    finally:
+        cluster.close()
+
+
+def command(args: Options) -> dict:
+    """Every row ``args.repeats`` times, interleaved, each alone; the report to ``args.out``."""
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; known: {list(VARIANTS)}")
+    sessions = sessions_of(args)
+    # Warm-up: two sessions on tickets no measured session has, so nothing of them is reused.
+    spare = sessions_of(dataclasses.replace(args, sessions=2, rate=0.0), first=args.sessions)
+    print(
+        f"sessions-vs-raw: {args.sessions} sessions x {args.rounds} rounds x {len(ROLES)} roles, tickets of "
+        f"<= {args.doc_tokens} tokens, arrivals {args.rate}/s, engine KV {format_bytes(parse_bytes(args.engine_kv))}",
+        flush=True,
+    )
+    runs: dict[str, list[list[dict]]] = {}
+    for rep in range(args.repeats):
+        for name in row_names(args):
+            with started(name, args, spare) as run:
+                runs.setdefault(name, []).append(run(sessions))
+            print(f"  repeat {rep}: {name} {summarize(runs[name][-1])}", flush=True)
+    res = report(runs, args)
+    res["cpu"] = cpu_model()
+    if args.out:
+        write(res, Path(args.out))
+    print(markdown(res))
+    return res
+
+
+def report(runs: dict[str, list[list[dict]]], args: Options) -> dict:
+    """Each row's figures, medians over repeats; the mean's speedup and the P99's change
+    against the better raw variant; answers equal to the raw engine's (its first repeat)."""
+    table: dict[str, dict[str, Any]] = {}
+    for name, reps in runs.items():
+        sums = [summarize(r) for r in reps]
+        table[name] = {k: statistics.median(s[k] for s in sums) for k in sums[0]}
+    raw_names = [n for n in RAW if n in table]
+    if raw_names:
+        best_mean = min(table[n]["mean_s"] for n in raw_names)
+        best_p99 = min(table[n]["p99_s"] for n in raw_names)
+        ref = [c["token_ids"] for s in runs[raw_names[0]][0] for c in s["calls"]]
+        for name, reps in runs.items():
+            row = table[name]
+            row["mean_speedup"] = best_mean / row["mean_s"]
+            row["p99_change"] = row["p99_s"] / best_p99 - 1
+            same = sum(
+                got == want for rep in reps for got, want in zip((c["token_ids"] for s in rep for c in s["calls"]), ref)
+            )
+            row["identical"] = f"{same}/{len(ref) * len(reps)}"
+    return {"options": dataclasses.asdict(args), "table": table, "runs": runs}
+
+
+def markdown(res: dict) -> str:
+    o = res["options"]
+    calls = o["rounds"] * len(ROLES)
+    lines = [
+        f"# {o['sessions']} multi-round sessions against the raw engine ({res.get('cpu', '')})",
+        "",
+        f"{o['sessions']} sessions x {calls} calls (planner, developer, tester x {o['rounds']} rounds) on a growing "
+        f"context from a <= {o['doc_tokens']}-token ticket, <= {o['new_tokens']} new tokens a call, arrivals "
+        f"{o['rate']}/s (Poisson, seed {o['seed']}), engine KV {o['engine_kv']}, kvstate worker threads "
+        f"{o['threads']}; medians of {o['repeats']} interleaved repeat(s).",
+        "",
+        "| row | mean E2E | vs raw (mean) | P50 | P99 | P99 vs raw | makespan | prompt tokens computed "
+        "| answers equal to raw vLLM's |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, m in res["table"].items():
+        lines.append(
+            f"| {name} | {m['mean_s']:.2f} s | {m.get('mean_speedup', 1):.2f}x | {m['p50_s']:.2f} s | "
+            f"{m['p99_s']:.2f} s | {100 * m.get('p99_change', 0):+.0f}% | {m['makespan_s']:.1f} s | "
+            f"{m['computed_tokens']:,.0f} | {m.get('identical', '-')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write(res: dict, out: Path) -> None:
+    """``sessions_vs_raw.{json,md,png}`` in ``out``; the png: each row's session latencies, sorted."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sessions_vs_raw.json").write_text(json.dumps(res, indent=1))
+    (out / "sessions_vs_raw.md").write_text(markdown(res))
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, reps in res["runs"].items():
+        e2e = sorted(s["end_s"] - s["arrival_s"] for s in reps[0])
+        ax.plot(np.arange(1, len(e2e) + 1) / len(e2e), e2e, label=name, color="0.5" if name in RAW else None)
+    ax.set_xlabel("fraction of sessions done within (first repeat)")
+    ax.set_ylabel("end-to-end session latency (s)")
+    ax.set_title(f"{res['options']['sessions']} multi-round sessions ({res.get('cpu', '')})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "sessions_vs_raw.png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,88 @@
+"""Many multi-round sessions against the raw engine: the workload, the report, and a small
+run end to end on SmolLM2 (a raw ``vllm.LLM`` fed as a server against kvstate's defaults,
+every answer equal).
+
+The end-to-end case skips, saying why, where vLLM is not installed (the ``vllm`` extra).
+"""
+
+from __future__ import annotations
+
+import json
+
+import dask
+import pytest
+
+from dask_kvstate.bench import sessions_vs_raw as svr
+
+from .conftest import SPAWNED, VLLM_TESTS
+
+
+def _session(arrival: float, end: float, answers: list[list[int]]) -> dict:
+    calls = [{"token_ids": a, "latency_s": 0.1, "computed_tokens": 100} for a in answers]
+    return {"calls": calls, "arrival_s": arrival, "end_s": end}
+
+
+def test_every_session_is_planner_developer_tester_round_after_round_on_its_own_ticket():
+    calls = svr.prompts(2)
+    assert [c.split(". ", 1)[1].split(":")[0] for c in calls] == ["Planner", "Developer", "Tester"] * 2
+    assert all(c.endswith("<|im_start|>assistant\n") for c in calls)
+    a, b = svr.ticket(0, 5), svr.ticket(1, 5)
+    assert a[:30] != b[:30]  # the session number within the first block: no block is shared
+
+
+def test_the_report_takes_the_better_raw_engine_per_figure_and_counts_answers_against_its_first_repeat():
+    want = [[1, 2], [3]]
+    runs = {
+        # raw-vllm: the better mean, raw-vllm-eager the better P99
+        "raw-vllm": [[_session(0, 10, want), _session(1, 21, want)]],  # e2e 10, 20
+        "raw-vllm-eager": [[_session(0, 12, want), _session(1, 19, want)]],  # e2e 12, 18
+        "kvstate": [[_session(0, 5, want), _session(1, 13, [[1, 2], [4]])]],  # e2e 5, 12; one answer differs
+    }
+    table = svr.report(runs, svr.Options(repeats=1))["table"]
+    assert table["raw-vllm"]["mean_s"] == 15.0 and table["raw-vllm-eager"]["mean_s"] == 15.0
+    assert table["kvstate"]["mean_speedup"] == pytest.approx(15.0 / 8.5)
+    best_p99 = table["raw-vllm-eager"]["p99_s"]
+    assert best_p99 < table["raw-vllm"]["p99_s"]
+    assert table["kvstate"]["p99_change"] == pytest.approx(table["kvstate"]["p99_s"] / best_p99 - 1)
+    assert table["kvstate"]["identical"] == "3/4" and table["raw-vllm-eager"]["identical"] == "4/4"
+    assert table["kvstate"]["computed_tokens"] == 400 and table["kvstate"]["makespan_s"] == 13
+
+
+def test_the_report_files_hold_every_row(tmp_path):
+    runs = {"raw-vllm-eager": [[_session(0, 4, [[7]])]], "kvstate": [[_session(0, 2, [[7]])]]}
+    res = svr.report(runs, svr.Options(repeats=1))
+    res["cpu"] = "test cpu"
+    svr.write(res, tmp_path)
+    assert json.loads((tmp_path / "sessions_vs_raw.json").read_text())["table"]["kvstate"]["identical"] == "1/1"
+    md = (tmp_path / "sessions_vs_raw.md").read_text()
+    assert "| kvstate | 2.00 s | 2.00x |" in md and "(test cpu)" in md
+    assert (tmp_path / "sessions_vs_raw.png").stat().st_size > 0
+
+
+def test_an_unknown_variant_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match=r"unknown variant\(s\) \['kvstate-fast'\]"):
+        svr.command(svr.Options(variants=["kvstate-fast"]))
+
+
+def _needs_vllm(test):
+    for mark in VLLM_TESTS:
+        test = mark(test)
+    return test
+
+
+@_needs_vllm
+def test_sessions_on_kvstate_answer_as_the_raw_engine_fed_as_a_server(tmp_path):
+    # Three sessions of one round arriving together: the raw engine's step loop and
+    # kvstate's defaults grow the same contexts, so every answer must be the same.
+    opts = svr.small(
+        sessions=3, rounds=1, new_tokens=4, threads=2, variants=["raw-vllm-eager", "kvstate"], out=str(tmp_path)
+    )
+    with dask.config.set({"kvstate.block-tokens": 64, **SPAWNED}):
+        res = svr.command(opts)
+    table = res["table"]
+    assert table["kvstate"]["identical"] == "9/9"
+    raw = res["runs"]["raw-vllm-eager"][0]
+    # The raw engine's prefix cache served each session's later calls from its earlier ones.
+    assert all(s["calls"][-1]["cached_tokens"] > 0 for s in raw)
+    assert all(len(s["calls"]) == 3 and s["end_s"] >= s["arrival_s"] for s in res["runs"]["kvstate"][0])
+    assert (tmp_path / "sessions_vs_raw.md").exists()
