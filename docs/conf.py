@@ -33,6 +33,7 @@ exclude_patterns = [
     # the raw-engine runs' own reports: their tables are in guide/benchmarks-vllm.md
     "bench/beyond-memory/**",
     "bench/agents-vs-raw/**",
+    "bench/sessions-vs-raw/**",
 ]
 
 # MyST: heading anchors so `page.md#a-heading` links resolve. No syntax extensions: the

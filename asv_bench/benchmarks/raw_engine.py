@@ -9,10 +9,12 @@ sizes; the figures in the docs come from there), and tracks its ratios:
   the Dask path alone (plain tasks into one worker's engine), each as raw wall / row wall;
 - ``BeyondMemoryVsRaw``: sessions returning after the engine evicted their KV
   (:mod:`dask_kvstate.bench.beyond_memory`): returning-visit TTFT, raw / kvstate, with the
-  states on the store's disk tier.
+  states on the store's disk tier;
+- ``SessionsVsRaw``: multi-round sessions all at once (:mod:`dask_kvstate.bench.sessions_vs_raw`):
+  the mean session latency, raw / kvstate, and the P99's change against raw vLLM.
 
-The two take about 4.5 minutes of the suite's run on 2 cores, most of it the engines' and
-clusters' starts (six of them, about 20 s each).
+The three take about 5.5 minutes of the suite's run on 2 cores, most of it the engines' and
+clusters' starts (eight of them, about 20 s each).
 
 Every output is compared with the raw engine's inside the experiments; a suite whose
 outputs differ fails instead of tracking a ratio. Skipped, by name, where the ``vllm``

@@ -71,6 +71,7 @@ class RawSettings:
     block_tokens: int | None = None  # None: vLLM's default block size
     max_model_len: int | None = None
     enforce_eager: bool = False  # vLLM's default compiles the model
+    max_num_seqs: int | None = None  # requests the engine runs at once; None: vLLM's default
 
 
 class RawEngineError(RuntimeError):
@@ -88,6 +89,8 @@ class RawEngine:
         The cores the engine binds (``"0-1"``); default: every core this process may use.
     kv_cache_bytes
         The engine's KV memory in bytes (``kv_cache_memory_bytes``); default: vLLM's.
+    max_num_seqs
+        Requests the engine runs at once (vLLM's ``max_num_seqs``); default: vLLM's.
     start_timeout
         Seconds to wait for the engine to start (51-83 s seen on a 2-core CPU machine).
 
@@ -107,6 +110,7 @@ class RawEngine:
         block_tokens: int | None = None,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
+        max_num_seqs: int | None = None,
         start_timeout: float = 600.0,
     ):
         from dask_kvstate import backends
@@ -120,6 +124,7 @@ class RawEngine:
             block_tokens=block_tokens,
             max_model_len=max_model_len,
             enforce_eager=enforce_eager,
+            max_num_seqs=max_num_seqs,
         )
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
@@ -269,6 +274,7 @@ def _start(settings: RawSettings):
         ("kv_cache_memory_bytes", settings.kv_cache_bytes),
         ("block_size", settings.block_tokens),
         ("max_model_len", settings.max_model_len),
+        ("max_num_seqs", settings.max_num_seqs),
     ):
         if value is not None:
             kwargs[name] = value

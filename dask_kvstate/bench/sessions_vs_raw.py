@@ -85,7 +85,10 @@ class Options:
         default=None, metadata={"help": "the engines' longest request (tokens); default: the model's own"}
     )
     threads: int = dataclasses.field(
-        default=8, metadata={"help": "kvstate: the worker's threads, the calls its engine runs at once"}
+        default=16, metadata={"help": "kvstate: the worker's threads, the calls its engine runs at once"}
+    )
+    raw_max_seqs: int | None = dataclasses.field(
+        default=None, metadata={"help": "raw rows: requests the engine runs at once (max_num_seqs); default: vLLM's"}
     )
     variants: list[str] = dataclasses.field(
         default_factory=lambda: list(VARIANTS), metadata={"help": "rows to run", "nargs": "+", "choices": VARIANTS}
@@ -212,7 +215,13 @@ def started(name: str, args: Options, spare: list[dict]) -> Iterator[Callable[[l
     starts (rows resident side by side slow each other, ``agents_vs_raw.started``)."""
     kv = parse_bytes(args.engine_kv)
     if name in RAW:
-        with RawEngine(args.model, kv_cache_bytes=kv, max_model_len=args.max_model_len, enforce_eager=RAW[name]) as e:
+        with RawEngine(
+            args.model,
+            kv_cache_bytes=kv,
+            max_model_len=args.max_model_len,
+            enforce_eager=RAW[name],
+            max_num_seqs=args.raw_max_seqs,
+        ) as e:
             print(f"  {name}: engine started in {e.start_s:.1f} s", flush=True)
             run_raw(e, spare, args.new_tokens)
             yield lambda sessions: run_raw(e, sessions, args.new_tokens)
@@ -290,7 +299,8 @@ def markdown(res: dict) -> str:
         f"{o['sessions']} sessions x {calls} calls (planner, developer, tester x {o['rounds']} rounds) on a growing "
         f"context from a <= {o['doc_tokens']}-token ticket, <= {o['new_tokens']} new tokens a call, arrivals "
         f"{o['rate']}/s (Poisson, seed {o['seed']}), engine KV {o['engine_kv']}, kvstate worker threads "
-        f"{o['threads']}; medians of {o['repeats']} interleaved repeat(s).",
+        f"{o['threads']}, raw engine max_num_seqs {o.get('raw_max_seqs') or 'vLLM default'}; "
+        f"medians of {o['repeats']} interleaved repeat(s).",
         "",
         "| row | mean E2E | vs raw (mean) | P50 | P99 | P99 vs raw | makespan | prompt tokens computed "
         "| answers equal to raw vLLM's |",
@@ -316,7 +326,8 @@ def write(res: dict, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, reps in res["runs"].items():
         e2e = sorted(s["end_s"] - s["arrival_s"] for s in reps[0])
-        ax.plot(np.arange(1, len(e2e) + 1) / len(e2e), e2e, label=name, color="0.5" if name in RAW else None)
+        raw = {"color": "0.5", "linestyle": "--" if RAW[name] else "-"} if name in RAW else {}  # eager dashed
+        ax.plot(np.arange(1, len(e2e) + 1) / len(e2e), e2e, label=name, **raw)
     ax.set_xlabel("fraction of sessions done within (first repeat)")
     ax.set_ylabel("end-to-end session latency (s)")
     ax.set_title(f"{res['options']['sessions']} multi-round sessions ({res.get('cpu', '')})", fontsize=9)
