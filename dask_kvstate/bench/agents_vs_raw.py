@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -45,7 +44,7 @@ from distributed import Client, LocalCluster
 import dask_kvstate as kvs
 from dask_kvstate.bench import workload
 from dask_kvstate.bench.raw_vllm import RAW, RawEngine, cpu_model
-from dask_kvstate.bench.report import pyplot
+from dask_kvstate.bench.report import saved
 
 
 @dataclasses.dataclass
@@ -163,10 +162,7 @@ def command(args: Options) -> dict:
 
 def write(res: dict, out: Path) -> None:
     """``agents_vs_raw.{json,md,png}`` in ``out``: the png, each row's rounds and median beside the raw engine's."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "agents_vs_raw.json").write_text(json.dumps(res, indent=1))
-    (out / "agents_vs_raw.md").write_text(markdown(res))
-    plt = pyplot()
+    plt = saved(res, out, "agents_vs_raw", markdown(res))
     if plt is None:
         return
     table = res["table"]

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -50,7 +49,7 @@ from distributed import Client, LocalCluster
 import dask_kvstate as kvs
 from dask_kvstate.bench import workload
 from dask_kvstate.bench.raw_vllm import RAW, RawEngine, cpu_model
-from dask_kvstate.bench.report import pyplot
+from dask_kvstate.bench.report import saved
 
 VARIANTS = (*RAW, "kvstate", "kvstate-disk")
 
@@ -320,10 +319,7 @@ def markdown(res: dict) -> str:
 
 
 def write(res: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "beyond_memory.json").write_text(json.dumps(res, indent=1))
-    (out / "beyond_memory.md").write_text(markdown(res))
-    plt = pyplot()
+    plt = saved(res, out, "beyond_memory", markdown(res))
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -209,6 +209,15 @@ def pyplot():
     return plt
 
 
+def saved(res: dict, out: Path, stem: str, text: str):
+    """``res`` as ``<stem>.json`` and ``text`` as ``<stem>.md`` in ``out`` (made if missing);
+    then :func:`pyplot` for the report's plot, None where matplotlib is not installed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    (out / f"{stem}.md").write_text(text)
+    return pyplot()
+
+
 def plots(res: dict, out: Path) -> list[str]:
     """PNG plots of what ran; returns the file names written."""
     import matplotlib

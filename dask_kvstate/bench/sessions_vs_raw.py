@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -51,7 +50,7 @@ from distributed import Client, LocalCluster
 import dask_kvstate as kvs
 from dask_kvstate.bench import workload
 from dask_kvstate.bench.raw_vllm import RAW, RawEngine, cpu_model
-from dask_kvstate.bench.report import pyplot
+from dask_kvstate.bench.report import saved
 
 #: ``kvs.install`` overrides of the kvstate rows.
 KVSTATE = {"kvstate": {}, "kvstate-fcfs": {"scheduling": False}}
@@ -317,10 +316,7 @@ def markdown(res: dict) -> str:
 
 def write(res: dict, out: Path) -> None:
     """``sessions_vs_raw.{json,md,png}`` in ``out``; the png: each row's session latencies, sorted."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sessions_vs_raw.json").write_text(json.dumps(res, indent=1))
-    (out / "sessions_vs_raw.md").write_text(markdown(res))
-    plt = pyplot()
+    plt = saved(res, out, "sessions_vs_raw", markdown(res))
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
