@@ -34,6 +34,7 @@ exclude_patterns = [
     "bench/beyond-memory/**",
     "bench/agents-vs-raw/**",
     "bench/sessions-vs-raw/**",
+    "bench/vs-raw/**",
 ]
 
 # MyST: heading anchors so `page.md#a-heading` links resolve. No syntax extensions: the

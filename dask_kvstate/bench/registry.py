@@ -137,6 +137,11 @@ EXPERIMENTS: dict[str, Experiment] = {
             "many multi-round SWE-loop sessions arriving over time: raw vLLM fed as a server vs kvstate's defaults",
             "dask_kvstate.bench.sessions_vs_raw",
         ),
+        Experiment(
+            "vs-raw",
+            "the three raw-engine experiments in one run, every kvstate row beside raw vLLM's, against the bars",
+            "dask_kvstate.bench.vs_raw",
+        ),
     )
 }
 SUITE = EXPERIMENTS["ttft"]  # what a command line without an experiment's name runs (the five)

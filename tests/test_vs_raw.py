@@ -1,0 +1,115 @@
+"""The one-run table against the raw engine: each experiment's report turned into bars.
+
+The experiments themselves start raw vLLM engines and clusters (each has its own small
+real run in its tests, slow-marked with the other vLLM tests); these tests feed the three
+experiments' own ``report()`` given rounds and check the bars drawn from them, the files
+and the command line.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dask_kvstate.bench import agents_vs_raw, beyond_memory, registry, vs_raw
+from dask_kvstate.bench import sessions_vs_raw as svr
+
+
+def _agents() -> dict:
+    want = [[1, 2], [3]]
+    runs = {
+        "raw-vllm": [{"wall_s": 30.0, "outputs": want}],
+        "raw-vllm-eager": [{"wall_s": 36.0, "outputs": want}],
+        "dask-path/vllm": [{"wall_s": 31.0, "outputs": want}],
+        "kvstate/vllm": [{"wall_s": 27.0, "outputs": want}],
+        "kvstate/hf": [{"wall_s": 20.0, "outputs": [[1, 2], [4]]}],
+    }
+    return agents_vs_raw.report(runs, agents_vs_raw.Options(repeats=1))
+
+
+def _visits(first: float, back: float, tokens: list[int], tier: str | None = None) -> list[dict]:
+    extra = {"tiers": {tier: 3}} if tier else {}
+    return [
+        {"round": r, "ttft_s": first if r == 0 else back, "latency_s": 1.0, "token_ids": tokens, **extra}
+        for r in (0, 1)
+    ]
+
+
+def _beyond() -> dict:
+    rows = {
+        "raw-vllm": [_visits(10.0, 10.0, [5])],
+        "kvstate/vllm": [_visits(10.5, 0.8, [5], "device")],
+        "kvstate-disk/vllm": [_visits(11.5, 2.5, [5], "disk")],
+    }
+    return beyond_memory.report(rows, beyond_memory.Options())
+
+
+def _sessions() -> dict:
+    def session(arrival: float, end: float) -> dict:
+        return {"calls": [{"token_ids": [9], "computed_tokens": 10}], "arrival_s": arrival, "end_s": end}
+
+    runs = {
+        "raw-vllm": [[session(0, 100), session(0, 200)]],
+        "kvstate": [[session(0, 50), session(0, 80)]],
+        "kvstate-fcfs": [[session(0, 90), session(0, 190)]],
+    }
+    return svr.report(runs, svr.Options(repeats=1))
+
+
+def _bars() -> dict[tuple[str, str, str], dict]:
+    lines = vs_raw.summary({"agents-vs-raw": _agents(), "beyond-memory": _beyond(), "sessions-vs-raw": _sessions()})
+    return {(b["experiment"], b["row"], b["measure"]): b for b in lines}
+
+
+def test_every_kvstate_row_is_held_to_its_bar_against_the_better_raw_engine():
+    bars = _bars()
+    hf = bars["agents-vs-raw", "kvstate/hf", "wall, 16 agents"]
+    assert hf["raw_s"] == 30.0 and hf["ratio"] == pytest.approx(1.5) and hf["met"] and hf["identical"] == "1/2"
+    assert not bars["agents-vs-raw", "kvstate/vllm", "wall, 16 agents"]["met"]  # 1.11x < 1.2x
+    path = bars["agents-vs-raw", "dask-path/vllm", "wall, the Dask path alone"]
+    assert path["ratio"] == pytest.approx(30 / 31) and not path["met"]  # 0.968 < 0.97
+    assert bars["beyond-memory", "kvstate/vllm", "returning visit TTFT"]["ratio"] == pytest.approx(12.5)
+    assert bars["beyond-memory", "kvstate/vllm", "first visit TTFT"]["met"]  # 1.05x raw's
+    assert not bars["beyond-memory", "kvstate-disk/vllm", "first visit TTFT, states on disk"]["met"]  # 1.15x
+    assert not bars["beyond-memory", "kvstate-disk/vllm", "returning visit TTFT, states on disk"]["met"]  # 4x
+    mean = bars["sessions-vs-raw", "kvstate", "mean session latency"]
+    assert mean["ratio"] == pytest.approx(150 / 65) and mean["met"] and mean["identical"] == "2/2"
+    assert not any(row in ("raw-vllm", "raw-vllm-eager", "kvstate-fcfs") for _, row, _ in bars)  # no bar, no line
+
+
+def test_the_table_says_each_ratio_as_its_bar_does():
+    lines = {b["measure"]: b for b in _bars().values() if b["row"] in ("kvstate/vllm", "kvstate")}
+    assert vs_raw._ratio(lines["first visit TTFT"]) == "1.05x raw's"
+    assert vs_raw._ratio(lines["returning visit TTFT"]) == "12.50x"
+    p99 = lines["P99 session latency"]
+    assert vs_raw._ratio(p99) == f"{100 * (p99['row_s'] / p99['raw_s'] - 1):+.0f}%"
+
+
+def test_the_files_hold_the_table_and_a_plot(tmp_path):
+    res = {
+        "options": {},
+        "cpu": "test cpu",
+        "seconds": {"agents-vs-raw": 600.0},
+        "bars": vs_raw.summary({"agents-vs-raw": _agents()}),
+    }
+    text = vs_raw.markdown(res)
+    vs_raw.write(res, tmp_path, text)
+    assert json.loads((tmp_path / "vs_raw.json").read_text())["bars"][0]["experiment"] == "agents-vs-raw"
+    md = (tmp_path / "vs_raw.md").read_text()
+    assert "1 of 3 bars met" in md and "(test cpu)" in md
+    assert "| agents-vs-raw | kvstate/hf | wall, 16 agents | 30 s | 20 s | 1.50x | >= 1.2x | yes | 1/2 |" in md
+    assert (tmp_path / "vs_raw.png").stat().st_size > 0
+
+
+def test_the_command_line_runs_each_experiment_at_its_published_settings_or_its_test_size(tmp_path):
+    exp, opts = registry.parse(["vs-raw", "--parts", "beyond-memory", "agents-vs-raw", "--out", str(tmp_path)])
+    assert exp.name == "vs-raw" and opts.parts == ["beyond-memory", "agents-vs-raw"]
+    beyond = vs_raw.settings("beyond-memory", opts)
+    assert (beyond.sessions, beyond.engine_kv, beyond.out) == (6, "512MiB", str(tmp_path / "beyond-memory"))
+    opts.small = True
+    assert vs_raw.settings("beyond-memory", opts) == beyond_memory.small(out=str(tmp_path / "beyond-memory"))
+    agents = vs_raw.settings("agents-vs-raw", opts)
+    assert (agents.agents, agents.repeats, agents.raw) == (4, 1, ["raw-vllm-eager"])
+    with pytest.raises(SystemExit):
+        registry.parse(["vs-raw", "--parts", "ttft"])  # not a raw-engine experiment
