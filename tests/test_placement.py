@@ -87,6 +87,24 @@ def test_a_long_prefill_borrows_the_idle_workers_threads():
         assert client.run(lambda: __import__("torch").get_num_threads(), workers=[a])[a] == 1
 
 
+@pytest.mark.skipif((__import__("os").cpu_count() or 1) < 2, reason="borrowing needs a second core")
+def test_a_batch_of_siblings_decoding_on_the_holder_borrows_the_idle_workers_threads():
+    """The siblings' batched decode is the critical path too: it runs with the idle worker's thread."""
+    with kv_cluster({**AUTO, "kvstate.worker.borrow-idle-threads": 16}) as client:
+        a, b = sorted(client.nthreads())
+        text = "Batch test. " + CONTEXT
+        with on(a):
+            (state,) = dask.persist(kvs.materialize(text))  # its prefill borrows too: counted before the batch
+            dask.compute(state)
+            before = kvs.stats(client).workers[a].get("borrowed_threads", 0)
+            got = dask.compute(*kvs.resume_many(state, [f" Question {i}?" for i in range(3)], max_new_tokens=8))
+        want = dask.compute(*[kvs.generate(text, f" Question {i}?", max_new_tokens=8) for i in range(3)])
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        assert got[0].batch_rows == 3
+        assert kvs.stats(client).workers[a].get("borrowed_threads", 0) > before
+        assert client.run(lambda: __import__("torch").get_num_threads(), workers=[a])[a] == 1
+
+
 def _two_long_resumes(client, tag: str):
     """Two resumes of one state held by worker a, checked against replay; their placement decisions.
 

@@ -110,6 +110,7 @@ def test_the_command_line_runs_each_experiment_at_its_published_settings_or_its_
     opts.small = True
     assert vs_raw.settings("beyond-memory", opts) == beyond_memory.small(out=str(tmp_path / "beyond-memory"))
     agents = vs_raw.settings("agents-vs-raw", opts)
-    assert (agents.agents, agents.repeats, agents.raw) == (4, 1, ["raw-vllm-eager"])
+    assert agents == agents_vs_raw.small(out=str(tmp_path / "agents-vs-raw"))
+    assert (agents.agents, agents.repeats, agents.raw, agents.backends) == (8, 1, ["raw-vllm-eager"], ["vllm", "hf"])
     with pytest.raises(SystemExit):
         registry.parse(["vs-raw", "--parts", "ttft"])  # not a raw-engine experiment

@@ -45,15 +45,7 @@ class AgentsVsRaw:
 
         from dask_kvstate.bench import agents_vs_raw
 
-        opts = agents_vs_raw.Options(
-            length=1024,
-            agents=8,
-            new_tokens=16,
-            engine_kv="512MiB",
-            backends=["vllm"],
-            raw=["raw-vllm-eager"],
-            repeats=1,
-        )
+        opts = agents_vs_raw.small(backends=["vllm"])
         with dask.config.set(SPAWNED):
             res = agents_vs_raw.command(opts)
         _all_identical({name: row["identical"] for name, row in res["table"].items()})

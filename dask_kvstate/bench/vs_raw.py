@@ -2,9 +2,9 @@
 
 ::
 
-    python -m dask_kvstate.bench vs-raw --out docs/bench/vs-raw          # ~1 hour on 2 cores
-    python -m dask_kvstate.bench vs-raw --parts agents sessions-vs-raw   # some of them
-    python -m dask_kvstate.bench vs-raw --small                          # each at its test size
+    python -m dask_kvstate.bench vs-raw --out docs/bench/vs-raw        # ~1 hour on 2 cores
+    python -m dask_kvstate.bench vs-raw --parts agents-vs-raw          # some of them
+    python -m dask_kvstate.bench vs-raw --small                        # each at its asv size
 
 Runs, one after the other, the three experiments that measure kvstate against the engine a
 user would run alone (one ``vllm.LLM`` in its own process, every core, prefix caching on;
@@ -91,7 +91,7 @@ class Options:
         metadata={"help": "the experiments to run", "nargs": "+", "choices": list(PARTS)},
     )
     small: bool = dataclasses.field(
-        default=False, metadata={"help": "each experiment at the size its test and asv run (minutes, not an hour)"}
+        default=False, metadata={"help": "each experiment at its small() size, as asv runs it (minutes, not an hour)"}
     )
     out: str | None = dataclasses.field(
         default=None, metadata={"help": "folder for vs_raw.{md,json,png} and each experiment's own report"}
@@ -104,17 +104,8 @@ def settings(part: str, args: Options) -> Any:
     module = importlib.import_module(name)
     out = str(Path(args.out) / part) if args.out else None
     if args.small:
-        return small(part, module, model=args.model, out=out)
+        return module.small(model=args.model, out=out)
     return module.Options(**{**published, "model": args.model, "out": out})
-
-
-def small(part: str, module: Any, **settings: Any) -> Any:
-    """``part`` at its test size: the experiment's own ``small()`` where it has one."""
-    if hasattr(module, "small"):
-        return module.small(**settings)
-    # agents-vs-raw: four agents over a 512-token context, one round, the faster-starting raw engine
-    defaults = {"length": 512, "agents": 4, "new_tokens": 8, "engine_kv": "256MiB", "repeats": 1}
-    return module.Options(**{**defaults, "raw": ["raw-vllm-eager"], **settings})
 
 
 def command(args: Options) -> dict:

@@ -164,14 +164,16 @@ class KVEngine:
 
     @contextlib.contextmanager
     def _borrowed_threads(self, tokens: int):
-        """Run a long prefill with the idle threads of other workers on this host too.
+        """Run a long prefill (or a batch of sibling resumes) with the idle threads of other
+        workers on this host too.
 
         A state's prefill is the critical path of every branch that waits on it, and
         while it runs the workers that will run those branches have nothing to do (on
         two cores with one single-threaded worker each, a 4,096-token materialize left
-        one core idle for ~18 s). The scheduler's placement extension counts the idle
-        threads; torch's intra-op pool grows by that many for the prefill and shrinks
-        back after. Costs one scheduler round trip, so only prefills of
+        one core idle for ~18 s); so is a batch of siblings decoding on the state's holder
+        while the others wait for it. The scheduler's placement extension counts the idle
+        threads; torch's intra-op pool grows by that many for the call and shrinks
+        back after. Costs one scheduler round trip, so only calls computing
         ``kvstate.worker.borrow-idle-threads`` tokens or more ask.
 
         torch's thread count is process-wide: every task thread of this worker would run

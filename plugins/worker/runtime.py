@@ -203,14 +203,20 @@ class StateRuntime(KVEngine):
         first = prefix.blocks[0] if isinstance(prefix, BlockKV) else prefix
         if prefix is not None and not same_storage(first, held):
             live += prefix.nbytes
-        with self.live.hold(live):
+        # Siblings' decode is the workflow's critical path as much as their state's prefill,
+        # and the workers that ran nothing else meanwhile idle beside it: it borrows their
+        # threads as a long prefill does, sized by the tokens it runs through the model.
+        work = sum(len(r.ids) - r.keep for r in rows) + len(rows) * sampling.max_new_tokens
+        with self.live.hold(live), self._borrowed_threads(work) as threads:
             results = self.backend.generate_batch(rows, prefix, sampling, started=t0, namespace=ref.namespace)
+        metered = threads == torch.get_num_threads()  # the meter predicts at the worker's own thread count
         self.counters["generations"] += len(rows)
         out = []
         batch_id = new_state_id()  # rows of one batch share its decode time (decode_s is the batch's)
         for row, res in zip(rows, results):
             self.counters["prefill_tokens"] += res.prefill_tokens  # what the backend computed (see generate_from)
-            self.prefill_meter.add(res.prefill_tokens, res.reused_tokens, res.prefill_s)
+            if metered:
+                self.prefill_meter.add(res.prefill_tokens, res.reused_tokens, res.prefill_s)
             g = Generation.from_result(self.backend, res, row.ids)
             g.batch_id, g.batch_rows = batch_id, len(rows)
             out.append(g)
