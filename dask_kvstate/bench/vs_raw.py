@@ -202,16 +202,16 @@ def write(res: dict, out: Path, text: str) -> None:
     if plt is None or not res["bars"]:
         return
     bars = res["bars"]
-    labels = [f"{b['row']}: {b['measure']}" for b in bars]
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(bars) + 1.2))
+    labels = [f"{b['experiment']}, {b['row']}\n{b['measure']}" for b in bars]
+    fig, ax = plt.subplots(figsize=(8, 0.55 * len(bars) + 1.4))
     ax.barh(labels, [b["ratio"] for b in bars], color=["tab:blue" if b["met"] else "tab:red" for b in bars])
     ax.plot([b["at_least"] for b in bars], range(len(bars)), "k|", ms=14, mew=2, label="bar")
     ax.axvline(1.0, color="0.5", lw=0.8)
     ax.set_xscale("log")
     ax.invert_yaxis()
-    ax.set_xlabel("raw vLLM's time / kvstate's (log; > 1: kvstate sooner); black ticks: the bars")
+    ax.set_xlabel("raw vLLM's time / kvstate's (log scale; > 1: kvstate sooner; black ticks: the bars)", fontsize=8)
     ax.set_title(f"kvstate against the raw engine ({res.get('cpu', '')})", fontsize=9)
-    ax.tick_params(axis="y", labelsize=8)
+    ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
     fig.savefig(out / "vs_raw.png", dpi=120)
     plt.close(fig)
