@@ -101,7 +101,7 @@ def test_a_batch_of_siblings_decoding_on_the_holder_borrows_the_idle_workers_thr
         want = dask.compute(*[kvs.generate(text, f" Question {i}?", max_new_tokens=8) for i in range(3)])
         assert [g.token_ids for g in got] == [w.token_ids for w in want]
         assert got[0].batch_rows == 3
-        assert kvs.stats(client).workers[a].get("borrowed_threads", 0) > before
+        assert kvs.stats(client).workers[a].get("borrowed_threads", 0) == before + 1  # the batch's one borrow
         assert client.run(lambda: __import__("torch").get_num_threads(), workers=[a])[a] == 1
 
 

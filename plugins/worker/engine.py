@@ -164,8 +164,8 @@ class KVEngine:
 
     @contextlib.contextmanager
     def _borrowed_threads(self, tokens: int):
-        """Run a long prefill (or a batch of sibling resumes) with the idle threads of other
-        workers on this host too.
+        """Run a long prefill (or a long resume, mostly a batch of siblings) with the idle
+        threads of other workers on this host too.
 
         A state's prefill is the critical path of every branch that waits on it, and
         while it runs the workers that will run those branches have nothing to do (on

@@ -203,9 +203,10 @@ class StateRuntime(KVEngine):
         first = prefix.blocks[0] if isinstance(prefix, BlockKV) else prefix
         if prefix is not None and not same_storage(first, held):
             live += prefix.nbytes
-        # Siblings' decode is the workflow's critical path as much as their state's prefill,
-        # and the workers that ran nothing else meanwhile idle beside it: it borrows their
-        # threads as a long prefill does, sized by the tokens it runs through the model.
+        # A batch of siblings decoding on their state's holder is the workflow's critical path
+        # as much as the state's prefill, with the workers that wait on it idle beside it: a
+        # resume (one row or a batch) borrows their threads as a long prefill does, when the
+        # tokens it runs through the model reach the same threshold.
         work = sum(len(r.ids) - r.keep for r in rows) + len(rows) * sampling.max_new_tokens
         with self.live.hold(live), self._borrowed_threads(work) as threads:
             results = self.backend.generate_batch(rows, prefix, sampling, started=t0, namespace=ref.namespace)
