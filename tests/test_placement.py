@@ -96,13 +96,55 @@ def test_a_batch_of_siblings_decoding_on_the_holder_borrows_the_idle_workers_thr
         with on(a):
             (state,) = dask.persist(kvs.materialize(text))  # its prefill borrows too: counted before the batch
             dask.compute(state)
-            before = kvs.stats(client).workers[a].get("borrowed_threads", 0)
+            before = kvs.stats(client).workers[a].get("borrows", 0)
             got = dask.compute(*kvs.resume_many(state, [f" Question {i}?" for i in range(3)], max_new_tokens=8))
         want = dask.compute(*[kvs.generate(text, f" Question {i}?", max_new_tokens=8) for i in range(3)])
         assert [g.token_ids for g in got] == [w.token_ids for w in want]
         assert got[0].batch_rows == 3
-        assert kvs.stats(client).workers[a].get("borrowed_threads", 0) == before + 1  # the batch's one borrow
+        assert kvs.stats(client).workers[a].get("borrows", 0) == before + 1  # the batch's one borrow
         assert client.run(lambda: __import__("torch").get_num_threads(), workers=[a])[a] == 1
+
+
+@pytest.mark.skipif((__import__("os").cpu_count() or 1) < 2, reason="borrowing needs a second core")
+def test_a_long_prefill_on_a_lone_single_threaded_worker_borrows_the_cores_no_worker_claims():
+    """One worker of one thread on a host of two or more cores: nothing of Dask's uses the
+    other cores, so a long prefill runs on them too, and gives them back."""
+    with kv_cluster({**AUTO, "kvstate.worker.borrow-idle-threads": 16}, n_workers=1) as client:
+        (a,) = client.nthreads()
+        cores = client.run(_cpu_count)[a]
+        # the worker's count of cores reaches the scheduler with its first measurements
+        poll_for(lambda: client.run_on_scheduler(_known_cores, worker=a) == cores, timeout=10)
+        got = dask.compute(kvs.resume(kvs.materialize(CONTEXT), " Question?", max_new_tokens=8))
+        # the model's own generate on the worker, at its one thread
+        want = client.run(_model_generate, CONTEXT + " Question?", 8)[a]
+        assert list(got[0].token_ids) == want[: len(got[0].token_ids)] and got[0].token_ids
+        stats = kvs.stats(client).workers[a]
+        assert stats.get("borrows", 0) >= 1 and stats.get("borrowed_threads", 0) >= 1
+        assert client.run(lambda: __import__("torch").get_num_threads())[a] == 1
+
+
+def _cpu_count() -> int:
+    from dask.system import CPU_COUNT
+
+    return CPU_COUNT
+
+
+def _known_cores(dask_scheduler, worker):
+    from dask_kvstate.protocol import PLACEMENT_EXTENSION
+
+    return dask_scheduler.plugins[PLACEMENT_EXTENSION].metrics.get(worker, {}).get("cores")
+
+
+def _model_generate(text: str, n: int, dask_worker) -> list[int]:
+    import torch
+
+    from dask_kvstate.protocol import WORKER_PLUGIN
+
+    backend = dask_worker.plugins[WORKER_PLUGIN].runtime.backend
+    x = torch.tensor([backend.tokenize(text)])
+    with torch.inference_mode():
+        out = backend.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False)
+    return out[0, x.shape[1] :].tolist()
 
 
 def _two_long_resumes(client, tag: str):

@@ -15,7 +15,8 @@ user would run alone (one ``vllm.LLM`` in its own process, every core, prefix ca
   path alone (the same requests as plain tasks into one worker's engine);
 - ``beyond-memory`` (:mod:`~dask_kvstate.bench.beyond_memory`): six sessions with their
   own ~3,000-token documents visited round-robin, engine KV memory (512 MiB) below the
-  documents' total, states in the store's memory tiers and on its disk tier;
+  documents' total, states in the store's memory tiers and on its disk tier, over vLLM
+  and over transformers;
 - ``sessions-vs-raw`` (:mod:`~dask_kvstate.bench.sessions_vs_raw`): 32 multi-round
   SWE-loop sessions arriving over time.
 
@@ -40,7 +41,10 @@ from dask_kvstate.bench.report import saved
 #: experiment -> (its module, the settings of its published run, over its defaults)
 PARTS: dict[str, tuple[str, dict[str, Any]]] = {
     "agents-vs-raw": ("dask_kvstate.bench.agents_vs_raw", {}),
-    "beyond-memory": ("dask_kvstate.bench.beyond_memory", {"sessions": 6, "engine_kv": "512MiB"}),
+    "beyond-memory": (
+        "dask_kvstate.bench.beyond_memory",
+        {"sessions": 6, "engine_kv": "512MiB", "backends": ["vllm", "hf"]},
+    ),
     "sessions-vs-raw": ("dask_kvstate.bench.sessions_vs_raw", {}),
 }
 

@@ -124,15 +124,17 @@ class KVPlacement(SchedulerPlugin):
         return True
 
     def _idle_threads(self, comm=None, worker=None) -> int:
-        """Threads with no task on ``worker``'s host, its own excepted: what a long prefill may borrow."""
+        """What a long prefill on ``worker`` may borrow: the threads of the other workers on
+        its host with no task, and the host's cores no worker's threads claim (one worker
+        of one thread on a 2-core host leaves a core that nothing of Dask's would use; the
+        cores are the workers' own count, sent with their measurements)."""
         ws = self.scheduler.workers.get(worker)
         if ws is None:
             return 0
-        return sum(
-            max(0, o.nthreads - len(o.processing))
-            for o in self.scheduler.workers.values()
-            if o.host == ws.host and o is not ws
-        )
+        host = [o for o in self.scheduler.workers.values() if o.host == ws.host]
+        idle = sum(max(0, o.nthreads - len(o.processing)) for o in host if o is not ws)
+        cores = max((self.metrics.get(o.address, {}).get("cores") or 0 for o in host), default=0)
+        return idle + max(0, cores - sum(o.nthreads for o in host))
 
     def _holders(self, comm=None, blocks=(), worker=None) -> list[str]:
         """Running workers but ``worker`` holding every one of ``blocks`` (by their block reports)."""
@@ -173,7 +175,15 @@ class KVPlacement(SchedulerPlugin):
 
     @_guarded("a metrics report")
     def _on_metrics(
-        self, worker=None, prefill=None, bandwidth=None, seed_bandwidth=None, latency=None, latencies=None, **_
+        self,
+        worker=None,
+        prefill=None,
+        bandwidth=None,
+        seed_bandwidth=None,
+        latency=None,
+        latencies=None,
+        cores=None,
+        **_,
     ) -> None:
         m = self.metrics.setdefault(worker, {})
         m.update(
@@ -183,6 +193,7 @@ class KVPlacement(SchedulerPlugin):
                 "seed_bandwidth": seed_bandwidth,
                 "latency": latency,
                 "latencies": latencies or {},
+                "cores": cores if isinstance(cores, int) and cores > 0 else None,
             }
         )
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 import time
 from collections import Counter
@@ -20,6 +19,7 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
+from dask.system import CPU_COUNT
 
 from dask_kvstate.blocks import BlockKV, block_hashes
 from dask_kvstate.plugins.worker import scheduler_link
@@ -165,14 +165,15 @@ class KVEngine:
     @contextlib.contextmanager
     def _borrowed_threads(self, tokens: int):
         """Run a long prefill (or a long resume, mostly a batch of siblings) with the idle
-        threads of other workers on this host too.
+        threads of other workers on this host too, and its cores no worker claims.
 
         A state's prefill is the critical path of every branch that waits on it, and
         while it runs the workers that will run those branches have nothing to do (on
         two cores with one single-threaded worker each, a 4,096-token materialize left
         one core idle for ~18 s); so is a batch of siblings decoding on the state's holder
-        while the others wait for it. The scheduler's placement extension counts the idle
-        threads; torch's intra-op pool grows by that many for the call and shrinks
+        while the others wait for it; and a core no worker's threads claim (one worker of
+        one thread on two cores) idles all along. The scheduler's placement extension counts
+        both; torch's intra-op pool grows by that many for the call and shrinks
         back after. Costs one scheduler round trip, so only calls computing
         ``kvstate.worker.borrow-idle-threads`` tokens or more ask.
 
@@ -195,10 +196,11 @@ class KVEngine:
         try:
             own = torch.get_num_threads()  # read under the lock: nobody's borrowed count
             extra = scheduler_link.idle_threads(self.worker, timeout=self.settings.connect_timeout)
-            threads = min(own + max(extra, 0), os.cpu_count() or own)
+            threads = min(own + max(extra, 0), CPU_COUNT)  # Dask's count: affinity and cgroup limits applied
             if threads <= own:
                 yield own
                 return
+            self.counters["borrows"] += 1
             self.counters["borrowed_threads"] += threads - own
             torch.set_num_threads(threads)
             try:

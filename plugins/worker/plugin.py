@@ -25,6 +25,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 import dask.config
+from dask.system import CPU_COUNT
 from distributed import WorkerPlugin
 from distributed.protocol import to_serialize
 from distributed.utils import sync
@@ -241,6 +242,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
             "seed_bandwidth": rt.links.seed,
             "latency": rt.links.latency,
             "latencies": dict(rt.links.latencies),
+            "cores": CPU_COUNT,  # what the host's unclaimed cores are counted against (long prefills borrow them)
         }
         if metrics != self._sent_metrics:
             self.worker.batched_stream.send({"op": METRICS, **metrics})
