@@ -121,6 +121,19 @@ def test_a_long_prefill_on_a_lone_single_threaded_worker_borrows_the_cores_no_wo
         stats = kvs.stats(client).workers[a]
         assert stats.get("borrows", 0) >= 1 and stats.get("borrowed_threads", 0) >= 1
         assert client.run(lambda: __import__("torch").get_num_threads())[a] == 1
+        # A session's first visit through the prefix cache fills the store as a materialize
+        # does, in the one call: it borrows too; text replay, a baseline, does not.
+        text = "First visit. " + CONTEXT
+        (visit,) = dask.compute(kvs.generate(text, " Question?", max_new_tokens=8, prefix_cache=True))
+        assert kvs.stats(client).workers[a]["borrows"] == stats["borrows"] + 1
+        (replay,) = dask.compute(kvs.generate(text, " Question?", max_new_tokens=8))
+        assert kvs.stats(client).workers[a]["borrows"] == stats["borrows"] + 1
+        assert (
+            list(visit.token_ids)
+            == list(replay.token_ids)
+            == client.run(_model_generate, text + " Question?", 8)[a][: len(replay.token_ids)]
+        )
+        assert client.run(lambda: __import__("torch").get_num_threads())[a] == 1
 
 
 def _cpu_count() -> int:

@@ -72,4 +72,5 @@ def generate(rt, text: str, namespace: str, sampling: Sampling) -> Generation:
         # Only the blocks the store lacks are asked of the backend, and none when it has them all.
         on_prefill=keep_prompt if len(present) < len(hashes) else None,
         keep_from=stored,
+        borrow=len(present) < len(hashes),  # it prefills blocks for the store: a materialize's work
     )

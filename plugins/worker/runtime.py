@@ -13,6 +13,7 @@ tokenize(text), so output equals text replay.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Hashable, Sequence
@@ -143,22 +144,27 @@ class StateRuntime(KVEngine):
         started: float,
         *,
         namespace: str | None = None,
+        borrow: bool = False,
         **hooks,
     ) -> Generation:
         """Decode from ``ids`` with ``past`` as the KV of their leading tokens; counts and measures.
 
         ``started`` is when the call began, for its time to first token; ``hooks`` go to
-        the backend's ``generate`` (``on_prefill``, ``keep_from``).
+        the backend's ``generate`` (``on_prefill``, ``keep_from``). ``borrow``: a long
+        prompt runs with the host's idle threads too, as a long prefill does (the prefix
+        cache's call that fills the store; text replay, a baseline, never borrows).
         """
         keep = 0 if past is None else past.tokens if isinstance(past, BlockKV) else int(past.shape[3])
         self.counters["reused_tokens"] += keep
-        with self.live.hold((len(ids) + sampling.max_new_tokens) * self.backend.kv_bytes_per_token):
+        borrowed = self._borrowed_threads(len(ids) - keep) if borrow else contextlib.nullcontext(None)
+        with self.live.hold((len(ids) + sampling.max_new_tokens) * self.backend.kv_bytes_per_token), borrowed as t:
             res = self.backend.generate(ids, past, sampling, started=started, namespace=namespace, **hooks)
         # What the backend computed: fewer than len(ids) - keep where an engine's own prefix
         # cache served some (vLLM), the same on the transformers backend.
         self.counters["prefill_tokens"] += res.prefill_tokens
         self.counters["generations"] += 1
-        self.prefill_meter.add(res.prefill_tokens, res.reused_tokens, res.prefill_s)
+        if t is None or t == torch.get_num_threads():  # the meter predicts at the worker's own thread count
+            self.prefill_meter.add(res.prefill_tokens, res.reused_tokens, res.prefill_s)
         return Generation.from_result(self.backend, res, ids)
 
     def resume(self, ref: KVStateRef, text: str, sampling: Sampling) -> Generation:
