@@ -150,9 +150,7 @@ class KVEngine:
             t0 = time.perf_counter()
             cache, _ = self.backend.prefill(list(ids), past, keep_from=keep_from, namespace=namespace)
             seconds = time.perf_counter() - t0
-        if threads == torch.get_num_threads():
-            # The meter predicts recompute time at this worker's own thread count.
-            self.prefill_meter.add(len(ids) - past_len, past_len, seconds)
+        self._meter_prefill(threads, len(ids) - past_len, past_len, seconds)
         kv = self.backend.kv_from_cache(cache)
         first = len(ids) - int(kv.shape[3])
         if not 0 <= first <= keep_from or first % self.block_tokens:
@@ -161,6 +159,13 @@ class KVEngine:
                 f"start on a block boundary no later than token {keep_from}"
             )
         return kv, first
+
+    def _meter_prefill(self, threads: int, tokens: int, reused: int, seconds: float) -> None:
+        """Feed the prefill meter a call that ran on ``threads`` threads: only at this
+        worker's own count, the one it predicts recompute time at (a call on borrowed
+        threads, or run while another held them, 0, is not fed)."""
+        if threads == torch.get_num_threads():
+            self.prefill_meter.add(tokens, reused, seconds)
 
     @contextlib.contextmanager
     def _borrowed_threads(self, tokens: int):

@@ -13,7 +13,6 @@ tokenize(text), so output equals text replay.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
 from collections.abc import Hashable, Sequence
@@ -156,15 +155,15 @@ class StateRuntime(KVEngine):
         """
         keep = 0 if past is None else past.tokens if isinstance(past, BlockKV) else int(past.shape[3])
         self.counters["reused_tokens"] += keep
-        borrowed = self._borrowed_threads(len(ids) - keep) if borrow else contextlib.nullcontext(None)
-        with self.live.hold((len(ids) + sampling.max_new_tokens) * self.backend.kv_bytes_per_token), borrowed as t:
+        held = self.live.hold((len(ids) + sampling.max_new_tokens) * self.backend.kv_bytes_per_token)
+        # Not borrowing: no tokens to borrow for, so the worker's own count, and no round trip.
+        with held, self._borrowed_threads(len(ids) - keep if borrow else 0) as threads:
             res = self.backend.generate(ids, past, sampling, started=started, namespace=namespace, **hooks)
         # What the backend computed: fewer than len(ids) - keep where an engine's own prefix
         # cache served some (vLLM), the same on the transformers backend.
         self.counters["prefill_tokens"] += res.prefill_tokens
         self.counters["generations"] += 1
-        if t is None or t == torch.get_num_threads():  # the meter predicts at the worker's own thread count
-            self.prefill_meter.add(res.prefill_tokens, res.reused_tokens, res.prefill_s)
+        self._meter_prefill(threads, res.prefill_tokens, res.reused_tokens, res.prefill_s)
         return Generation.from_result(self.backend, res, ids)
 
     def resume(self, ref: KVStateRef, text: str, sampling: Sampling) -> Generation:
@@ -216,14 +215,12 @@ class StateRuntime(KVEngine):
         work = sum(len(r.ids) - r.keep for r in rows) + len(rows) * sampling.max_new_tokens
         with self.live.hold(live), self._borrowed_threads(work) as threads:
             results = self.backend.generate_batch(rows, prefix, sampling, started=t0, namespace=ref.namespace)
-        metered = threads == torch.get_num_threads()  # the meter predicts at the worker's own thread count
         self.counters["generations"] += len(rows)
         out = []
         batch_id = new_state_id()  # rows of one batch share its decode time (decode_s is the batch's)
         for row, res in zip(rows, results):
             self.counters["prefill_tokens"] += res.prefill_tokens  # what the backend computed (see generate_from)
-            if metered:
-                self.prefill_meter.add(res.prefill_tokens, res.reused_tokens, res.prefill_s)
+            self._meter_prefill(threads, res.prefill_tokens, res.reused_tokens, res.prefill_s)
             g = Generation.from_result(self.backend, res, row.ids)
             g.batch_id, g.batch_rows = batch_id, len(rows)
             out.append(g)
