@@ -133,6 +133,11 @@ def test_a_long_prefill_on_a_lone_single_threaded_worker_borrows_the_cores_no_wo
             == list(replay.token_ids)
             == client.run(_model_generate, text + " Question?", 8)[a][: len(replay.token_ids)]
         )
+        # The session returns: its question reads the whole document from the store, and borrows.
+        (back,) = dask.compute(kvs.generate(text, " Another question?", max_new_tokens=8, prefix_cache=True))
+        assert back.reused_tokens > 0 and kvs.stats(client).workers[a]["borrows"] == stats["borrows"] + 2
+        want = client.run(_model_generate, text + " Another question?", 8)[a]
+        assert list(back.token_ids) == want[: len(back.token_ids)] and back.token_ids
         assert client.run(lambda: __import__("torch").get_num_threads())[a] == 1
 
 

@@ -140,8 +140,13 @@ class Backend(Protocol):
         """
         ...
 
-    def kv_from_cache(self, cache: Any) -> torch.Tensor:
-        """The ``[L, 2, H, T, D]`` tensor of a cache :meth:`prefill` (or ``on_prefill``) handed out."""
+    def kv_from_cache(self, cache: Any, start: int = 0) -> torch.Tensor:
+        """The ``[L, 2, H, T, D]`` tensor of a cache :meth:`prefill` (or ``on_prefill``) handed
+        out, from token ``start`` on or earlier (the caller reads where it begins from its length).
+
+        ``start`` is where the caller's use begins (the tokens before are stored already):
+        a long cache copied out whole to store the one block a question added would delay
+        a returning visit's first token by a copy of its whole context."""
         ...
 
     # -- generation ----------------------------------------------------------------

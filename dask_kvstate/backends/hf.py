@@ -136,9 +136,9 @@ class HFBackend(Backend):
         return layout.new_cache(self.layout, kv)
 
     @staticmethod
-    def kv_from_cache(cache) -> torch.Tensor:
-        """Every token of a batch-1 cache as one ``[L, 2, H, T, D]`` tensor."""
-        return layout.kv_of(cache)
+    def kv_from_cache(cache, start: int = 0) -> torch.Tensor:
+        """The tokens of a batch-1 cache from ``start`` on as one ``[L, 2, H, T, D]`` tensor."""
+        return layout.kv_of(cache, start)
 
     def _check_kv_shape(self) -> None:
         """Prefill one token and check its KV has the shape blocks assume (at load, not at first use).

@@ -223,11 +223,11 @@ def new_cache(layout: Layout, kv: torch.Tensor | None = None) -> DynamicCache:
     return cache
 
 
-def kv_of(cache: DynamicCache) -> torch.Tensor:
-    """Every token of a batch-1 cache as one ``[L, 2, H, T, D]`` tensor.
+def kv_of(cache: DynamicCache, start: int = 0) -> torch.Tensor:
+    """The tokens of a batch-1 cache from ``start`` on (all by default) as one ``[L, 2, H, T, D]`` tensor.
 
     ``D`` is the wider of the key and value head sizes; the narrower is zero-padded (see the
-    module docstring for why one tensor).
+    module docstring for why one tensor). Only the tokens from ``start`` are copied.
     """
     per_layer = []
     for layer in cache.layers:
@@ -239,6 +239,7 @@ def kv_of(cache: DynamicCache) -> torch.Tensor:
             raise ValueError("a sliding-window cache layer without a record: build caches with layout.new_cache")
         else:
             k, v = layer.keys, layer.values
+        k, v = k[:, :, start:], v[:, :, start:]
         width = max(k.shape[-1], v.shape[-1])
         k, v = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (k, v))
         per_layer.append(torch.stack((k[0], v[0])))

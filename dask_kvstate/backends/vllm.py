@@ -182,8 +182,9 @@ class VLLMBackend(Backend):
 
     # -- KV ------------------------------------------------------------------------
     @staticmethod
-    def kv_from_cache(cache: Any) -> torch.Tensor:
-        """This backend's "cache" is already the captured ``[L, 2, H, T, D]`` tensor."""
+    def kv_from_cache(cache: Any, start: int = 0) -> torch.Tensor:
+        """This backend's "cache" is already the captured ``[L, 2, H, T, D]`` tensor, copied
+        out of the engine from the block holding ``keep_from`` on (``start`` is that)."""
         return cache
 
     def prefill(

@@ -67,6 +67,8 @@ def _text(backend: Backend) -> list[int]:
 
 
 def _prefill(backend: Backend, ids: list[int]):
+    import torch
+
     out = backend.prefill(ids)
     assert isinstance(out, tuple) and len(out) == 2, "prefill returns (cache, last_logits)"
     cache, logits = out
@@ -76,6 +78,11 @@ def _prefill(backend: Backend, ids: list[int]):
     assert tuple(kv.shape) == want, f"prefill's KV is {tuple(kv.shape)}, the backend declares {want}"
     assert kv.dtype == backend.dtype, f"prefill's KV is {kv.dtype}, the backend declares {backend.dtype}"
     assert kv.device.type == backend.device.type, f"prefill's KV is on {kv.device}, the backend on {backend.device}"
+    # From a later token on: that token's KV or earlier's, ending where the whole does
+    start = len(ids) // 2
+    tail = backend.kv_from_cache(cache, start)
+    assert len(ids) - start <= tail.shape[3] <= len(ids), f"kv_from_cache(cache, {start}) has {tail.shape[3]} tokens"
+    assert torch.equal(tail, kv[:, :, :, len(ids) - tail.shape[3] :]), "kv_from_cache(cache, start): the cache's tail"
     return kv
 
 

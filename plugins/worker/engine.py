@@ -139,19 +139,20 @@ class KVEngine:
         ``keep_from`` (a block boundary no later than ``past`` ends) is where the caller's
         use of the KV starts: the tokens before are ``past``'s, already stored. A backend
         that copies KV out of an engine's own cache (vLLM) copies from there on only, so
-        ``first`` is ``keep_from`` or earlier; the transformers backend gives it all (0).
+        ``first`` is ``keep_from`` or earlier; the transformers backend copies out exactly
+        from ``keep_from``.
         ``namespace`` is the tenant the prefill is for (an engine with a prefix cache of
         its own keeps tenants apart there).
         """
         past_len = 0 if past is None else past.tokens if isinstance(past, BlockKV) else int(past.shape[3])
         self.counters["prefill_tokens"] += len(ids) - past_len
         self.counters["reused_tokens"] += past_len
-        with self._borrowed_threads(len(ids) - past_len) as threads:
+        with self._borrowed_threads(len(ids)) as threads:  # computed, and read as context
             t0 = time.perf_counter()
             cache, _ = self.backend.prefill(list(ids), past, keep_from=keep_from, namespace=namespace)
             seconds = time.perf_counter() - t0
         self._meter_prefill(threads, len(ids) - past_len, past_len, seconds)
-        kv = self.backend.kv_from_cache(cache)
+        kv = self.backend.kv_from_cache(cache, keep_from)
         first = len(ids) - int(kv.shape[3])
         if not 0 <= first <= keep_from or first % self.block_tokens:
             raise RuntimeError(
@@ -179,8 +180,10 @@ class KVEngine:
         while the others wait for it; and a core no worker's threads claim (one worker of
         one thread on two cores) idles all along. The scheduler's placement extension counts
         both; torch's intra-op pool grows by that many for the call and shrinks
-        back after. Costs one scheduler round trip, so only calls computing
-        ``kvstate.worker.borrow-idle-threads`` tokens or more ask.
+        back after. Costs one scheduler round trip, so only calls whose ``tokens`` reach
+        ``kvstate.worker.borrow-idle-threads`` ask: the tokens a call runs through the model
+        plus those it reads as reused context (a returning session's question over its
+        long document attends to, and first loads, every token of it at each step).
 
         torch's thread count is process-wide: every task thread of this worker would run
         with it. So threads are borrowed only while this worker runs no other task, and

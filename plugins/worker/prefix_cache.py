@@ -60,7 +60,7 @@ def generate(rt, text: str, namespace: str, sampling: Sampling) -> Generation:
     stored = len(present) * rt.block_tokens  # the prompt's tokens the store already holds
 
     def keep_prompt(cache) -> None:  # before decoding: the cache holds the prompt from `stored` on
-        kv = backend.kv_from_cache(cache)
+        kv = backend.kv_from_cache(cache, stored)
         rt.store_kv(kv, hashes, len(present), first_token=len(ids) - int(kv.shape[3]))
 
     return rt.generate_from(
@@ -72,5 +72,6 @@ def generate(rt, text: str, namespace: str, sampling: Sampling) -> Generation:
         # Only the blocks the store lacks are asked of the backend, and none when it has them all.
         on_prefill=keep_prompt if len(present) < len(hashes) else None,
         keep_from=stored,
-        borrow=len(present) < len(hashes),  # it prefills blocks for the store: a materialize's work
+        # Its reuse path, as a materialize's or a resume's (text replay, the baseline, never borrows).
+        borrow=True,
     )

@@ -150,14 +150,15 @@ class StateRuntime(KVEngine):
 
         ``started`` is when the call began, for its time to first token; ``hooks`` go to
         the backend's ``generate`` (``on_prefill``, ``keep_from``). ``borrow``: a long
-        prompt runs with the host's idle threads too, as a long prefill does (the prefix
-        cache's call that fills the store; text replay, a baseline, never borrows).
+        prompt, reused or not, runs with the host's idle threads too, as a long prefill does
+        (the prefix cache's calls; text replay, a baseline, never borrows).
         """
         keep = 0 if past is None else past.tokens if isinstance(past, BlockKV) else int(past.shape[3])
         self.counters["reused_tokens"] += keep
         held = self.live.hold((len(ids) + sampling.max_new_tokens) * self.backend.kv_bytes_per_token)
-        # Not borrowing: no tokens to borrow for, so the worker's own count, and no round trip.
-        with held, self._borrowed_threads(len(ids) - keep if borrow else 0) as threads:
+        # The prompt, reused or computed, and the steps decoding over it: what the call reads
+        # and runs. Not borrowing: no tokens, so the worker's own count and no round trip.
+        with held, self._borrowed_threads(len(ids) + sampling.max_new_tokens if borrow else 0) as threads:
             res = self.backend.generate(ids, past, sampling, started=started, namespace=namespace, **hooks)
         # What the backend computed: fewer than len(ids) - keep where an engine's own prefix
         # cache served some (vLLM), the same on the transformers backend.
@@ -211,8 +212,9 @@ class StateRuntime(KVEngine):
         # A batch of siblings decoding on their state's holder is the workflow's critical path
         # as much as the state's prefill, with the workers that wait on it idle beside it: a
         # resume (one row or a batch) borrows their threads as a long prefill does, when the
-        # tokens it runs through the model reach the same threshold.
-        work = sum(len(r.ids) - r.keep for r in rows) + len(rows) * sampling.max_new_tokens
+        # tokens it runs through the model and the state's it reads reach the same threshold.
+        shared = max(r.keep for r in rows) if prefix is not None else 0  # read once for all rows
+        work = shared + sum(len(r.ids) - r.keep for r in rows) + len(rows) * sampling.max_new_tokens
         with self.live.hold(live), self._borrowed_threads(work) as threads:
             results = self.backend.generate_batch(rows, prefix, sampling, started=t0, namespace=ref.namespace)
         self.counters["generations"] += len(rows)
