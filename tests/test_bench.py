@@ -109,9 +109,9 @@ def test_bench_puts_vllm_rows_beside_the_hf_rows(tmp_path):
     give the same tokens, and the vLLM replay is compared with transformers' agent by agent.
     Experiment 5's rows come from experiment 2's (its overhead columns, on no model, are
     ``test_overhead``'s: three more clusters here would add ~17 s and test nothing vLLM)."""
-    from dask_kvstate.bench import experiments as ex
-
     import dask
+
+    from dask_kvstate.bench import experiments as ex
 
     out = tmp_path / "bench"
     with dask.config.set({"kvstate.block-tokens": 64, **SPAWNED}):  # vLLM's CPU attention: a multiple of 32
