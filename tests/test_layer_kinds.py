@@ -62,9 +62,12 @@ def test_extend_from_mid_window_equals_replay():
     backend = tiny("gemma3")
     ids = backend.tokenize(TEXT)
     short = backend.kv_from_cache(backend.prefill(ids[:37])[0])  # ends inside the second window
-    extended = backend.kv_from_cache(backend.prefill(ids[:60], short)[0])
+    cache = backend.prefill(ids[:60], short)[0]  # sliding layers record two chunks: 37 tokens, then 23
+    extended = backend.kv_from_cache(cache)
     direct = backend.kv_from_cache(backend.prefill(ids[:60])[0])
     assert extended.shape == direct.shape == (3, 2, 2, 60, 16)
+    for start in (20, 37, 45, 60):  # inside the first chunk, at the second's start, inside it, at the end
+        assert torch.equal(backend.kv_from_cache(cache, start), extended[:, :, :, start:])
     torch.testing.assert_close(extended, direct, rtol=1e-4, atol=1e-4)
     tail = ids[60:68]
     want = backend.generate(ids[:60] + tail, None, Sampling(8)).token_ids

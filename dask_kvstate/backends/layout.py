@@ -171,6 +171,16 @@ def check_positions(model: torch.nn.Module, model_type: str) -> None:
             )
 
 
+def _joined_from(chunks: list[torch.Tensor], start: int) -> torch.Tensor:
+    """The tokens (dim -2) of ``chunks`` laid end to end, from token ``start`` on, as one tensor."""
+    seen = 0
+    for i, chunk in enumerate(chunks):
+        if seen + chunk.shape[-2] > start:
+            return torch.cat([chunk[..., start - seen :, :], *chunks[i + 1 :]], dim=-2)
+        seen += chunk.shape[-2]
+    return chunks[-1][..., :0, :]  # start at or past the end: no tokens
+
+
 class RecordingSlidingWindowLayer(DynamicSlidingWindowLayer):
     """transformers' sliding-window layer, plus every token it saw, so a state keeps them all.
 
@@ -190,12 +200,13 @@ class RecordingSlidingWindowLayer(DynamicSlidingWindowLayer):
             self._values.append(value_states)
         return super().update(key_states, value_states, *args, **kwargs)
 
-    def all_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def all_tokens(self, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of every token seen from ``start`` on, joined (chunks wholly before it are not copied)."""
         if self._keys is None:
             raise RuntimeError("this cache layer stopped recording: its tokens outside the window are gone")
         if not self._keys:
             raise RuntimeError("this cache layer holds no tokens yet")
-        return torch.cat(self._keys, dim=-2), torch.cat(self._values, dim=-2)
+        return _joined_from(self._keys, start), _joined_from(self._values, start)
 
     def stop_recording(self) -> None:
         self._keys, self._values = None, []
@@ -234,12 +245,11 @@ def kv_of(cache: DynamicCache, start: int = 0) -> torch.Tensor:
         if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
             raise ValueError(f"cache layer {layer!r} holds no per-token KV")
         if isinstance(layer, RecordingSlidingWindowLayer):
-            k, v = layer.all_tokens()
+            k, v = layer.all_tokens(start)
         elif type(layer) is DynamicSlidingWindowLayer:
             raise ValueError("a sliding-window cache layer without a record: build caches with layout.new_cache")
         else:
-            k, v = layer.keys, layer.values
-        k, v = k[:, :, start:], v[:, :, start:]
+            k, v = layer.keys[:, :, start:], layer.values[:, :, start:]
         width = max(k.shape[-1], v.shape[-1])
         k, v = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (k, v))
         per_layer.append(torch.stack((k[0], v[0])))
