@@ -21,6 +21,12 @@ os.environ.setdefault("UCX_TLS", "tcp,self,sm")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 fork_worker_processes()
 
+# A raw vLLM engine (the bench's baseline; tests/test_beyond_memory.py, test_sessions_vs_raw.py)
+# runs its engine core in the raw engine's own process, not in a second process vLLM would
+# spawn and import itself into: on 2 cores 15 s less to start and 3 s less to close each raw
+# engine, and the same outputs, which is what these tests compare. The bench keeps vLLM's default.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
 #: Config under which a cluster's workers are spawned after all: a vLLM engine in a worker
 #: forked from the fork server hung in tests/test_vllm.py (two engines, each in its worker).
 SPAWNED = {"distributed.worker.multiprocessing-method": "spawn"}
@@ -100,13 +106,22 @@ def vllm_missing() -> str | None:
     return None
 
 
-#: The marks of every vLLM test module: slow (an engine starts in about a minute), and
-#: skipped, saying why, where vLLM is not usable.
+#: The marks of every vLLM test module: slow (an engine starts in about a minute), skipped,
+#: saying why, where vLLM is not usable, and in one xdist group: ``make test`` runs two
+#: pytest workers, and two engines on one host's cores at once would each think it had them all.
 VLLM_TESTS = [
     pytest.mark.slow,
     pytest.mark.timeout(900),
     pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or ""),
+    pytest.mark.xdist_group("vllm"),
 ]
+
+
+def vllm_test(test):
+    """Give one test the marks of the vLLM test modules (``VLLM_TESTS``)."""
+    for mark in VLLM_TESTS:
+        test = mark(test)
+    return test
 
 
 def vllm_prompts() -> list[tuple[str, str]]:
@@ -125,8 +140,18 @@ def stats_of(client, worker) -> dict:
     return kvs.stats(client).workers[worker]
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's hook reads the groups
 def pytest_collection_modifyitems(items):
     """Run tests/test_scheduling.py first: its ``gen_cluster`` tests check the process
-    for leaked clusters and clients, which the session-scoped fixtures above are."""
+    for leaked clusters and clients, which the session-scoped fixtures above are. Then
+    the vLLM tests, the longest group, so that the other pytest worker of ``make test``
+    (``-n 2 --dist loadgroup``) has the rest to run beside them, not after.
+
+    Every other test is grouped by its module: one pytest worker runs a module's tests,
+    so its module-scoped clusters and network namespaces are made once, not once per worker.
+    """
     first = ("tests/test_scheduling.py", "tests/test_hints.py", "tests/test_distributed_contract.py")
-    items.sort(key=lambda item: not item.nodeid.startswith(first))
+    items.sort(key=lambda item: (not item.nodeid.startswith(first), item.get_closest_marker("xdist_group") is None))
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

@@ -9,7 +9,7 @@ import pytest
 from dask_kvstate.bench import cli
 from dask_kvstate.bench.overhead import non_llm_graph
 
-from .conftest import SPAWNED, vllm_missing
+from .conftest import SPAWNED, vllm_test
 
 
 def test_bench_scaling_and_memory_end_to_end(tmp_path):
@@ -100,9 +100,7 @@ def test_vllm_rows_table_reads_every_row_of_a_result():
     assert "(12.0 s) | 10.0 s (4500 prompt tokens; 15 of 16 outputs equal to vLLM's) | 1.20x |" in table(res)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or "")
+@vllm_test
 def test_bench_puts_vllm_rows_beside_the_hf_rows(tmp_path):
     """Experiments 1 and 2 on both backends, same prompts: on vLLM, text replay computes
     every prompt token, the engines' own prefix caches no more, kvstate fewer, all three

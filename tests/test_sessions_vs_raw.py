@@ -14,7 +14,7 @@ import pytest
 
 from dask_kvstate.bench import sessions_vs_raw as svr
 
-from .conftest import SPAWNED, VLLM_TESTS
+from .conftest import SPAWNED, vllm_test
 
 
 def _session(arrival: float, end: float, answers: list[list[int]]) -> dict:
@@ -64,13 +64,7 @@ def test_an_unknown_variant_is_refused_before_anything_starts():
         svr.command(svr.Options(variants=["kvstate-fast"]))
 
 
-def _needs_vllm(test):
-    for mark in VLLM_TESTS:
-        test = mark(test)
-    return test
-
-
-@_needs_vllm
+@vllm_test
 def test_sessions_on_kvstate_answer_as_the_raw_engine_fed_as_a_server(tmp_path):
     # Three sessions of one round arriving together: the raw engine's step loop and
     # kvstate's defaults grow the same contexts, so every answer must be the same.
