@@ -37,7 +37,7 @@ N = 10  # new tokens per generation
 # Tier budgets for the spill test: a couple of blocks of any family per tier, so a state goes to disk.
 TIGHT = {"device_bytes": 24 * 1024, "host_bytes": 24 * 1024, "disk_bytes": "1GiB"}
 # A holder that never answers is given up on sooner than the default, so the unreachable-holder
-# test costs ~2 s a family; live peers on one machine connect in milliseconds.
+# test costs ~1 s a family; live peers on one machine connect in milliseconds.
 CONFIG = {**TEST_CONFIG, "kvstate.transport.connect-timeout": "1s"}
 
 every_family = pytest.mark.parametrize("family", FAMILIES)
