@@ -166,6 +166,71 @@ def test_suspended_session_is_offloaded_then_prefetched(lc_client):
     assert tiers["device"]["spills"] >= len(ref.blocks) and tiers["device"]["unspills"] >= len(ref.blocks)
 
 
+def test_a_step_two_tool_calls_away_is_predicted_by_the_whole_chain(lc_client):
+    """The session's next KV task waits on a tool call that waits on another: while the
+    first runs, the prediction is both calls' means, not the second's alone."""
+    c = lc_client
+    w = sorted(c.nthreads())[0]
+    with on(w):
+        c.compute(dask.delayed(run_tests)(0.0, "import", dask_key_name="run_tests-import-chain")).result()
+    with on(w), kvs.component("reviewer"):  # history: a review takes about 1 s
+        c.compute(dask.delayed(run_tests)(1.0, "warm-up", dask_key_name="run_tests-review-history")).result()
+    with on(w), kvs.session("review") as s:
+        ref = c.compute(kvs.materialize(CONTEXT, " Review the patch. ")).result()
+        with kvs.component("reviewer"):
+            first = dask.delayed(run_tests)(1.0, " Style: fine.")
+            second = dask.delayed(run_tests)(1.0, first)  # the second review reads the first
+        out = c.compute(kvs.resume(ref, second, max_new_tokens=4)).result()
+        replay = c.compute(kvs.generate(CONTEXT, " Review the patch. ", " Style: fine.", max_new_tokens=4)).result()
+    assert out == replay
+    poll_for(lambda: events(c, "prefetch", "decision", s.id), timeout=20)
+    off = events(c, "offload", "decision", s.id)
+    assert off and off[0]["why"] == "prediction", events(c, session=s.id)
+    # Suspended while the first review runs: about 1 s of it left plus 1 s of the second
+    # (the second's mean alone, 1 s, was the prediction before chains were followed).
+    assert off[0]["predicted_s"] > 1.5, off[0]
+
+
+def test_round_robin_sessions_come_back_from_disk_before_their_visits(tmp_path):
+    """KV beyond the engine's memory, as one workflow (``beyond-memory``'s lifecycle row):
+    six SmolLM2 sessions' documents do not fit the store's memory tiers, so each goes to
+    disk between its visits, and the lifecycle brings it back up as the visit before
+    its own runs. Every output equals transformers' ``generate`` of the whole prompt."""
+    import torch
+
+    from dask_kvstate.backends.models import load
+    from dask_kvstate.bench import beyond_memory
+
+    # ~300-token documents of ~14 MB of KV; tiers of 32 MiB each hold two and a bit.
+    opts = beyond_memory.small(
+        variants=["kvstate-lifecycle"],
+        backends=["hf"],
+        sessions=6,
+        doc_tokens=300,
+        memory_tier="32MiB",
+        out=str(tmp_path),
+    )
+    with dask.config.set({"kvstate.block-tokens": 64, "kvstate.scheduling.interval": "50ms"}):
+        res = beyond_memory.command(opts)
+    (rows,) = res["rows"]["kvstate-lifecycle/hf"]
+    model, tokenizer = load(opts.model)
+    docs = beyond_memory.documents(opts.model, opts.sessions + 1, opts.doc_tokens)[:-1]
+    for x in rows:
+        ids = tokenizer(docs[x["session"]] + beyond_memory.question(x["session"], x["round"]), return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(ids.input_ids, max_new_tokens=opts.new_tokens, do_sample=False)
+        assert x["token_ids"] == out[0, ids.input_ids.shape[1] :].tolist(), (x["session"], x["round"])
+    back = [x for x in rows if x["round"] > 0]
+    assert all(x["reused_tokens"] >= 256 for x in back)  # the document's whole blocks came from the store
+    # The first follow-up has no history of its kind to be predicted from; after it, the
+    # lifecycle fetches states ahead of their visits, and such a visit reads no block from disk.
+    ahead = [x for x in back if x["prefetched_blocks"]]
+    assert ahead and any(x["tiers"] and "disk" not in x["tiers"] for x in ahead), [
+        (x["prefetched_blocks"], x["tiers"]) for x in back
+    ]
+    assert "| kvstate-lifecycle/hf |" in (tmp_path / "beyond_memory.md").read_text()
+
+
 # -- the pure rule -------------------------------------------------------------------------
 COSTS = {"host": (0.01, 0.02), "disk": (0.1, 0.2)}
 

@@ -25,6 +25,12 @@ with the raw engine's:
 - ``kvstate-disk``: the same with the store's memory tiers (``--memory-tier``) below the
   documents' total, so states spill to the disk tier and returning visits read them
   back from there;
+- ``kvstate-lifecycle``: the disk row's budgets, with the visits given as the workflow
+  they are: one graph, each visit a task of its session (``kvstate-session``) that
+  starts when the visit before it has finished. The KV lifecycle (on by default) sees
+  each session's next visit coming by workflow progress, moves the session's state out
+  after its visit and back up before its next one, so a returning visit reads memory,
+  not disk;
 - with ``--backends vllm hf``, the same two kvstate rows over transformers.
 
 Reported per row: first-visit and returning-visit TTFT (median), their ratio to the
@@ -44,14 +50,15 @@ from typing import Any
 
 import dask
 from dask.utils import format_bytes, parse_bytes
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, WorkerPlugin
 
 import dask_kvstate as kvs
 from dask_kvstate.bench import workload
 from dask_kvstate.bench.raw_vllm import RAW, RawEngine, cpu_model
 from dask_kvstate.bench.report import saved
+from dask_kvstate.protocol import LIFECYCLE_TOPIC, SESSION_ANNOTATION, WORKER_PLUGIN
 
-VARIANTS = (*RAW, "kvstate", "kvstate-disk")
+VARIANTS = (*RAW, "kvstate", "kvstate-disk", "kvstate-lifecycle")
 
 
 @dataclasses.dataclass
@@ -70,7 +77,8 @@ class Options:
         default=None, metadata={"help": "the engines' longest request (tokens); default: the model's own"}
     )
     memory_tier: str = dataclasses.field(
-        default="256MiB", metadata={"help": "kvstate-disk: the store's device and host tier budgets, each"}
+        default="384MiB",
+        metadata={"help": "kvstate-disk and kvstate-lifecycle: the store's device and host tier budgets, each"},
     )
     backends: list[str] = dataclasses.field(
         default_factory=lambda: ["vllm"], metadata={"help": "kvstate's backends: vllm and/or hf", "nargs": "+"}
@@ -86,16 +94,16 @@ def small(**settings) -> Options:
     """The experiment at the smallest size that still shows the regime (three ~600-token
     documents, an engine holding about two of them, store memory tiers of one block):
     what the test and the asv suite run."""
-    return Options(
-        sessions=3,
-        doc_tokens=600,
-        rounds=2,
-        new_tokens=4,
-        engine_kv="60MiB",
-        max_model_len=1024,
-        memory_tier="4MiB",
-        **settings,
-    )
+    base: dict[str, Any] = {
+        "sessions": 3,
+        "doc_tokens": 600,
+        "rounds": 2,
+        "new_tokens": 4,
+        "engine_kv": "60MiB",
+        "max_model_len": 1024,
+        "memory_tier": "4MiB",
+    }
+    return Options(**{**base, **settings})
 
 
 # -- the workload ---------------------------------------------------------------------
@@ -176,8 +184,102 @@ def run_kvstate(client, docs: list[str], order: list[tuple[int, int]], new_token
     return rows
 
 
-def _visit(doc: str, q: str, new_tokens: int):
+def _visit(doc: str, q, new_tokens: int):
     return kvs.generate(doc, q, max_new_tokens=new_tokens, prefix_cache=True)
+
+
+def _arrives(previous, q: str) -> str:
+    """The workflow's order: visit ``k``'s question arrives once visit ``k - 1`` has answered."""
+    return q
+
+
+class TierReads(WorkerPlugin):
+    """The store tiers each visit's task read its blocks from, and when it ran.
+
+    Per task, the store's hit counters at its start and end: exact on a one-thread
+    worker, where no other task reads between (a lifecycle prefetch moves blocks
+    without counting hits). Bench instrumentation, not part of the library.
+    """
+
+    name = "bench-tier-reads"
+
+    def setup(self, worker) -> None:
+        self.worker = worker
+        self.started: dict = {}
+        self.visits: dict = {}
+
+    def _hits(self) -> dict[str, int]:
+        tiers = self.worker.plugins[WORKER_PLUGIN].runtime.store.counters
+        return {t: tiers[t]["hits"] for t in ("device", "host", "disk")}
+
+    def transition(self, key, start, finish, **kwargs) -> None:
+        if not str(key).startswith("kvs-generate"):
+            return
+        if finish == "executing":
+            self.started[key] = (time.time(), time.perf_counter(), self._hits())
+        elif start == "executing" and key in self.started:
+            at, t0, before = self.started.pop(key)
+            after = self._hits()
+            self.visits[key] = {
+                "at": at,
+                "seconds": time.perf_counter() - t0,
+                "tiers": {t: after[t] - before[t] for t in after if after[t] > before[t]},
+            }
+
+
+def run_workflow(client, docs: list[str], order: list[tuple[int, int]], new_tokens: int) -> list[dict]:
+    """The visits as one workflow of sessions (the ``kvstate-lifecycle`` row): submitted at
+    once, each starting when the one before it has finished, each session's tasks
+    annotated with its session, so the lifecycle predicts every session's next visit.
+
+    A first visit (reading a new document) and a follow-up are different steps of the
+    workflow, and take very different times: each is its own component
+    (``kvs.component``), so the lifecycle's duration history predicts each from its own.
+    """
+    workload.settle(client)
+    client.run(lambda dask_worker: dask_worker.plugins[TierReads.name].visits.clear())
+    with contextlib.ExitStack() as stack:
+        sessions = {s: stack.enter_context(kvs.session(f"doc{s}", client=client)).id for s in dict(order)}
+        visits, previous = [], None
+        for s, r in order:
+            with dask.annotate(**{SESSION_ANNOTATION: sessions[s]}):
+                q = question(s, r)
+                if previous is not None:
+                    q = dask.delayed(_arrives, pure=True)(previous, q, dask_key_name=f"arrives-{s}-{r}")
+                with kvs.component("ask" if r else "read"):
+                    previous = _visit(docs[s], q, new_tokens)
+            visits.append(previous)
+        results = client.compute(visits, sync=True)
+    reads = next(iter(client.run(lambda dask_worker: dask_worker.plugins[TierReads.name].visits).values()))
+    events = [m for _, m in client.get_events(LIFECYCLE_TOPIC)]
+    predicted = {(m["session"], m["at"]) for m in events if m.get("phase") == "decision" and m["why"] == "prediction"}
+    fetched = [m for m in events if m["kind"] == "prefetch" and m.get("phase") == "done"]
+    rows, last_visit = [], {}
+    for (s, r), v, g in zip(order, visits, results):
+        seen = reads.get(v.key, {"at": float("nan"), "seconds": float("nan"), "tiers": {}})
+        since = last_visit.get(s, 0.0)
+        last_visit[s] = seen["at"]
+        rows.append(
+            {
+                "session": s,
+                "round": r,
+                "ttft_s": g.ttft,
+                "latency_s": seen["seconds"],  # the visit's task, from its start (its question's arrival)
+                "token_ids": list(g.token_ids),
+                "reused_tokens": g.reused_tokens,
+                "tiers": seen["tiers"],
+                # blocks the lifecycle brought up for this session, decided by a prediction,
+                # between its previous visit and this one's start
+                "prefetched_blocks": sum(
+                    m["blocks"]
+                    for m in fetched
+                    if m["session"] == sessions[s]
+                    and (m["session"], m["decision"]) in predicted
+                    and since < m["decision"] <= seen["at"]
+                ),
+            }
+        )
+    return rows
 
 
 def _cluster(backend: str, args: Options, disk: bool):
@@ -191,6 +293,7 @@ def _cluster(backend: str, args: Options, disk: bool):
         cluster = LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0")
         client = Client(cluster)
         kvs.install(client, args.model, backend=backend, device_bytes=tier, host_bytes=tier)
+        client.register_plugin(TierReads())
         client.run(workload.warm_up)
     return cluster, client
 
@@ -237,11 +340,12 @@ def started(name: str, args: Options, spare: str) -> Iterator[Callable[[list[str
             yield lambda docs, order: run_raw(engine, docs, order, args.new_tokens)
         return
     variant, backend = name.split("/")
-    cluster, client = _cluster(backend, args, disk=variant == "kvstate-disk")
+    cluster, client = _cluster(backend, args, disk=variant != "kvstate")
+    run = run_workflow if variant == "kvstate-lifecycle" else run_kvstate
     try:
         with client.as_current():
             _visit(spare, question(0, 0), args.new_tokens).compute()
-            yield lambda docs, order: run_kvstate(client, docs, order, args.new_tokens)
+            yield lambda docs, order: run(client, docs, order, args.new_tokens)
     finally:
         client.close()
         cluster.close()

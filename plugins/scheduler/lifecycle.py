@@ -5,14 +5,16 @@ global loop), for each open session:
 
 * **predict** the time until it is runnable again: over the tasks it waits on (its
   waiting tasks' unfinished dependencies), ``max(mean duration of that component -
-  elapsed)``, the component means being this extension's own record of how long
-  tasks of that component took on this scheduler (processing -> memory);
+  elapsed)``, a task not yet started adding the longest chain of mean durations through
+  the unfinished tasks it waits on itself; the component means are this extension's own
+  record of how long tasks of that component took on this scheduler (processing -> memory);
 * **decide** with :func:`~dask_kvstate.plugins.scheduler.lifecycle_policy.lifecycle_action`:
   offload the session's KV to host or disk when it will idle longer than moving it out
   and back costs (rates measured on the worker per tier), prefetch it back when the
-  prediction drops below restore time + margin (the configured margin plus one standard
-  deviation of the awaited component's measured durations: a mean alone makes every
-  shorter-than-average run find its KV still out); a session whose KV task already runs
+  prediction drops below restore time + margin (the configured margin, plus one standard
+  deviation of the awaited components' measured durations: a mean alone makes every
+  shorter-than-average run find its KV still out, plus one control interval: the pass
+  after this one may come too late); a session whose KV task already runs
   with KV out gets it fetched at once; when a worker's device tier has less than the
   configured reserve free, offload the longest-idle suspended sessions first until it has;
 * **act** by stream messages to the worker holding the KV (``kvstate-offload``,
@@ -225,8 +227,8 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
 
     # -- the control pass ----------------------------------------------------------------
     def predict(self, session) -> tuple[float | None, bool, float]:
-        """(predicted seconds until runnable, whether its KV is in use now, the awaited
-        components' largest duration deviation).
+        """(predicted seconds until runnable, whether its KV is in use now, the prediction's
+        spread: the standard deviation of the awaited durations).
 
         The session's KV-using waiting tasks each wait on their unfinished dependencies;
         the soonest of them decides (it is the one that will read the KV first). Only
@@ -234,6 +236,7 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
         """
         now = time()
         best, spread = None, 0.0
+        ahead: dict = {}  # key -> (seconds before it can start, their variance): see _until_done
         for key in list(self.kv_tasks.get(session.id, ())):
             ts = self.scheduler.tasks.get(key)
             if ts is None:
@@ -243,12 +246,60 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
             if ts.state != "waiting" or not uses_kv(ts):
                 continue
             awaited = [d for d in ts.dependencies if d.state != "memory"]
-            p = predict_idle(
-                [(self.mean_duration(component_of(d)), now - self.started.get(d.key, now)) for d in awaited]
-            )
+            waits = [self._until_done(d, now, ahead) for d in awaited]
+            p = predict_idle([w[:2] for w in waits])
             if p is not None and (best is None or p < best):
-                best, spread = p, max(self.spread(component_of(d)) for d in awaited)
+                best, spread = p, max(w[2] for w in waits) ** 0.5
         return best, False, spread
+
+    def _until_done(self, ts, now: float, ahead: dict) -> tuple[float | None, float, float]:
+        """``(mean, elapsed, variance)`` of awaited dependency ``ts``: ``mean - elapsed`` is
+        how long it has left, for :func:`predict_idle`.
+
+        A dependency that has not started yet (itself waiting on others) first waits for
+        its own inputs: its "mean" is its component's mean plus that wait, the longest
+        chain of mean durations through the unfinished tasks above it, and the variance
+        theirs summed. Without this, a session whose next step is several steps away (a
+        round-robin over sessions, a second tool call) would look due as soon as it is
+        suspended and be fetched back long before it runs.
+        """
+        component = component_of(ts)
+        mean, var = self.mean_duration(component), self.spread(component) ** 2
+        if mean is None or ts.state == "processing":
+            return mean, now - self.started.get(ts.key, now), var
+        before = self._before_start(ts, now, ahead)
+        return (None, 0.0, var) if before is None else (mean + before[0], 0.0, var + before[1])
+
+    def _before_start(self, root, now: float, ahead: dict) -> tuple[float, float] | None:
+        """Predicted seconds (and their variance) until every input of ``root`` is in
+        memory; None when a component on the way was never seen or an input erred.
+        Iterative and memoized in ``ahead`` for one control pass: a long chain costs one
+        step per task, not a deep recursion."""
+        stack = [root]
+        while stack:
+            ts = stack[-1]
+            if ts.key in ahead:
+                stack.pop()
+                continue
+            inputs = [d for d in ts.dependencies if d.state != "memory"]
+            todo = [d for d in inputs if d.state not in ("processing", "erred") and d.key not in ahead]
+            if todo:
+                stack.extend(todo)
+                continue
+            stack.pop()
+            longest: tuple[float, float] = (0.0, 0.0)
+            for d in inputs:
+                mean = self.mean_duration(component_of(d))
+                above = (0.0, 0.0) if d.state == "processing" else ahead.get(d.key)
+                if d.state == "erred" or mean is None or above is None:
+                    ahead[ts.key] = None
+                    break
+                left = max(mean - (now - self.started.get(d.key, now)), 0.0) if d.state == "processing" else mean
+                if above[0] + left >= longest[0]:
+                    longest = (above[0] + left, above[1] + self.spread(component_of(d)) ** 2)
+            else:
+                ahead[ts.key] = longest
+        return ahead[root.key]
 
     def costs(self, worker: str, nbytes: int) -> dict:
         rates = self.reports.get(worker, {}).get("rates", {})
@@ -279,7 +330,8 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
                         # rest now rather than block by block from its task.
                         self._send(worker, sid, "prefetch", None, 0.0, self.costs(worker, lower), per, why="running")
                     continue
-                due, margin = False, self.margin_s + spread
+                # The next pass comes one control interval later: a prefetch left to it may be late.
+                due, margin = False, self.margin_s + spread + self.tracker.interval_s
                 if predicted is not None:  # no prediction, no rule (lifecycle_action's own answer)
                     costs = self.costs(worker, per["device"] or lower)
                     host_room = host["bytes"] + per["device"] <= host["capacity"]
