@@ -254,7 +254,8 @@ def run_workflow(client, docs: list[str], order: list[tuple[int, int]], new_toke
     events = [m for _, m in client.get_events(LIFECYCLE_TOPIC)]
     predicted = {(m["session"], m["at"]) for m in events if m.get("phase") == "decision" and m["why"] == "prediction"}
     fetched = [m for m in events if m["kind"] == "prefetch" and m.get("phase") == "done"]
-    rows, last_visit = [], {}
+    rows: list[dict] = []
+    last_visit: dict[int, float] = {}
     for (s, r), v, g in zip(order, visits, results):
         seen = reads.get(v.key, {"at": float("nan"), "seconds": float("nan"), "tiers": {}})
         since = last_visit.get(s, 0.0)
