@@ -125,7 +125,7 @@ def test_the_command_line_runs_each_experiment_at_its_published_settings_or_its_
     exp, opts = registry.parse(["vs-raw", "--parts", "beyond-memory", "agents-vs-raw", "--out", str(tmp_path)])
     assert exp.name == "vs-raw" and opts.parts == ["beyond-memory", "agents-vs-raw"]
     beyond = vs_raw.settings("beyond-memory", opts)
-    assert (beyond.sessions, beyond.engine_kv, beyond.out) == (6, "512MiB", str(tmp_path / "beyond-memory"))
+    assert (beyond.sessions, beyond.engine_kv, beyond.out) == (8, "512MiB", str(tmp_path / "beyond-memory"))
     assert beyond.backends == ["vllm", "hf"]  # the transformers backend held to the same bars
     exp, opts = registry.parse(["vs-raw", "--small", "--out", str(tmp_path)])
     assert vs_raw.settings("beyond-memory", opts) == beyond_memory.small(out=str(tmp_path / "beyond-memory"))
