@@ -97,11 +97,11 @@ class Options:
 
 
 def small(**settings) -> Options:
-    """The experiment at a size the test and the asv suite can afford: six sessions of two
+    """The experiment at a size the test and the asv suite can afford: four sessions of two
     rounds on ~300-token tickets, all arriving at once, in an engine holding about two
     thirds of what they grow to (SmolLM2-135M: 45 KiB of KV a token)."""
-    defaults = {"sessions": 6, "doc_tokens": 300, "rounds": 2, "new_tokens": 8, "rate": 0.0, "repeats": 1}
-    return Options(**{**defaults, "engine_kv": "96MiB", "max_model_len": 1024, **settings})
+    defaults = {"sessions": 4, "doc_tokens": 300, "rounds": 2, "new_tokens": 8, "rate": 0.0, "repeats": 1}
+    return Options(**{**defaults, "engine_kv": "64MiB", "max_model_len": 1024, **settings})
 
 
 # -- the workload ---------------------------------------------------------------------

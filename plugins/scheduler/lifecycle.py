@@ -76,6 +76,10 @@ from dask_kvstate.session import component_of
 
 logger = logging.getLogger("dask_kvstate")
 
+#: Tasks one control pass walks, at most, through the unfinished graph ahead of waiting
+#: sessions (``_before_start``): a few milliseconds of the loop (docs/design/lifecycle.md).
+WALK_LIMIT = 2_000
+
 
 class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
     """Scheduler side of the KV lifecycle (installed by ``kvs.install`` when ``kvstate.lifecycle.enabled``)."""
@@ -226,17 +230,19 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
         return (max(sq / n - (total / n) ** 2, 0.0)) ** 0.5 if n > 1 else 0.0
 
     # -- the control pass ----------------------------------------------------------------
-    def predict(self, session) -> tuple[float | None, bool, float]:
+    def predict(self, session, ahead: dict | None = None) -> tuple[float | None, bool, float]:
         """(predicted seconds until runnable, whether its KV is in use now, the prediction's
         spread: the standard deviation of the awaited durations).
 
         The session's KV-using waiting tasks each wait on their unfinished dependencies;
         the soonest of them decides (it is the one that will read the KV first). Only
         those tasks are read (:attr:`kv_tasks`), not every task the session holds.
+        ``ahead`` is the control pass's record of the tasks walked so far (see
+        :meth:`_before_start`), shared by the sessions of one pass.
         """
         now = time()
         best, spread = None, 0.0
-        ahead: dict = {}  # key -> (seconds before it can start, their variance): see _until_done
+        ahead = {} if ahead is None else ahead
         for key in list(self.kv_tasks.get(session.id, ())):
             ts = self.scheduler.tasks.get(key)
             if ts is None:
@@ -272,15 +278,21 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
 
     def _before_start(self, root, now: float, ahead: dict) -> tuple[float, float] | None:
         """Predicted seconds (and their variance) until every input of ``root`` is in
-        memory; None when a component on the way was never seen or an input erred.
-        Iterative and memoized in ``ahead`` for one control pass: a long chain costs one
-        step per task, not a deep recursion."""
+        memory; None when a component on the way was never seen, an input erred, or the
+        pass has walked :data:`WALK_LIMIT` tasks already (a graph that deep ahead of a
+        session is not due soon, and the control loop must stay short). Iterative and
+        memoized in ``ahead`` for one control pass: a long chain costs one step per task,
+        not a deep recursion, and sessions behind the same tasks walk them once."""
         stack = [root]
         while stack:
             ts = stack[-1]
             if ts.key in ahead:
                 stack.pop()
                 continue
+            if len(ahead) >= WALK_LIMIT:
+                for t in stack:
+                    ahead[t.key] = None
+                break
             inputs = [d for d in ts.dependencies if d.state != "memory"]
             todo = [d for d in inputs if d.state not in ("processing", "erred") and d.key not in ahead]
             if todo:
@@ -313,6 +325,7 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
 
     def run_once(self) -> None:
         sessions = self.tracker.sessions
+        ahead: dict = {}  # the tasks this pass walked to predict sessions' waits
         for worker, report in list(self.reports.items()):
             if worker not in self.announced or worker not in self.scheduler.stream_comms:
                 continue
@@ -323,7 +336,7 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
                 if s is None:
                     continue
                 lower = per["host"] + per["disk"]
-                predicted, running, spread = self.predict(s)
+                predicted, running, spread = self.predict(s, ahead)
                 if running:
                     if lower and self.last.get((sid, worker), {}).get("action") != "prefetch":
                         # Ran before any prediction said so (no history, or early): fetch the
