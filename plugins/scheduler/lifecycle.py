@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 from time import time
 from typing import TYPE_CHECKING
 
@@ -76,9 +77,22 @@ from dask_kvstate.session import component_of
 
 logger = logging.getLogger("dask_kvstate")
 
-#: Tasks one control pass walks, at most, through the unfinished graph ahead of waiting
-#: sessions (``_before_start``): a few milliseconds of the loop (docs/design/lifecycle.md).
-WALK_LIMIT = 2_000
+#: Steps (a task entered, an input read) one control pass takes, at most, through the
+#: unfinished graph ahead of waiting sessions (``_before_start``): a few milliseconds of
+#: the loop at worst (docs/design/lifecycle.md).
+WALK_LIMIT = 1_000
+
+
+@dataclass
+class Walk:
+    """One control pass's walk through the unfinished tasks ahead of waiting sessions:
+    ``before`` maps a key to the seconds (and their variance) until its inputs are in
+    memory (None: unknown), shared by the pass's sessions; ``steps`` counts against
+    :data:`WALK_LIMIT`."""
+
+    before: dict = field(default_factory=dict)
+    entered: set = field(default_factory=set)
+    steps: int = 0
 
 
 class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
@@ -230,19 +244,19 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
         return (max(sq / n - (total / n) ** 2, 0.0)) ** 0.5 if n > 1 else 0.0
 
     # -- the control pass ----------------------------------------------------------------
-    def predict(self, session, ahead: dict | None = None) -> tuple[float | None, bool, float]:
+    def predict(self, session, walk: Walk | None = None) -> tuple[float | None, bool, float]:
         """(predicted seconds until runnable, whether its KV is in use now, the prediction's
         spread: the standard deviation of the awaited durations).
 
         The session's KV-using waiting tasks each wait on their unfinished dependencies;
         the soonest of them decides (it is the one that will read the KV first). Only
         those tasks are read (:attr:`kv_tasks`), not every task the session holds.
-        ``ahead`` is the control pass's record of the tasks walked so far (see
+        ``walk`` is the control pass's record of the tasks walked so far (see
         :meth:`_before_start`), shared by the sessions of one pass.
         """
         now = time()
         best, spread = None, 0.0
-        ahead = {} if ahead is None else ahead
+        walk = Walk() if walk is None else walk
         for key in list(self.kv_tasks.get(session.id, ())):
             ts = self.scheduler.tasks.get(key)
             if ts is None:
@@ -252,13 +266,13 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
             if ts.state != "waiting" or not uses_kv(ts):
                 continue
             awaited = [d for d in ts.dependencies if d.state != "memory"]
-            waits = [self._until_done(d, now, ahead) for d in awaited]
+            waits = [self._until_done(d, now, walk) for d in awaited]
             p = predict_idle([w[:2] for w in waits])
             if p is not None and (best is None or p < best):
                 best, spread = p, max(w[2] for w in waits) ** 0.5
         return best, False, spread
 
-    def _until_done(self, ts, now: float, ahead: dict) -> tuple[float | None, float, float]:
+    def _until_done(self, ts, now: float, walk: Walk) -> tuple[float | None, float, float]:
         """``(mean, elapsed, variance)`` of awaited dependency ``ts``: ``mean - elapsed`` is
         how long it has left, for :func:`predict_idle`.
 
@@ -273,28 +287,31 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
         mean, var = self.mean_duration(component), self.spread(component) ** 2
         if mean is None or ts.state == "processing":
             return mean, now - self.started.get(ts.key, now), var
-        before = self._before_start(ts, now, ahead)
+        before = self._before_start(ts, now, walk)
         return (None, 0.0, var) if before is None else (mean + before[0], 0.0, var + before[1])
 
-    def _before_start(self, root, now: float, ahead: dict) -> tuple[float, float] | None:
+    def _before_start(self, root, now: float, walk: Walk) -> tuple[float, float] | None:
         """Predicted seconds (and their variance) until every input of ``root`` is in
         memory; None when a component on the way was never seen, an input erred, or the
-        pass has walked :data:`WALK_LIMIT` tasks already (a graph that deep ahead of a
+        pass has taken :data:`WALK_LIMIT` steps already (a graph that large ahead of a
         session is not due soon, and the control loop must stay short). Iterative and
-        memoized in ``ahead`` for one control pass: a long chain costs one step per task,
+        memoized in ``walk`` for one control pass: a long chain costs one step per task,
         not a deep recursion, and sessions behind the same tasks walk them once."""
-        stack = [root]
+        before, stack = walk.before, [root]
         while stack:
             ts = stack[-1]
-            if ts.key in ahead:
+            if ts.key in before:
                 stack.pop()
                 continue
-            if len(ahead) >= WALK_LIMIT:
-                for t in stack:
-                    ahead[t.key] = None
-                break
             inputs = [d for d in ts.dependencies if d.state != "memory"]
-            todo = [d for d in inputs if d.state not in ("processing", "erred") and d.key not in ahead]
+            if ts.key not in walk.entered:  # counted once, not again when its inputs are done
+                walk.entered.add(ts.key)
+                walk.steps += 1 + len(inputs)
+            if walk.steps > WALK_LIMIT:
+                for t in stack:
+                    before[t.key] = None
+                break
+            todo = [d for d in inputs if d.state not in ("processing", "erred") and d.key not in before]
             if todo:
                 stack.extend(todo)
                 continue
@@ -302,16 +319,16 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
             longest: tuple[float, float] = (0.0, 0.0)
             for d in inputs:
                 mean = self.mean_duration(component_of(d))
-                above = (0.0, 0.0) if d.state == "processing" else ahead.get(d.key)
+                above = (0.0, 0.0) if d.state == "processing" else before.get(d.key)
                 if d.state == "erred" or mean is None or above is None:
-                    ahead[ts.key] = None
+                    before[ts.key] = None
                     break
                 left = max(mean - (now - self.started.get(d.key, now)), 0.0) if d.state == "processing" else mean
                 if above[0] + left >= longest[0]:
                     longest = (above[0] + left, above[1] + self.spread(component_of(d)) ** 2)
             else:
-                ahead[ts.key] = longest
-        return ahead[root.key]
+                before[ts.key] = longest
+        return before[root.key]
 
     def costs(self, worker: str, nbytes: int) -> dict:
         rates = self.reports.get(worker, {}).get("rates", {})
@@ -325,7 +342,7 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
 
     def run_once(self) -> None:
         sessions = self.tracker.sessions
-        ahead: dict = {}  # the tasks this pass walked to predict sessions' waits
+        walk = Walk()  # the tasks this pass walked to predict sessions' waits
         for worker, report in list(self.reports.items()):
             if worker not in self.announced or worker not in self.scheduler.stream_comms:
                 continue
@@ -336,7 +353,7 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
                 if s is None:
                     continue
                 lower = per["host"] + per["disk"]
-                predicted, running, spread = self.predict(s, ahead)
+                predicted, running, spread = self.predict(s, walk)
                 if running:
                     if lower and self.last.get((sid, worker), {}).get("action") != "prefetch":
                         # Ran before any prediction said so (no history, or early): fetch the
