@@ -265,7 +265,7 @@ def run_workflow(client, docs: list[str], order: list[tuple[int, int]], new_toke
                 "session": s,
                 "round": r,
                 "ttft_s": g.ttft,
-                "latency_s": seen["seconds"],  # the visit's task, from its start (its question's arrival)
+                "latency_s": seen["seconds"],  # the visit's task alone: no client round trip in a workflow
                 "token_ids": list(g.token_ids),
                 "reused_tokens": g.reused_tokens,
                 "tiers": seen["tiers"],
