@@ -510,36 +510,36 @@ def test_a_failing_invalidation_stops_when_the_worker_leaves():
 
 
 def test_the_wait_before_a_step_follows_the_longest_chain_and_gives_up_past_the_walk_limit():
-    from collections import defaultdict
     from types import SimpleNamespace
 
-    from dask_kvstate.plugins.scheduler.lifecycle import WALK_LIMIT, KVLifecycle, Walk
+    from dask_kvstate.plugins.scheduler.lifecycle_history import WALK_LIMIT, TaskHistory, Walk
 
-    ext = KVLifecycle()
-    ext.started = {}
-    ext.durations = defaultdict(lambda: [0, 0.0, 0.0])
-    ext.durations.update({"tool": [2, 2.0, 2.0], "review": [2, 4.0, 8.5]})  # means 1 s and 2 s
+    history = TaskHistory()
+    history.durations.update({"tool": [2, 2.0, 2.0], "review": [2, 4.0, 8.5]})  # means 1 s and 2 s
 
     def task(key, state="waiting", *deps):
         return SimpleNamespace(key=key, state=state, dependencies=list(deps), annotations=None)
 
     now = time.time()
     running = task("tool-0", "processing")
-    ext.started["tool-0"] = now - 0.25  # 0.75 s of it left
+    history.started["tool-0"] = now - 0.25  # 0.75 s of it left
     short = task("tool-1", "waiting", running)  # then 1 s
     long = task("review-1", "waiting", task("review-0", "queued"))  # 2 s, then 2 s
     step = task("kvs-resume-1", "waiting", short, long)
-    before, var = ext._before_start(step, now, Walk())
+    before, var = history.before_start(step, now, Walk())
     assert before == pytest.approx(4.0)  # the longer of 1.75 s and 4 s
     assert var == pytest.approx(2 * 0.25)  # the reviews' deviations, 0.5 s each, summed as variances
 
     unseen = task("kvs-resume-2", "waiting", task("lint-0", "processing"))
-    assert ext._before_start(unseen, now, Walk()) is None  # a component never seen: no prediction
+    assert history.before_start(unseen, now, Walk()) is None  # a component never seen: no prediction
 
     chain = task("tool-x", "processing")
     for i in range(WALK_LIMIT + 1):
         chain = task(f"tool-{i + 10}", "waiting", chain)
-    assert ext._before_start(chain, now, Walk()) is None  # deeper than one pass walks: no prediction
+    assert history.before_start(chain, now, Walk()) is None  # deeper than one pass walks: no prediction
     wide = task("tool-z", "waiting", *(task(f"tool-w{i}", "processing") for i in range(WALK_LIMIT)))
-    assert ext._before_start(wide, now, Walk()) is None  # so is a fan-in wider than that
-    assert ext._before_start(task("tool-y", "waiting", running), now, Walk()) == (pytest.approx(0.75), 0.0)  # next pass
+    assert history.before_start(wide, now, Walk()) is None  # so is a fan-in wider than that
+    assert history.before_start(task("tool-y", "waiting", running), now, Walk()) == (
+        pytest.approx(0.75),
+        0.0,
+    )  # next pass

@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from time import time
 from typing import TYPE_CHECKING
 
@@ -55,6 +54,7 @@ if TYPE_CHECKING:
 
 from dask_kvstate import config
 from dask_kvstate.plugins.scheduler.handshake import AnnouncedWorkers, serve_hello
+from dask_kvstate.plugins.scheduler.lifecycle_history import TaskHistory, Walk
 from dask_kvstate.plugins.scheduler.lifecycle_policy import (
     lifecycle_action,
     move_seconds,
@@ -73,26 +73,8 @@ from dask_kvstate.protocol import (
     PREFETCH,
     SESSIONS_EXTENSION,
 )
-from dask_kvstate.session import component_of
 
 logger = logging.getLogger("dask_kvstate")
-
-#: Steps (a task entered, an input read) one control pass takes, at most, through the
-#: unfinished graph ahead of waiting sessions (``_before_start``): a few milliseconds of
-#: the loop at worst (docs/design/lifecycle.md).
-WALK_LIMIT = 1_000
-
-
-@dataclass
-class Walk:
-    """One control pass's walk through the unfinished tasks ahead of waiting sessions:
-    ``before`` maps a key to the seconds (and their variance) until its inputs are in
-    memory (None: unknown), shared by the pass's sessions; ``steps`` counts against
-    :data:`WALK_LIMIT`."""
-
-    before: dict = field(default_factory=dict)
-    entered: set = field(default_factory=set)
-    steps: int = 0
 
 
 class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
@@ -123,8 +105,7 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
         self.scheduler = scheduler
         self.announced: set[str] = set()  # workers running the lifecycle worker plugin
         self.reports: dict[str, dict] = {}  # worker -> last report
-        self.started: dict = {}  # key -> time it went processing
-        self.durations: dict[str, list] = defaultdict(lambda: [0, 0.0, 0.0])  # component -> [n, sum s, sum s^2]
+        self.history = TaskHistory()  # how long each component's tasks take here
         self.last: dict[tuple[str, str], dict] = {}  # (session, worker) -> last decision sent
         self.counters: Counter[str] = Counter()
         self.ended_bytes: dict[str, dict] = {}  # session -> {worker: invalidate answer}
@@ -218,30 +199,12 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
     # -- durations, from this scheduler's own task history ------------------------------
     def transition(self, key, start, finish, *args, **kwargs) -> None:
         self._track(key, finish)
+        ts = self.scheduler.tasks.get(key)
+        self.history.transition(key, start, finish, ts)
         if finish == "processing":
-            self.started[key] = time()
             s = self.tracker.session_of(key)
-            ts = self.scheduler.tasks.get(key)
             if s is not None and ts is not None and uses_kv(ts):  # its KV is wanted again
                 self._outcomes(s.id)
-        elif start == "processing":
-            t0 = self.started.pop(key, None)
-            ts = self.scheduler.tasks.get(key)
-            if finish == "memory" and t0 is not None and ts is not None:
-                d, x = self.durations[component_of(ts)], time() - t0
-                d[0] += 1
-                d[1] += x
-                d[2] += x * x
-
-    def mean_duration(self, component: str) -> float | None:
-        n, total, _ = self.durations.get(component, (0, 0.0, 0.0))
-        return total / n if n else None
-
-    def spread(self, component: str) -> float:
-        """Standard deviation of the component's durations: how early a prefetch must start
-        to be in time for a run that ends one deviation before its mean."""
-        n, total, sq = self.durations.get(component, (0, 0.0, 0.0))
-        return (max(sq / n - (total / n) ** 2, 0.0)) ** 0.5 if n > 1 else 0.0
 
     # -- the control pass ----------------------------------------------------------------
     def predict(self, session, walk: Walk | None = None) -> tuple[float | None, bool, float]:
@@ -251,8 +214,8 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
         The session's KV-using waiting tasks each wait on their unfinished dependencies;
         the soonest of them decides (it is the one that will read the KV first). Only
         those tasks are read (:attr:`kv_tasks`), not every task the session holds.
-        ``walk`` is the control pass's record of the tasks walked so far (see
-        :meth:`_before_start`), shared by the sessions of one pass.
+        ``walk`` is the control pass's record of the tasks walked so far
+        (:class:`~.lifecycle_history.Walk`), shared by the sessions of one pass.
         """
         now = time()
         best, spread = None, 0.0
@@ -266,69 +229,11 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
             if ts.state != "waiting" or not uses_kv(ts):
                 continue
             awaited = [d for d in ts.dependencies if d.state != "memory"]
-            waits = [self._until_done(d, now, walk) for d in awaited]
+            waits = [self.history.until_done(d, now, walk) for d in awaited]
             p = predict_idle([w[:2] for w in waits])
             if p is not None and (best is None or p < best):
                 best, spread = p, max(w[2] for w in waits) ** 0.5
         return best, False, spread
-
-    def _until_done(self, ts, now: float, walk: Walk) -> tuple[float | None, float, float]:
-        """``(mean, elapsed, variance)`` of awaited dependency ``ts``: ``mean - elapsed`` is
-        how long it has left, for :func:`predict_idle`.
-
-        A dependency that has not started yet (itself waiting on others) first waits for
-        its own inputs: its "mean" is its component's mean plus that wait, the longest
-        chain of mean durations through the unfinished tasks above it, and the variance
-        theirs summed. Without this, a session whose next step is several steps away (a
-        round-robin over sessions, a second tool call) would look due as soon as it is
-        suspended and be fetched back long before it runs.
-        """
-        component = component_of(ts)
-        mean, var = self.mean_duration(component), self.spread(component) ** 2
-        if mean is None or ts.state == "processing":
-            return mean, now - self.started.get(ts.key, now), var
-        before = self._before_start(ts, now, walk)
-        return (None, 0.0, var) if before is None else (mean + before[0], 0.0, var + before[1])
-
-    def _before_start(self, root, now: float, walk: Walk) -> tuple[float, float] | None:
-        """Predicted seconds (and their variance) until every input of ``root`` is in
-        memory; None when a component on the way was never seen, an input erred, or the
-        pass has taken :data:`WALK_LIMIT` steps already (a graph that large ahead of a
-        session is not due soon, and the control loop must stay short). Iterative and
-        memoized in ``walk`` for one control pass: a long chain costs one step per task,
-        not a deep recursion, and sessions behind the same tasks walk them once."""
-        before, stack = walk.before, [root]
-        while stack:
-            ts = stack[-1]
-            if ts.key in before:
-                stack.pop()
-                continue
-            inputs = [d for d in ts.dependencies if d.state != "memory"]
-            if ts.key not in walk.entered:  # counted once, not again when its inputs are done
-                walk.entered.add(ts.key)
-                walk.steps += 1 + len(inputs)
-            if walk.steps > WALK_LIMIT:
-                for t in stack:
-                    before[t.key] = None
-                break
-            todo = [d for d in inputs if d.state not in ("processing", "erred") and d.key not in before]
-            if todo:
-                stack.extend(todo)
-                continue
-            stack.pop()
-            longest: tuple[float, float] = (0.0, 0.0)
-            for d in inputs:
-                mean = self.mean_duration(component_of(d))
-                above = (0.0, 0.0) if d.state == "processing" else before.get(d.key)
-                if d.state == "erred" or mean is None or above is None:
-                    before[ts.key] = None
-                    break
-                left = max(mean - (now - self.started.get(d.key, now)), 0.0) if d.state == "processing" else mean
-                if above[0] + left >= longest[0]:
-                    longest = (above[0] + left, above[1] + self.spread(component_of(d)) ** 2)
-            else:
-                before[ts.key] = longest
-        return before[root.key]
 
     def costs(self, worker: str, nbytes: int) -> dict:
         rates = self.reports.get(worker, {}).get("rates", {})
@@ -518,7 +423,7 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
         return {
             **dict(self.counters),
             "workers": len(self.announced),
-            "components": {c: self.mean_duration(c) for c in self.durations},
+            "components": self.history.means(),
             "ended": dict(list(self.ended_bytes.items())[-100:]),
             "reports": {
                 w: {"device": r["device"], "host": r["host"], "sessions": r["sessions"], "rates": r["rates"]}
