@@ -50,13 +50,14 @@ from typing import Any
 
 import dask
 from dask.utils import format_bytes, parse_bytes
-from distributed import Client, LocalCluster, WorkerPlugin
+from distributed import Client, LocalCluster
 
 import dask_kvstate as kvs
 from dask_kvstate.bench import workload
+from dask_kvstate.bench.kv_reads import PredictedPrefetches, TierReads
 from dask_kvstate.bench.raw_vllm import RAW, RawEngine, cpu_model
 from dask_kvstate.bench.report import saved
-from dask_kvstate.protocol import LIFECYCLE_TOPIC, SESSION_ANNOTATION, WORKER_PLUGIN
+from dask_kvstate.protocol import LIFECYCLE_TOPIC, SESSION_ANNOTATION
 
 VARIANTS = (*RAW, "kvstate", "kvstate-disk", "kvstate-lifecycle")
 
@@ -193,40 +194,6 @@ def _arrives(previous, q: str) -> str:
     return q
 
 
-class TierReads(WorkerPlugin):
-    """The store tiers each visit's task read its blocks from, and when it ran.
-
-    Per task, the store's hit counters at its start and end: exact on a one-thread
-    worker, where no other task reads between (a lifecycle prefetch moves blocks
-    without counting hits). Bench instrumentation, not part of the library.
-    """
-
-    name = "bench-tier-reads"
-
-    def setup(self, worker) -> None:
-        self.worker = worker
-        self.started: dict = {}
-        self.visits: dict = {}
-
-    def _hits(self) -> dict[str, int]:
-        tiers = self.worker.plugins[WORKER_PLUGIN].runtime.store.counters
-        return {t: tiers[t]["hits"] for t in ("device", "host", "disk")}
-
-    def transition(self, key, start, finish, **kwargs) -> None:
-        if not str(key).startswith("kvs-generate"):
-            return
-        if finish == "executing":
-            self.started[key] = (time.time(), time.perf_counter(), self._hits())
-        elif start == "executing" and key in self.started:
-            at, t0, before = self.started.pop(key)
-            after = self._hits()
-            self.visits[key] = {
-                "at": at,
-                "seconds": time.perf_counter() - t0,
-                "tiers": {t: after[t] - before[t] for t in after if after[t] > before[t]},
-            }
-
-
 def run_workflow(client, docs: list[str], order: list[tuple[int, int]], new_tokens: int) -> list[dict]:
     """The visits as one workflow of sessions (the ``kvstate-lifecycle`` row): submitted at
     once, each starting when the one before it has finished, each session's tasks
@@ -251,9 +218,7 @@ def run_workflow(client, docs: list[str], order: list[tuple[int, int]], new_toke
             visits.append(previous)
         results = client.compute(visits, sync=True)
     reads = next(iter(client.run(lambda dask_worker: dask_worker.plugins[TierReads.name].visits).values()))
-    events = [m for _, m in client.get_events(LIFECYCLE_TOPIC)]
-    predicted = {(m["session"], m["at"]) for m in events if m.get("phase") == "decision" and m["why"] == "prediction"}
-    fetched = [m for m in events if m["kind"] == "prefetch" and m.get("phase") == "done"]
+    prefetched = PredictedPrefetches(client.get_events(LIFECYCLE_TOPIC))
     rows: list[dict] = []
     last_visit: dict[int, float] = {}
     for (s, r), v, g in zip(order, visits, results):
@@ -271,13 +236,7 @@ def run_workflow(client, docs: list[str], order: list[tuple[int, int]], new_toke
                 "tiers": seen["tiers"],
                 # blocks the lifecycle brought up for this session, decided by a prediction,
                 # between its previous visit and this one's start
-                "prefetched_blocks": sum(
-                    m["blocks"]
-                    for m in fetched
-                    if m["session"] == sessions[s]
-                    and (m["session"], m["decision"]) in predicted
-                    and since < m["decision"] <= seen["at"]
-                ),
+                "prefetched_blocks": prefetched.blocks(sessions[s], since, seen["at"]),
             }
         )
     return rows
