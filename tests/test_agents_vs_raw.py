@@ -51,3 +51,20 @@ def test_the_report_files_hold_every_row(tmp_path):
     md = (tmp_path / "agents_vs_raw.md").read_text()
     assert "| kvstate/hf | 8.00 s | 8.00 | 1.25x | 1/1 |" in md and "(test cpu)" in md
     assert (tmp_path / "agents_vs_raw.png").stat().st_size > 0
+
+
+def test_a_rounds_phases_span_each_kind_of_task_in_the_task_stream():
+    def task(key, *spans, action="compute"):
+        return {"key": key, "startstops": [{"action": action, "start": a, "stop": b} for a, b in spans]}
+
+    stream = [
+        task("kvs-materialize-e58048a91abaf7128467179fabce933d", (10.0, 19.5)),
+        task(("kvs-resume_many-c1522b8dba348c0c5c1c6d1485dfa9fb", 0), (19.5, 27.0)),
+        task(("kvs-resume_many-c1522b8dba348c0c5c1c6d1485dfa9fb", 1), (20.0, 27.5)),
+        task("kvs-generate-d818aed1bba55ef68284f496458f6642", (27.5, 27.5), (27.4, 27.5), action="transfer"),
+    ]
+    got = agents_vs_raw.phases(stream)
+    assert got == pytest.approx({"kvs-materialize": 9.5, "kvs-resume_many": 8.0})  # transfers are not compute
+    runs = {"kvstate/vllm": [{"wall_s": 18.0, "outputs": [[1]], "start_s": 1.0, "phases": got}]}
+    res = agents_vs_raw.report(runs, agents_vs_raw.Options(repeats=1))
+    assert "kvstate/vllm: kvs-materialize 9.50 s, kvs-resume_many 8.00 s" in agents_vs_raw.markdown(res)

@@ -39,7 +39,7 @@ from typing import Any
 
 import dask
 from dask.utils import parse_bytes
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, get_task_stream
 
 import dask_kvstate as kvs
 from dask_kvstate.bench import workload
@@ -99,10 +99,29 @@ def run_kvstate(client, parts: list[tuple[str, str]], new_tokens: int, *, statef
     """
     workload.settle(client)
     t0 = time.perf_counter()
-    with kvs.stateflow() if stateflow else contextlib.nullcontext():
+    with get_task_stream(client) as stream, kvs.stateflow() if stateflow else contextlib.nullcontext():
         got = dask.compute(*[kvs.generate(c, s, max_new_tokens=new_tokens) for c, s in parts])
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "outputs": [list(g.token_ids) for g in got]}
+    return {"wall_s": wall, "outputs": [list(g.token_ids) for g in got], "phases": phases(stream.data)}
+
+
+def phases(tasks: list[dict]) -> dict[str, float]:
+    """Where a round's time went: seconds from the first task's start to the last end of
+    each kind of task (``kvs-materialize``, ``kvs-resume_many``, ...), from Dask's task stream."""
+    spans: dict[str, list[float]] = {}
+    for task in tasks:
+        for ss in task["startstops"]:
+            if ss["action"] == "compute":
+                span = spans.setdefault(_kind(task["key"]), [ss["start"], ss["stop"]])
+                span[0], span[1] = min(span[0], ss["start"]), max(span[1], ss["stop"])
+    return {kind: stop - start for kind, (start, stop) in spans.items()}
+
+
+def _kind(key) -> str:
+    """``kvs-resume_many`` of ``("kvs-resume_many-<token>", 0)`` (Dask's ``key_split`` stops at the underscore)."""
+    name = key[0] if isinstance(key, tuple) else str(key)
+    head, _, token = name.rpartition("-")
+    return head if head and len(token) >= 8 and all(c in "0123456789abcdef" for c in token) else name
 
 
 def rows(args: Options) -> list[str]:
@@ -199,6 +218,9 @@ def report(runs: dict[str, list[dict]], args: Options) -> dict:
     for name, reps in runs.items():
         walls = [r["wall_s"] for r in reps]
         row: dict[str, Any] = {"wall_s": statistics.median(walls), "walls": walls}
+        kinds = {k for r in reps for k in r.get("phases", {})}
+        if kinds:
+            row["phases"] = {k: statistics.median(r["phases"].get(k, 0.0) for r in reps) for k in sorted(kinds)}
         if ref is not None:
             same = sum(g == w for r in reps for g, w in zip(r["outputs"], ref))
             row["identical"] = f"{same}/{len(ref) * len(reps)}"
@@ -227,4 +249,12 @@ def markdown(res: dict) -> str:
             f"| {name} | {m['wall_s']:.2f} s | {rounds} | {m.get('speedup_vs_raw', 1):.2f}x | "
             f"{m.get('identical', '-')} |"
         )
+    spans = [
+        f"{name}: " + ", ".join(f"{k} {v:.2f} s" for k, v in m["phases"].items())
+        for name, m in res["table"].items()
+        if m.get("phases")
+    ]
+    if spans:
+        lines += ["", "Where the rows' time went (first start to last end of each kind of task, medians):", ""]
+        lines += [f"- {line}" for line in spans]
     return "\n".join(lines) + "\n"

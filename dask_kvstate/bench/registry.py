@@ -113,6 +113,11 @@ EXPERIMENTS: dict[str, Experiment] = {
             "dask_kvstate.bench.profile_resume",
         ),
         Experiment(
+            "vllm-shared-prefix",
+            "vLLM's CPU attention over k rows sharing a prefix: shared blocks vs a copy per row vs two GEMMs",
+            "dask_kvstate.bench.vllm_shared_prefix",
+        ),
+        Experiment(
             "agreement",
             "how often each reuse path gives exactly model.generate's tokens, per dtype",
             "dask_kvstate.bench.agreement",
