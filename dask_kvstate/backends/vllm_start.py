@@ -45,6 +45,18 @@ def engine_cores(options: EngineOptions) -> str:
     return options.cpu_cores or cores_of_this_process()
 
 
+def use_inductor_cache() -> None:
+    """Let a compiled engine load what an earlier start compiled, unless the user chose otherwise.
+
+    vLLM 0.32's CPU build with torch 2.13 saves its AOT-compiled model but cannot load it
+    back ("'function' object has no attribute 'finalize_loading'"), so every start
+    compiles again (54 s for SmolLM2 on 2 cores); with AOT compilation off it uses
+    torch's inductor cache, and a start after the first on a machine takes 19 s (eager:
+    ~15 s). Set before vLLM reads it, when the engine is built.
+    """
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
+
 def start_engine(options: EngineOptions):
     """An in-process ``LLMEngine`` serving ``options.folder`` with our connector attached."""
     # Read by vLLM when the engine is built, not at import: set them first.
@@ -60,6 +72,8 @@ def start_engine(options: EngineOptions):
     if count_cores(cores) != torch.get_num_threads():
         torch.set_num_threads(count_cores(cores))
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores
+    if options.compile:
+        use_inductor_cache()
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
