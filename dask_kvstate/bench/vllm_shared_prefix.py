@@ -62,6 +62,9 @@ class _Paged:
 
     def __init__(self, args: Options, *, shared: bool, keys: torch.Tensor, values: torch.Tensor) -> None:
         from vllm import _custom_ops as ops
+
+        # vLLM's own choice of kernel variant for this dtype and block size (private, but the
+        # probe must time the kernel vLLM's CPU backend would run, not one picked by hand).
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         bs, rows = args.block_tokens, args.rows
