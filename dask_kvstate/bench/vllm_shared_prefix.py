@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
-import time
 from typing import Any
 
 import torch
 
 from dask_kvstate.bench.raw_vllm import cpu_model
+from dask_kvstate.bench.serve_path import median_ms
 
 
 @dataclasses.dataclass
@@ -120,16 +119,6 @@ class _Paged:
         return out
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # first call outside the timing (allocations, the kernel's scratch)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
 def command(args: Options) -> dict[str, Any]:
     """Time each layout for each query count; print and return the table."""
     if args.prefix % args.block_tokens or args.heads % args.kv_heads:
@@ -164,8 +153,8 @@ def command(args: Options) -> dict[str, Any]:
         row: dict[str, Any] = {"queries": q}
         for name, paged in layouts.items():
             call = functools.partial(paged.attend, query, seq_lens, plans[name], args)
-            row[f"{name}_ms"] = _median_ms(call, args.repeats)
-        row["two_gemms_ms"] = _median_ms(two_gemms, args.repeats)
+            row[f"{name}_ms"] = median_ms(call, args.repeats)
+        row["two_gemms_ms"] = median_ms(two_gemms, args.repeats)
         row["shared_gflops"] = flops / row["shared_ms"] / 1e6
         row["copies_over_shared"] = row["copies_ms"] / row["shared_ms"]
         table.append(row)
