@@ -290,8 +290,8 @@ class SharedPrefixKV:
         Query i of row b sits at position ``pos = p_b + offset_b + i``. Prefix slot j is
         visible to it iff ``j < p_b`` and ``pos - j < window``; own slot j iff
         ``j <= offset_b + i`` and ``offset_b + i - j < window`` (transformers' sliding
-        mask: ``kv_idx > q_idx - window``). Only prefix slots from ``lo`` on, the first
-        one any query can see, are read at all.
+        mask: ``kv_idx > q_idx - window``). Only prefix slots from ``lo``, the first one
+        any query can see, up to ``hi``, the longest ``p_b``, are read at all.
         """
         q, W, dev, B = self._q, self._width, self.offsets.device, self.rows
         # The kernel wants a float mask of the query's dtype; finfo.min, not -inf, so that a
@@ -304,23 +304,25 @@ class SharedPrefixKV:
             hide |= torch.arange(W, device=dev)[None, None, :] <= own_pos[:, :, None] - window
         hide = hide[:, None].expand(B, g, q, W).reshape(B, 1, g * q, W)
         own_mask = torch.zeros(hide.shape, dtype=dtype, device=dev).masked_fill_(hide, neg)
-        lo, prefix_mask, blind = 0, None, None
-        if self.P:
+        # Slots from hi on are no row's (each keeps its first p_b): not read, so siblings that
+        # all keep the same p_b attend with no prefix mask at all.
+        lo, hi, prefix_mask, blind = 0, int(self.prefix_lengths.max()) if self.P else 0, None, None
+        if hi:
             pos = self.prefix_lengths[:, None] + own_pos  # [B, q]: absolute positions
             if window is not None:
-                lo = min(max(int(pos.min()) - window + 1, 0), self.P)
-            slots = torch.arange(lo, self.P, device=dev)[None, None, :]  # [1, 1, P - lo]
+                lo = min(max(int(pos.min()) - window + 1, 0), hi)
+            slots = torch.arange(lo, hi, device=dev)[None, None, :]  # [1, 1, hi - lo]
             hide = slots >= self.prefix_lengths[:, None, None]
             if window is not None:
                 hide = hide | (slots <= pos[:, :, None] - window)
-            hide = hide.expand(B, q, self.P - lo)
+            hide = hide.expand(B, q, hi - lo)
             if bool(hide.any()):
                 seen = ~hide.all(dim=-1)  # [B, q]: queries that see some prefix slot
                 if not bool(seen.all()):
                     blind = (~seen)[:, None].expand(B, g, q).reshape(B, 1, g * q)
-                hide = hide[:, None].expand(B, g, q, self.P - lo).reshape(B * g * q, self.P - lo)
+                hide = hide[:, None].expand(B, g, q, hi - lo).reshape(B * g * q, hi - lo)
                 prefix_mask = torch.zeros(hide.shape, dtype=dtype, device=dev).masked_fill_(hide, neg)[None, None]
-        return _Masks(lo, prefix_mask, own_mask, blind)
+        return _Masks(lo, hi, prefix_mask, own_mask, blind)
 
     def advance(self, counts: torch.Tensor | list[int]) -> None:
         """After a forward: row b keeps ``counts[b]`` of the ``q`` tokens it wrote (padding dropped)."""
@@ -386,10 +388,11 @@ class SharedPrefixKV:
         # Query heads of one group share a kv head (transformers' repeat_kv order): [B, H, g*q, D].
         qh = query.reshape(B, H, g * q, D)
         out, lse = _partial(qh, ok[:, :, :W], ov[:, :, :W], masks.own, scale, fused, softcap)
-        if self.P and self.prefix is not None and masks.lo < self.P:
+        if self.prefix is not None and masks.lo < masks.hi:
             # Every row's queries as one batch against the one prefix copy: [1, H, B*g*q, D].
             qf = qh.transpose(0, 1).reshape(1, H, B * g * q, D)
-            pk, pv = self.prefix[layer, 0, :, masks.lo :][None], self.prefix[layer, 1, :, masks.lo :][None]
+            pk = self.prefix[layer, 0, :, masks.lo : masks.hi][None]
+            pv = self.prefix[layer, 1, :, masks.lo : masks.hi][None]
             po, pl = _partial(qf, pk, pv, masks.prefix, scale, fused, softcap)
             po = po.reshape(H, B, g * q, D).transpose(0, 1)
             pl = pl.reshape(H, B, g * q).transpose(0, 1)
@@ -410,6 +413,7 @@ class _Masks:
     """One forward's masks for the layers of one window (see ``_build_masks``)."""
 
     lo: int  # first prefix slot read
+    hi: int  # one past the last (the longest p_b)
     prefix: torch.Tensor | None
     own: torch.Tensor
     blind: torch.Tensor | None

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from dask_kvstate.backends import batch, cascade, compat, identity, layout, models
+from dask_kvstate import config
+from dask_kvstate.backends import batch, cascade, compat, identity, layout, models, packed_linear
 from dask_kvstate.backends.base import KV, Backend, GenerationResult, Row
 from dask_kvstate.backends.decoding import generator, pick_token
 from dask_kvstate.blocks import BlockKV, kv_identity
@@ -56,6 +57,12 @@ class HFBackend(Backend):
         self.name = name
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = model.to(self.device)
+        # oneDNN on packed weights for the linear layers on CPU, gated MLPs fused
+        # (kvstate.hf.packed-linear); how many, or why none, goes to engine_stats.
+        self.packed_linear, self.packed_linear_skipped = (
+            packed_linear.pack(self.model) if config.get("hf.packed-linear") else (0, "kvstate.hf.packed-linear is off")
+        )
+        self.fused_mlps = packed_linear.fuse_gated_mlps(self.model) if self.packed_linear else 0
         self.tokenizer = tokenizer
         self.config = model.config.get_text_config(decoder=True)
         # a config without the field (none known) falls back on the tokenizer's count
@@ -234,8 +241,16 @@ class HFBackend(Backend):
         )
 
     def engine_stats(self) -> dict:
-        """What computes here (the vLLM backend adds its engine's counters)."""
-        return {"engine": "transformers"}
+        """What computes here (the vLLM backend adds its engine's counters), and how many linear
+        layers run on oneDNN-packed weights (with the reason when none do) and how many MLPs are fused."""
+        stats: dict[str, Any] = {
+            "engine": "transformers",
+            "packed_linear": self.packed_linear,
+            "fused_mlps": self.fused_mlps,
+        }
+        if self.packed_linear_skipped:
+            stats["packed_linear_skipped"] = self.packed_linear_skipped
+        return stats
 
     def generate_batch(
         self,
