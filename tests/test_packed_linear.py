@@ -14,6 +14,8 @@ from dask_kvstate.backends import models, packed_linear
 from dask_kvstate.backends.hf import HFBackend
 from dask_kvstate.generation import Sampling
 
+from .conftest import stats_of
+
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 
 
@@ -144,3 +146,23 @@ def test_an_activation_onednn_cannot_fuse_keeps_the_modules_own_forward():
     mlp = _GatedMLP(torch.nn.ReLU())
     packed_linear.pack(mlp)
     assert packed_linear.fuse_gated_mlps(mlp) == 0 and "forward" not in vars(mlp)
+
+
+def test_every_worker_reports_its_packed_layers(client, workers):
+    for w in workers:
+        engine = stats_of(client, w)["engine"]
+        assert engine["engine"] == "transformers" and engine["packed_linear"] > 0 and engine["fused_mlps"] > 0, engine
+
+
+def test_a_weight_changed_after_packing_is_packed_again_or_runs_stock():
+    layer = torch.nn.Linear(32, 48)
+    model = torch.nn.Sequential(layer)
+    packed_linear.pack(model)
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        layer.weight.mul_(3.0)  # in place (a fine-tune step, load_state_dict)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        layer.weight = torch.nn.Parameter(torch.randn(48, 32))  # replaced
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        model.double()  # cast to a dtype oneDNN does not pack: the stock layer, exactly
+        assert torch.equal(layer(x.double()), F.linear(x.double(), layer.weight, layer.bias))

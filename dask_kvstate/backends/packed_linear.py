@@ -16,7 +16,8 @@ weight, at the cost of a second copy of the linear weights in memory
 only in the rounding of float32 sums (the order differs), like any other GEMM kernel;
 bfloat16 goes through oneDNN either way and is bitwise the same. A forward that needs
 gradients, or whose input is not on the CPU in the weight's dtype, runs the stock
-``nn.Linear.forward``.
+``nn.Linear.forward``; a weight replaced, cast, moved or written in place since it was
+packed is packed again at its next forward (or, where oneDNN cannot pack it, runs stock).
 
 Gated MLPs (``down(silu(gate(x)) * up(x))``, the Llama family's) then run as two
 oneDNN calls with the activation and the product fused into the GEMMs' epilogues
@@ -40,13 +41,45 @@ __all__ = ["PackedLinear", "fuse_gated_mlps", "pack", "unpack"]
 class PackedLinear(torch.nn.Linear):
     """An ``nn.Linear`` (by class swap, see :func:`pack`) whose forward runs oneDNN on a packed weight."""
 
-    _kvstate_packed: torch.Tensor
+    _kvstate_packed: torch.Tensor | None  # None: oneDNN cannot pack the weight as it is now
+    _kvstate_of: tuple[Any, ...]  # what the packed copy was made from (see _source)
+
+    def packed_weight(self) -> torch.Tensor | None:
+        """The packed copy of the weight, made again if the weight changed since: replaced, moved
+        or cast (``model.to``, a new tensor), or written in place (``load_state_dict``, a fine-tune
+        step). None where it cannot be packed (on another device, in a dtype oneDNN refuses here)."""
+        w = self.weight
+        if _source(w) != self._kvstate_of:
+            try:
+                with torch.no_grad():
+                    p = torch.ops.mkldnn._reorder_linear_weight(w.detach()) if w.device.type == "cpu" else None
+            except RuntimeError:
+                p = None
+            _attach(self, p)
+        return self._kvstate_packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if torch.is_grad_enabled() or x.dtype != w.dtype or x.device.type != "cpu":
+        packed = None
+        if not torch.is_grad_enabled() and x.dtype == w.dtype and x.device.type == "cpu":
+            packed = self.packed_weight()
+        if packed is None:
             return F.linear(x, w, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self._kvstate_packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+
+
+def _source(w: torch.Tensor) -> tuple[Any, ...]:
+    try:
+        version = w._version  # bumped by every in-place write
+    except RuntimeError:  # an inference tensor keeps no version; it cannot be written outside inference mode
+        version = None
+    return (id(w), w.data_ptr(), w.dtype, tuple(w.shape), version)
+
+
+def _attach(m: torch.nn.Linear, packed: torch.Tensor | None) -> None:
+    # Plain attributes, not buffers: state_dict, .to() and the fingerprint never see them.
+    object.__setattr__(m, "_kvstate_packed", packed)
+    object.__setattr__(m, "_kvstate_of", _source(m.weight))
 
 
 def _packable(module: torch.nn.Module) -> TypeGuard[torch.nn.Linear]:
@@ -60,7 +93,7 @@ def pack(model: torch.nn.Module) -> tuple[int, str | None]:
     Returns ``(layers packed, why none were)``: the reason is None when some were, else
     what stopped it (no oneDNN in this torch, no CPU layer, a dtype oneDNN cannot pack
     on this CPU, such as float16 without AVX512-FP16), so a caller can report it rather
-    than run slower silently. Packed layers are left as they are.
+    than run slower silently. A layer oneDNN refuses stays as it is; packed layers too.
     """
     if not torch.backends.mkldnn.is_available():
         return 0, "this torch build has no oneDNN (mkldnn)"
@@ -68,20 +101,18 @@ def pack(model: torch.nn.Module) -> tuple[int, str | None]:
     if not layers:
         done = any(type(m) is PackedLinear for m in model.modules())
         return 0, "its linear layers are packed already" if done else "no nn.Linear layer on the CPU"
-    packed = 0
+    packed, refused = 0, None
     for m in layers:
         try:
             with torch.no_grad():
                 p = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach())
         except (RuntimeError, AttributeError) as e:  # a dtype this CPU's oneDNN cannot pack; no such op
-            if packed:
-                raise  # the first layer of a dtype packed, a later one did not: not a capability gap
-            return 0, f"oneDNN cannot pack {m.weight.dtype} weights here: {e}"
-        # A plain attribute, not a buffer: state_dict, .to() and the fingerprint never see it.
-        object.__setattr__(m, "_kvstate_packed", p)
+            refused = refused or f"oneDNN cannot pack {m.weight.dtype} weights here: {e}"
+            continue
+        _attach(m, p)
         m.__class__ = PackedLinear
         packed += 1
-    return packed, None
+    return packed, None if packed else refused
 
 
 def unpack(model: torch.nn.Module) -> int:
@@ -91,7 +122,7 @@ def unpack(model: torch.nn.Module) -> int:
             del m.forward, m._kvstate_fused  # the instance's fused forward: its class's shows through again
     packed = [m for m in model.modules() if type(m) is PackedLinear]
     for m in packed:
-        del m._kvstate_packed
+        del m._kvstate_packed, m._kvstate_of
         m.__class__ = torch.nn.Linear  # type: ignore[assignment]  # the swap pack made, undone
     return len(packed)
 
@@ -120,12 +151,15 @@ def _epilogue_of(act: Any) -> tuple[str, str] | None:
 def _fused_gated_forward(mlp: Any, x: torch.Tensor) -> torch.Tensor:
     # Any: the MLP is whatever class the model defines, its projections found by name.
     gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-    if torch.is_grad_enabled() or x.dtype != gate.weight.dtype or x.device.type != "cpu":
+    pg = pu = None
+    if not torch.is_grad_enabled() and x.dtype == gate.weight.dtype == up.weight.dtype and x.device.type == "cpu":
+        pg, pu = gate.packed_weight(), up.packed_weight()
+    if pg is None or pu is None:
         return type(mlp).forward(mlp, x)
     attr, algorithm = mlp._kvstate_fused
     # The activation fused into the gate GEMM, the product into the up GEMM.
-    h = torch.ops.mkldnn._linear_pointwise(x, gate._kvstate_packed, gate.bias, attr, [], algorithm)
-    h = torch.ops.mkldnn._linear_pointwise.binary(x, h, up._kvstate_packed, up.bias, "mul")
+    h = torch.ops.mkldnn._linear_pointwise(x, pg, gate.bias, attr, [], algorithm)
+    h = torch.ops.mkldnn._linear_pointwise.binary(x, h, pu, up.bias, "mul")
     return down(h)
 
 

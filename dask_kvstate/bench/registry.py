@@ -113,6 +113,11 @@ EXPERIMENTS: dict[str, Experiment] = {
             "dask_kvstate.bench.profile_resume",
         ),
         Experiment(
+            "hf-kernels",
+            "the transformers backend's linear layers plain, oneDNN-packed, with fused MLPs: prefill, agents, resume",
+            "dask_kvstate.bench.hf_kernels",
+        ),
+        Experiment(
             "vllm-shared-prefix",
             "vLLM's CPU attention over k rows sharing a prefix: shared blocks vs a copy per row vs two GEMMs",
             "dask_kvstate.bench.vllm_shared_prefix",

@@ -1,0 +1,151 @@
+"""What each of the transformers backend's kernel choices buys, in process, on one model.
+
+::
+
+    python -m dask_kvstate.bench hf-kernels                       # SmolLM2, 4,096- and 3,000-token contexts
+    python -m dask_kvstate.bench hf-kernels --lengths 1024 --agents 4 --repeats 5
+
+Three ways to run the same model's linear layers (``backends/packed_linear.py``), switched
+on one loaded model and timed in turns (interleaved repeats, medians):
+
+- ``plain``: ``F.linear`` as transformers calls it (``kvstate.hf.packed-linear: false``);
+- ``packed``: oneDNN on weights packed once;
+- ``fused``: packed, and the gated MLPs' activation and product fused into the GEMMs
+  (the default).
+
+For each: a prefill of each context length (a state's materialize, a first visit), the
+k agents' batch over the longest context (its suffix prefill and decode, the shared
+prefix read in place, as ``kvs.resume_many`` runs it) and one resume. The tokens of
+every batch and resume must be the same in all three; the command refuses to report
+timings of runs that disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+MODES = ("plain", "packed", "fused")
+
+
+@dataclasses.dataclass
+class Options:
+    """The model, the contexts and the agents over the longest one."""
+
+    model: str = dataclasses.field(default="smollm2-135m", metadata={"help": "the model, loaded in this process"})
+    lengths: list[int] = dataclasses.field(
+        default_factory=lambda: [4096, 3000],
+        metadata={
+            "help": "context lengths prefilled, tokens (the longest: the most whole lines of the log within it)",
+            "nargs": "+",
+        },
+    )
+    agents: int = dataclasses.field(default=16, metadata={"help": "siblings decoded as one batch over the context"})
+    new_tokens: int = dataclasses.field(default=64, metadata={"help": "tokens each agent generates"})
+    threads: int = dataclasses.field(default=0, metadata={"help": "torch threads; 0: every core"})
+    repeats: int = dataclasses.field(default=3, metadata={"help": "interleaved rounds; the table shows medians"})
+    out: str | None = dataclasses.field(default=None, metadata={"help": "folder for hf_kernels.{md,json}"})
+
+
+def _switch(model, mode: str) -> None:
+    from dask_kvstate.backends import packed_linear
+
+    packed_linear.unpack(model)
+    if mode != "plain":
+        packed_linear.pack(model)
+    if mode == "fused":
+        packed_linear.fuse_gated_mlps(model)
+
+
+def command(opts: Options) -> dict[str, Any]:
+    """Time every mode in turns; print and return the table (and write it under ``--out``)."""
+    import os
+
+    import dask
+    import torch
+
+    from dask_kvstate.backends.base import Row
+    from dask_kvstate.backends.batch import generate_batch
+    from dask_kvstate.backends.hf import HFBackend
+    from dask_kvstate.bench import workload
+    from dask_kvstate.bench.agents_vs_raw import prompts
+    from dask_kvstate.bench.raw_vllm import cpu_model
+    from dask_kvstate.generation import Sampling
+
+    torch.set_num_threads(opts.threads or len(os.sched_getaffinity(0)))
+    with dask.config.set({"kvstate.hf.packed-linear": False}):
+        backend = HFBackend.load(opts.model)
+    longest = max(opts.lengths)
+    context = workload.context_text(workload.fit(workload.context_text, longest, backend.tokenize))
+    ids = backend.tokenize(context)
+    sampling = Sampling(max_new_tokens=opts.new_tokens)
+    # Each agent keeps the context but its last token, which its own text may re-tokenize.
+    rows = [Row(ids=backend.tokenize(c + s), keep=len(ids) - 1) for c, s in prompts(context, opts.agents)]
+    times: dict[str, dict[str, list[float]]] = {m: {} for m in MODES}
+    prefix = None
+    outputs: dict[str, list[list[int]]] = {}
+    for rnd in range(opts.repeats):
+        for mode in MODES:
+            _switch(backend.model, mode)
+            t = times[mode]
+            for n in sorted(opts.lengths, reverse=True):
+                t0 = time.perf_counter()
+                cache, _ = backend.prefill(ids[:n])
+                t.setdefault(f"prefill {min(n, len(ids))}", []).append(time.perf_counter() - t0)
+                if n == longest:
+                    prefix = backend.kv_from_cache(cache)
+            assert prefix is not None
+            t0 = time.perf_counter()
+            res = generate_batch(backend, rows, prefix, sampling)
+            t.setdefault(f"{opts.agents} agents x {opts.new_tokens}", []).append(time.perf_counter() - t0)
+            t.setdefault("of it: decode", []).append(res[0].decode_s)
+            t0 = time.perf_counter()
+            one = backend.generate(rows[0].ids, prefix[:, :, :, : rows[0].keep], sampling)
+            t.setdefault("one resume", []).append(time.perf_counter() - t0)
+            got = [r.token_ids for r in res] + [one.token_ids]
+            if outputs.setdefault(mode, got) != got:
+                raise AssertionError(f"{mode}: round {rnd} gave other tokens than its first round")
+            print(f"round {rnd + 1} {mode}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in t.items()), flush=True)
+    for mode in MODES[1:]:
+        if outputs[mode] != outputs["plain"]:
+            raise AssertionError(f"{mode} gave other tokens than plain transformers: its timings are not reported")
+    _switch(backend.model, "fused")
+    res_: dict[str, Any] = {
+        "options": dataclasses.asdict(opts),
+        "cpu": cpu_model(),
+        "threads": torch.get_num_threads(),
+        "medians_s": {m: {k: statistics.median(v) for k, v in t.items()} for m, t in times.items()},
+        "runs_s": times,
+        "outputs_equal": True,
+        "fused_mlps": sum(1 for m in backend.model.modules() if getattr(m, "_kvstate_fused", None)),
+    }
+    text = markdown(res_)
+    print(text)
+    if opts.out:
+        out = Path(opts.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "hf_kernels.md").write_text(text + "\n")
+        (out / "hf_kernels.json").write_text(json.dumps(res_, indent=1) + "\n")
+    return res_
+
+
+def markdown(res: dict[str, Any]) -> str:
+    o, med = res["options"], res["medians_s"]
+    cols = list(med["plain"])
+    lines = [
+        f"# The transformers backend's linear layers: plain, packed, fused ({res['cpu']})",
+        "",
+        f"{o['model']}, {res['threads']} threads, medians of {o['repeats']} interleaved rounds, seconds; "
+        f"{res['fused_mlps']} gated MLPs fused; tokens of every batch and resume equal in all three.",
+        "",
+        "| linear layers | " + " | ".join(cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
+    for mode in MODES:
+        lines.append(f"| {mode} | " + " | ".join(f"{med[mode][c]:.2f}" for c in cols) + " |")
+    lines.append("| plain / fused | " + " | ".join(f"{med['plain'][c] / med['fused'][c]:.2f}x" for c in cols) + " |")
+    return "\n".join(lines)
