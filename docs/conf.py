@@ -35,6 +35,8 @@ exclude_patterns = [
     "bench/agents-vs-raw/**",
     "bench/sessions-vs-raw/**",
     "bench/vs-raw/**",
+    # and the transformers kernels' table, in guide/benchmarks-vllm.md and design/backends.md
+    "bench/hf-kernels/**",
 ]
 
 # MyST: heading anchors so `page.md#a-heading` links resolve. No syntax extensions: the
