@@ -25,11 +25,11 @@ class PackedLinear:
         import dask
         import torch
 
+        from dask_kvstate.backends import load_backend
         from dask_kvstate.backends.batch import Row
-        from dask_kvstate.backends.hf import HFBackend
 
-        with dask.config.set({"kvstate.hf.packed-linear": False}):
-            self.backend = HFBackend.load("smollm2-135m")
+        with dask.config.set({"kvstate.backend": "hf", "kvstate.hf.packed-linear": False}):
+            self.backend = load_backend("smollm2-135m")
         gen = torch.Generator().manual_seed(SEED)
         ids = torch.randint(16, 40000, (self.context_tokens + self.siblings + 8,), generator=gen).tolist()
         prefix = ids[: self.context_tokens]

@@ -68,17 +68,17 @@ def command(opts: Options) -> dict[str, Any]:
     import dask
     import torch
 
+    from dask_kvstate.backends import load_backend
     from dask_kvstate.backends.base import Row
     from dask_kvstate.backends.batch import generate_batch
-    from dask_kvstate.backends.hf import HFBackend
     from dask_kvstate.bench import workload
     from dask_kvstate.bench.agents_vs_raw import prompts
     from dask_kvstate.bench.raw_vllm import cpu_model
     from dask_kvstate.generation import Sampling
 
     torch.set_num_threads(opts.threads or len(os.sched_getaffinity(0)))
-    with dask.config.set({"kvstate.hf.packed-linear": False}):
-        backend = HFBackend.load(opts.model)
+    with dask.config.set({"kvstate.backend": "hf", "kvstate.hf.packed-linear": False}):
+        backend: Any = load_backend(opts.model)  # the transformers backend: its model's layers are switched here
     longest = max(opts.lengths)
     context = workload.context_text(workload.fit(workload.context_text, longest, backend.tokenize))
     ids = backend.tokenize(context)
