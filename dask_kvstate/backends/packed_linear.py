@@ -19,11 +19,13 @@ gradients, or whose input is not on the CPU in the weight's dtype, runs the stoc
 ``nn.Linear.forward``; a weight replaced, cast, moved or written in place since it was
 packed is packed again at its next forward (or, where oneDNN cannot pack it, runs stock).
 
-Gated MLPs (``down(silu(gate(x)) * up(x))``, the Llama family's) then run as two
-oneDNN calls with the activation and the product fused into the GEMMs' epilogues
-(:func:`fuse_gated_mlps`), so a long prefill does not write and read back the two
-intermediate tensors. An MLP is fused only where one check on a random input shows the
-fused form computes what the module's own forward does; any other MLP keeps its own.
+Gated MLPs (``down(act(gate(x)) * up(x))`` with SiLU or GELU: Llama, Qwen, Mistral,
+SmolLM, Gemma) then run as two oneDNN calls with the activation and the product fused
+into the GEMMs' epilogues (:func:`fuse_gated_mlps`), so a long prefill does not write and
+read back the two intermediate tensors. An MLP is fused only where its activation is one
+oneDNN fuses and a check on a random input shows the fused form computes what the
+module's own forward does; any other MLP keeps its own. Two task threads that find a
+weight changed at once both pack it again: the same copy, attached twice.
 """
 
 from __future__ import annotations
