@@ -41,9 +41,9 @@ class PackedLinear:
         ]
 
     def _switch(self, mode: str) -> None:
-        from dask_kvstate.bench.hf_kernels import _switch
+        from dask_kvstate.bench.hf_kernels import switch
 
-        _switch(self.backend.model, mode)  # packing is setup, never timed
+        switch(self.backend.model, mode)  # packing is setup, never timed
 
     def _decode(self):
         from dask_kvstate.backends.batch import generate_batch

@@ -306,7 +306,8 @@ class SharedPrefixKV:
         own_mask = torch.zeros(hide.shape, dtype=dtype, device=dev).masked_fill_(hide, neg)
         # Slots from hi on are no row's (each keeps its first p_b): not read, so siblings that
         # all keep the same p_b attend with no prefix mask at all.
-        lo, hi, prefix_mask, blind = 0, int(self.prefix_lengths.max()) if self.P else 0, None, None
+        hi = int(self.prefix_lengths.max()) if self.P else 0
+        lo, prefix_mask, blind = 0, None, None
         if hi:
             pos = self.prefix_lengths[:, None] + own_pos  # [B, q]: absolute positions
             if window is not None:

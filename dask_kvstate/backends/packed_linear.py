@@ -53,21 +53,30 @@ class PackedLinear(torch.nn.Linear):
         w = self.weight
         if _source(w) != self._kvstate_of:
             try:
-                with torch.no_grad():
-                    p = torch.ops.mkldnn._reorder_linear_weight(w.detach()) if w.device.type == "cpu" else None
+                p = _reordered(w) if w.device.type == "cpu" else None
             except RuntimeError:
                 p = None
             _attach(self, p)
         return self._kvstate_packed
 
+    def packed_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The packed weight if oneDNN may compute this layer on ``x``: no gradients wanted, ``x``
+        on the CPU in the weight's dtype; else None (the stock forward then)."""
+        if torch.is_grad_enabled() or x.dtype != self.weight.dtype or x.device.type != "cpu":
+            return None
+        return self.packed_weight()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        packed = None
-        if not torch.is_grad_enabled() and x.dtype == w.dtype and x.device.type == "cpu":
-            packed = self.packed_weight()
+        packed = self.packed_for(x)
         if packed is None:
-            return F.linear(x, w, self.bias)
+            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+
+
+def _reordered(w: torch.Tensor) -> torch.Tensor:
+    """``w`` in oneDNN's blocked layout; raises RuntimeError for a dtype this CPU's oneDNN cannot pack."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach())
 
 
 def _source(w: torch.Tensor) -> tuple[Any, ...]:
@@ -106,8 +115,7 @@ def pack(model: torch.nn.Module) -> tuple[int, str | None]:
     packed, refused = 0, None
     for m in layers:
         try:
-            with torch.no_grad():
-                p = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach())
+            p = _reordered(m.weight)
         except (RuntimeError, AttributeError) as e:  # a dtype this CPU's oneDNN cannot pack; no such op
             refused = refused or f"oneDNN cannot pack {m.weight.dtype} weights here: {e}"
             continue
@@ -140,7 +148,10 @@ _ACTIVATIONS: dict[tuple[str, str], Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 def _epilogue_of(act: Any) -> tuple[str, str] | None:
-    """The epilogue computing what ``act`` does, told apart where the activations differ (|x| up to 8)."""
+    """The epilogue computing what ``act`` does, told apart where the activations differ (|x| up
+    to 8); None for none of them, or no ``act`` at all."""
+    if not callable(act):
+        return None
     z = torch.linspace(-8, 8, 4001)
     with torch.inference_mode():
         got = act(z)
@@ -153,9 +164,7 @@ def _epilogue_of(act: Any) -> tuple[str, str] | None:
 def _fused_gated_forward(mlp: Any, x: torch.Tensor) -> torch.Tensor:
     # Any: the MLP is whatever class the model defines, its projections found by name.
     gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-    pg = pu = None
-    if not torch.is_grad_enabled() and x.dtype == gate.weight.dtype == up.weight.dtype and x.device.type == "cpu":
-        pg, pu = gate.packed_weight(), up.packed_weight()
+    pg, pu = gate.packed_for(x), up.packed_for(x)
     if pg is None or pu is None:
         return type(mlp).forward(mlp, x)
     attr, algorithm = mlp._kvstate_fused
@@ -179,12 +188,10 @@ def fuse_gated_mlps(model: torch.nn.Module) -> int:
     gen = torch.Generator().manual_seed(0)
     for m in model.modules():
         layers = [getattr(m, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-        gate = layers[0]
-        if not all(type(layer) is PackedLinear for layer in layers) or not hasattr(m, "act_fn"):
+        if not all(type(layer) is PackedLinear for layer in layers) or getattr(m, "_kvstate_fused", None):
             continue
-        if getattr(m, "_kvstate_fused", None) or not isinstance(gate, PackedLinear):
-            continue
-        epilogue = _epilogue_of(m.act_fn)
+        gate: Any = layers[0]
+        epilogue = _epilogue_of(getattr(m, "act_fn", None))
         if epilogue is None:
             continue
         tol = 1e-4 if gate.weight.dtype == torch.float32 else 2e-2

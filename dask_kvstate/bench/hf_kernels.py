@@ -23,7 +23,6 @@ timings of runs that disagree.
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import time
 from pathlib import Path
@@ -51,14 +50,15 @@ class Options:
     out: str | None = dataclasses.field(default=None, metadata={"help": "folder for hf_kernels.{md,json}"})
 
 
-def _switch(model, mode: str) -> None:
+def switch(model, mode: str) -> int:
+    """Run ``model``'s linear layers as ``mode`` (one of :data:`MODES`) says, from whatever they
+    were; returns how many gated MLPs run fused."""
     from dask_kvstate.backends import packed_linear
 
     packed_linear.unpack(model)
     if mode != "plain":
         packed_linear.pack(model)
-    if mode == "fused":
-        packed_linear.fuse_gated_mlps(model)
+    return packed_linear.fuse_gated_mlps(model) if mode == "fused" else 0
 
 
 def command(opts: Options) -> dict[str, Any]:
@@ -90,7 +90,7 @@ def command(opts: Options) -> dict[str, Any]:
     outputs: dict[str, list[list[int]]] = {}
     for rnd in range(opts.repeats):
         for mode in MODES:
-            _switch(backend.model, mode)
+            switch(backend.model, mode)
             t = times[mode]
             for n in sorted(opts.lengths, reverse=True):
                 t0 = time.perf_counter()
@@ -113,7 +113,7 @@ def command(opts: Options) -> dict[str, Any]:
     for mode in MODES[1:]:
         if outputs[mode] != outputs["plain"]:
             raise AssertionError(f"{mode} gave other tokens than plain transformers: its timings are not reported")
-    _switch(backend.model, "fused")
+    fused_mlps = switch(backend.model, "fused")  # left as the backend runs it
     res_: dict[str, Any] = {
         "options": dataclasses.asdict(opts),
         "cpu": cpu_model(),
@@ -121,15 +121,12 @@ def command(opts: Options) -> dict[str, Any]:
         "medians_s": {m: {k: statistics.median(v) for k, v in t.items()} for m, t in times.items()},
         "runs_s": times,
         "outputs_equal": True,
-        "fused_mlps": sum(1 for m in backend.model.modules() if getattr(m, "_kvstate_fused", None)),
+        "fused_mlps": fused_mlps,
     }
     text = markdown(res_)
     print(text)
     if opts.out:
-        out = Path(opts.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "hf_kernels.md").write_text(text + "\n")
-        (out / "hf_kernels.json").write_text(json.dumps(res_, indent=1) + "\n")
+        write(res_, Path(opts.out), text)
     return res_
 
 
@@ -149,3 +146,25 @@ def markdown(res: dict[str, Any]) -> str:
         lines.append(f"| {mode} | " + " | ".join(f"{med[mode][c]:.2f}" for c in cols) + " |")
     lines.append("| plain / fused | " + " | ".join(f"{med['plain'][c] / med['fused'][c]:.2f}x" for c in cols) + " |")
     return "\n".join(lines)
+
+
+def write(res: dict[str, Any], out: Path, text: str) -> None:
+    """``hf_kernels.{json,md}`` and a bar per mode and measure (``.png``, where matplotlib is installed)."""
+    from dask_kvstate.bench.report import saved
+
+    plt = saved(res, out, "hf_kernels", text + "\n")
+    if plt is None:
+        return
+    med = res["medians_s"]
+    cols = list(med["plain"])
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    width = 0.8 / len(MODES)
+    for i, mode in enumerate(MODES):
+        ax.bar([c + i * width for c in range(len(cols))], [med[mode][c] for c in cols], width, label=mode)
+    ax.set_xticks([c + width for c in range(len(cols))], cols, fontsize=8)
+    ax.set_ylabel("seconds (median)")
+    ax.set_title(f"The transformers backend's linear layers ({res['cpu']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "hf_kernels.png", dpi=110)
+    plt.close(fig)
