@@ -264,7 +264,9 @@ async def soak(opts: SoakOptions) -> dict:
                 await killer.stop()
                 filler.release()
             wall = time.monotonic() - t0
-            await back_to_full_strength(client, cluster, opts.workers, timeout=120)
+            await back_to_full_strength(
+                client, cluster, opts.workers, timeout=120, gone={k["worker"] for k in killer.kills}
+            )
             final, scheduler = await settled(client, opts.settle)
             reruns = await dask_reruns(client, {k["worker"] for k in killer.kills})
             stats = await cast("Awaitable[Stats]", kvs.stats(client))

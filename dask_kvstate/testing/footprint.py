@@ -112,12 +112,21 @@ def leaks(workers: dict, scheduler: dict) -> dict:
 async def settled(client: Client, timeout: float, interval: float = 0.5) -> tuple[dict, dict]:
     """Poll until no worker and not the scheduler hold anything, or ``timeout`` seconds pass.
 
-    Returns the last ``(workers, scheduler)`` footprints, zero or not.
+    Returns the last ``(workers, scheduler)`` footprints, zero or not. A worker that does
+    not answer (a process going away as the poll reaches it) is asked again at the next
+    poll; one still not answering at the timeout raises its error, naming the worker.
     """
     end = time.monotonic() + timeout
     while True:
-        workers = await client.run(worker_footprint)
+        answers = await client.run(worker_footprint, on_error="return")
+        failed = {w: a for w, a in answers.items() if isinstance(a, BaseException)}
+        workers = {w: a for w, a in answers.items() if w not in failed}
         scheduler = await client.run_on_scheduler(scheduler_footprint)
-        if not leaks(workers, scheduler) or time.monotonic() > end:
+        if not failed and not leaks(workers, scheduler):
+            return workers, scheduler
+        if time.monotonic() > end:
+            if failed:
+                worker, error = next(iter(failed.items()))
+                raise RuntimeError(f"worker {worker} did not report its footprint: {error!r}") from error
             return workers, scheduler
         await asyncio.sleep(interval)

@@ -15,7 +15,7 @@ import random
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from distributed import Client, LocalCluster
 
@@ -120,11 +120,21 @@ class Killer:
         return True
 
 
-async def back_to_full_strength(client: Client, cluster: LocalCluster, n: int, timeout: float) -> None:
-    """Wait for ``n`` workers; a RuntimeError naming each nanny's state, and why workers closed, if they do not come."""
+async def back_to_full_strength(
+    client: Client, cluster: LocalCluster, n: int, timeout: float, gone: Collection[str] = ()
+) -> None:
+    """Wait for ``n`` workers, none of them one of the ``gone`` (killed) addresses.
+
+    A worker killed just before the wait is still listed until the scheduler sees its
+    connection drop; counting it would let the caller talk to a dead process. A
+    RuntimeError names each nanny's state, and why workers closed, if they do not come.
+    """
     assert client.scheduler is not None, "needs a started client"
     end = time.monotonic() + timeout
-    while len((await client.scheduler.identity())["workers"]) < n:
+    while True:
+        workers = set((await client.scheduler.identity())["workers"])
+        if len(workers) >= n and not workers & set(gone):
+            return
         if time.monotonic() > end:
             nannies = [(name, str(nanny.status), nanny.worker_address) for name, nanny in cluster.workers.items()]
             closing = [
@@ -133,5 +143,8 @@ async def back_to_full_strength(client: Client, cluster: LocalCluster, n: int, t
                 for _, msg in msgs
                 if isinstance(msg, dict) and msg.get("action") == "closing-worker"
             ]
-            raise RuntimeError(f"{n} workers did not come back within {timeout} s; nannies {nannies}; closed {closing}")
+            raise RuntimeError(
+                f"{n} workers did not come back within {timeout} s; still listed after their kill "
+                f"{sorted(workers & set(gone))}; nannies {nannies}; closed {closing}"
+            )
         await asyncio.sleep(0.2)
