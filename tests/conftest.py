@@ -31,6 +31,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 #: forked from the fork server hung in tests/test_vllm.py (two engines, each in its worker).
 SPAWNED = {"distributed.worker.multiprocessing-method": "spawn"}
 
+# vLLM engines in workers run eager here (~12 s to start against ~25 s compiled, ~55 s on a
+# machine's first compile): what most tests check is kvstate around the engine. The token
+# identity checks of tests/test_vllm.py run the default, compiled engine.
+dask.config.set({"kvstate.vllm.compile": False})
+
 # A block size that makes short test prompts span several blocks.
 TEST_CONFIG = {"kvstate.block-tokens": 16, "kvstate.placement.rule": "pull"}
 

@@ -21,6 +21,9 @@ pytestmark = VLLM_TESTS
 PARTS = vllm_prompts()
 PREFIX = PARTS[0][0]
 GREEDY = Sampling(max_new_tokens=8, temperature=0.0, top_p=1.0, seed=None)
+#: The engine users get by default: the two workers' engines below compile (the in-process
+#: engine, and the rest of the suite, run eager, to start sooner).
+COMPILED = {"kvstate.vllm.compile": True}
 
 
 @pytest.fixture(scope="module")
@@ -310,7 +313,7 @@ def test_a_failed_step_leaves_no_unwritten_block_in_the_engine_cache(backend):
 def two_engines():
     """A client of two worker processes with a vLLM engine each (64-token blocks, whatever an
     earlier test left set; the pull rule: short prompts could make the rule recompute)."""
-    settings = dask.config.set({"kvstate.placement.rule": "pull", "kvstate.block-tokens": 64, **SPAWNED})
+    settings = dask.config.set({"kvstate.placement.rule": "pull", "kvstate.block-tokens": 64, **SPAWNED, **COMPILED})
     with settings, LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0") as cluster:
         with Client(cluster) as client:
             kvs.install(client, "smollm2-135m", backend="vllm")
@@ -323,8 +326,9 @@ def _reset_engines(client) -> None:
     workload.settle(client)  # the last test's tasks forgotten, the stores and engine caches emptied
 
 
-def test_every_path_on_two_engines_is_token_identical_to_replay(two_engines):
-    """Worker A's engine makes the state; worker B's engine, which never saw it, resumes it."""
+def test_every_path_on_two_engines_is_token_identical_to_replay(two_engines, hf_model):
+    """Worker A's engine makes the state; worker B's engine, which never saw it, resumes it.
+    Both engines compiled (the default), their replay equal to transformers' ``generate``."""
     client = two_engines
     _reset_engines(client)
     a, b = sorted(client.nthreads())
@@ -351,6 +355,18 @@ def test_every_path_on_two_engines_is_token_identical_to_replay(two_engines):
     assert stats[b]["transfer_bytes"] >= ref.nbytes // 2  # B pulled A's blocks over the comm
     assert stats[b]["engine"]["loaded_tokens"] > 0  # and its engine got them through our connector
     assert stats[a]["engine"]["engine"] == "vllm"
+    assert stats[a]["engine"]["compiled"] and stats[b]["engine"]["compiled"]
+    for (prefix, suffix), replayed in zip(PARTS, want):
+        ids = client.submit(_tokenize, prefix + suffix, workers=[a], pure=False).result()
+        with torch.inference_mode():
+            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+        assert replayed.token_ids == out[0, len(ids) :].tolist()[: len(replayed.token_ids)]
+
+
+def _tokenize(text: str) -> list[int]:
+    from dask_kvstate import tasks
+
+    return tasks.runtime().backend.tokenize(text)
 
 
 def test_the_compiler_on_vllm_is_token_identical(two_engines):

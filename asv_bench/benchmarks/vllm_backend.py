@@ -24,7 +24,8 @@ class VLLMResume:
         common.require_backend("vllm")
         import dask
 
-        with dask.config.set({"kvstate.block-tokens": 64}):
+        # Eager (a ~15 s start): the figures compare the engine with itself, compiled or not.
+        with dask.config.set({"kvstate.block-tokens": 64, "kvstate.vllm.compile": False}):
             backend = common.backend("smollm2-135m", "vllm")
         words = ("the planner writes a plan and the tester runs the tests " * 400).split()
         ids = backend.tokenize(" ".join(words))

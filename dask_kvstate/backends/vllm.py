@@ -88,6 +88,7 @@ class VLLMBackend(Backend):
         self.name = name
         self.device = torch.device("cpu")
         self.dtype = getattr(torch, options.dtype)
+        self.compiled = options.compile
         full_config = AutoConfig.from_pretrained(options.folder)
         self.config = full_config.get_text_config(decoder=True)
         self.layout = layout.describe(full_config)
@@ -351,4 +352,4 @@ class VLLMBackend(Backend):
 
     def engine_stats(self) -> dict:
         """What the engine did: requests, tokens loaded from states, tokens its own prefix cache served."""
-        return {"engine": "vllm", **self.counters, **self.exchange.counters}
+        return {"engine": "vllm", "compiled": self.compiled, **self.counters, **self.exchange.counters}
