@@ -88,7 +88,6 @@ class VLLMBackend(Backend):
         self.name = name
         self.device = torch.device("cpu")
         self.dtype = getattr(torch, options.dtype)
-        self.compiled = options.compile
         full_config = AutoConfig.from_pretrained(options.folder)
         self.config = full_config.get_text_config(decoder=True)
         self.layout = layout.describe(full_config)
@@ -137,6 +136,8 @@ class VLLMBackend(Backend):
                 )
             self.loop = EngineLoop(options, self.exchange)
             _LIVE.append(self)
+        # What runs, not what was asked: a compile that fails starts the engine eager (vllm_start).
+        self.compiled = not self.loop.engine.vllm_config.model_config.enforce_eager
 
     @classmethod
     def load(cls, name: str, cache_dir: str | None = None, device: str | None = None) -> VLLMBackend:

@@ -106,7 +106,30 @@ def start_engine(options: EngineOptions):
     )
     t0 = time.perf_counter()
     try:
-        engine = LLMEngine.from_engine_args(args)
+        engine = _built(LLMEngine, args, options)
+    except (ValueError, TypeError):  # the settings themselves: an eager start would refuse them too
+        raise
+    except Exception as e:
+        if not options.compile:
+            raise
+        # torch.compile needs a working C++ toolchain and inductor support for the model; where
+        # either fails, the engine still serves, eager, as vLLM's enforce_eager does.
+        logger.warning(
+            "kvstate: compiling the vLLM engine for %s failed (%s: %.300s); starting it eager instead "
+            "(kvstate.vllm.compile: false skips the attempt)",
+            options.folder.name,
+            type(e).__name__,
+            e,
+        )
+        engine = _built(LLMEngine, EngineArgs(**{**settings, "enforce_eager": True}), options)
+    logger.info("kvstate: vLLM engine ready in %.1f s", time.perf_counter() - t0)
+    return engine
+
+
+def _built(engine_class, args, options: EngineOptions):
+    """``engine_class.from_engine_args(args)``; a block size vLLM refuses is named as kvstate's setting."""
+    try:
+        return engine_class.from_engine_args(args)
     except ValueError as e:
         if "block size" in str(e):
             raise ValueError(
@@ -114,5 +137,3 @@ def start_engine(options: EngineOptions):
                 f"({e}); vLLM's CPU attention needs a multiple of 32, e.g. 64"
             ) from e
         raise
-    logger.info("kvstate: vLLM engine ready in %.1f s", time.perf_counter() - t0)
-    return engine
