@@ -129,6 +129,15 @@ def vllm_test(test):
     return test
 
 
+def transformers_continuation(model, ids: list[int], new_tokens: int) -> list[int]:
+    """The tokens transformers' own ``model.generate`` continues ``ids`` with, greedily."""
+    import torch
+
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
 def vllm_prompts() -> list[tuple[str, str]]:
     """The vLLM tests' prompts: one shared 12-paragraph context and three questions about it."""
     from dask_kvstate.bench.tree_of_thought import QUESTIONS, prompt_parts

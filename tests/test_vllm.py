@@ -12,9 +12,10 @@ import torch
 from distributed import Client, LocalCluster
 
 import dask_kvstate as kvs
+from dask_kvstate.bench import workload
 from dask_kvstate.generation import Sampling
 
-from .conftest import SPAWNED, VLLM_TESTS, on, vllm_prompts
+from .conftest import SPAWNED, VLLM_TESTS, on, transformers_continuation, vllm_prompts
 
 pytestmark = VLLM_TESTS
 
@@ -185,9 +186,7 @@ def test_replay_equals_transformers_generate(backend, hf_model):
     for prefix, suffix in PARTS:
         ids = backend.tokenize(prefix + suffix)
         got = backend.generate(ids, None, GREEDY).token_ids
-        with torch.inference_mode():
-            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
-        assert got == out[0, len(ids) :].tolist()[: len(got)]
+        assert got == transformers_continuation(hf_model, ids, 8)[: len(got)]
 
 
 def test_requests_that_do_not_read_the_engine_cache_compute_every_token_and_agree(backend):
@@ -356,17 +355,10 @@ def test_every_path_on_two_engines_is_token_identical_to_replay(two_engines, hf_
     assert stats[b]["engine"]["loaded_tokens"] > 0  # and its engine got them through our connector
     assert stats[a]["engine"]["engine"] == "vllm"
     assert stats[a]["engine"]["compiled"] and stats[b]["engine"]["compiled"]
+    tokenize = workload.tokenizer_of("smollm2-135m")
     for (prefix, suffix), replayed in zip(PARTS, want):
-        ids = client.submit(_tokenize, prefix + suffix, workers=[a], pure=False).result()
-        with torch.inference_mode():
-            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
-        assert replayed.token_ids == out[0, len(ids) :].tolist()[: len(replayed.token_ids)]
-
-
-def _tokenize(text: str) -> list[int]:
-    from dask_kvstate import tasks
-
-    return tasks.runtime().backend.tokenize(text)
+        ids = tokenize(prefix + suffix)
+        assert replayed.token_ids == transformers_continuation(hf_model, ids, 8)[: len(replayed.token_ids)]
 
 
 def test_the_compiler_on_vllm_is_token_identical(two_engines):

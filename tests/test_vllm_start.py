@@ -14,7 +14,7 @@ import os
 
 from dask_kvstate.backends.vllm_start import use_inductor_cache
 
-from .conftest import SPAWNED, vllm_prompts, vllm_test
+from .conftest import SPAWNED, transformers_continuation, vllm_prompts, vllm_test
 
 
 def test_a_compiled_engine_reuses_the_inductor_cache(monkeypatch):
@@ -36,11 +36,11 @@ def test_an_engine_whose_compile_fails_starts_eager_and_answers_as_transformers(
     the engine starts eager instead, says so in ``kvs.stats``, and answers as transformers'
     own ``generate`` does."""
     import dask
-    import torch
     from distributed import Client, LocalCluster
 
     import dask_kvstate as kvs
     from dask_kvstate.backends import models
+    from dask_kvstate.bench import workload
 
     no_compiler = {
         "CXX": "/nonexistent/c++",
@@ -59,15 +59,7 @@ def test_an_engine_whose_compile_fails_starts_eager_and_answers_as_transformers(
         kvs.install(client, "smollm2-135m", backend="vllm")
         got = kvs.generate(prefix, suffix, max_new_tokens=8).compute()
         engines = [s["engine"] for s in kvs.stats(client).workers.values()]
-        ids = client.submit(_tokenize, prefix + suffix, pure=False).result()
     assert [e["compiled"] for e in engines] == [False]
     model, _ = models.load("smollm2-135m", dtype="float32")
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
-    assert got.token_ids == out[0, len(ids) :].tolist()[: len(got.token_ids)]
-
-
-def _tokenize(text: str) -> list[int]:
-    from dask_kvstate import tasks
-
-    return tasks.runtime().backend.tokenize(text)
+    ids = workload.tokenizer_of("smollm2-135m")(prefix + suffix)
+    assert got.token_ids == transformers_continuation(model, ids, 8)[: len(got.token_ids)]

@@ -76,7 +76,6 @@ def start_engine(options: EngineOptions):
         use_inductor_cache()
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine.llm_engine import LLMEngine
 
     transfer = KVTransferConfig(
         kv_connector=vllm_connector.KVStateConnector.__name__,
@@ -106,7 +105,7 @@ def start_engine(options: EngineOptions):
     )
     t0 = time.perf_counter()
     try:
-        engine = _built(LLMEngine, args, options)
+        engine = _built(args, options)
     except (ValueError, TypeError):  # the settings themselves: an eager start would refuse them too
         raise
     except Exception as e:
@@ -121,15 +120,17 @@ def start_engine(options: EngineOptions):
             type(e).__name__,
             e,
         )
-        engine = _built(LLMEngine, EngineArgs(**{**settings, "enforce_eager": True}), options)
+        engine = _built(EngineArgs(**{**settings, "enforce_eager": True}), options)
     logger.info("kvstate: vLLM engine ready in %.1f s", time.perf_counter() - t0)
     return engine
 
 
-def _built(engine_class, args, options: EngineOptions):
-    """``engine_class.from_engine_args(args)``; a block size vLLM refuses is named as kvstate's setting."""
+def _built(args, options: EngineOptions):
+    """``LLMEngine.from_engine_args(args)``; a block size vLLM refuses is named as kvstate's setting."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
     try:
-        return engine_class.from_engine_args(args)
+        return LLMEngine.from_engine_args(args)
     except ValueError as e:
         if "block size" in str(e):
             raise ValueError(

@@ -130,10 +130,11 @@ async def back_to_full_strength(
     RuntimeError names each nanny's state, and why workers closed, if they do not come.
     """
     assert client.scheduler is not None, "needs a started client"
+    gone = set(gone)
     end = time.monotonic() + timeout
     while True:
         workers = set((await client.scheduler.identity())["workers"])
-        if len(workers) >= n and not workers & set(gone):
+        if len(workers) >= n and not workers & gone:
             return
         if time.monotonic() > end:
             nannies = [(name, str(nanny.status), nanny.worker_address) for name, nanny in cluster.workers.items()]
@@ -145,6 +146,6 @@ async def back_to_full_strength(
             ]
             raise RuntimeError(
                 f"{n} workers did not come back within {timeout} s; still listed after their kill "
-                f"{sorted(workers & set(gone))}; nannies {nannies}; closed {closing}"
+                f"{sorted(workers & gone)}; nannies {nannies}; closed {closing}"
             )
         await asyncio.sleep(0.2)
