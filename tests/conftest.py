@@ -169,3 +169,17 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent with -p no:xdist
+def pytest_xdist_node_collection_finished(node, ids):
+    """Refuse to run where ``--dist loadgroup`` does not group (read on the controller, from
+    the test ids a pytest worker collected): pytest-xdist marks a test's group by renaming its
+    node id, which pytest 9.2 no longer reads, and then the vLLM tests run on both pytest
+    workers at once, each starting engines that think they have every core, and every module
+    fixture is made once per worker. setup.cfg pins pytest below 9.2."""
+    if node.config.getoption("dist") == "loadgroup" and ids and not any("@" in i for i in ids):
+        raise pytest.UsageError(
+            f"pytest-xdist's --dist loadgroup did not group the tests with pytest {pytest.__version__} "
+            f"(e.g. {ids[0]!r} has no @group): install the test extra's pins (pip install -e '.[test]')"
+        )

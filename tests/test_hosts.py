@@ -148,12 +148,15 @@ def _placement_holder(key, worker, dask_scheduler=None):
 def test_a_state_on_a_slow_and_a_fast_host_is_pulled_from_the_fast_one(hosts):
     client = hosts.kv_client
     slow, fast, consumer = (hosts.workers[n] for n in ("w0", "w1", "w2"))
-    text, short = "Two copies. " + CONTEXT * 8, "Short. " + CONTEXT
+    # long enough that the pull over the slow link (~1.8 s) is worth asking the scheduler for
+    # other copies even when a busy machine has inflated the worker's scheduler latency
+    # (Dask's average of heartbeat round trips) to 100 ms or more: the ask needs 10 of them
+    text, short = "Two copies. " + CONTEXT * 32, "Short. " + CONTEXT
     # the same text prefilled on both: equal tokens and model, so equal blocks
     futures = {w: client.submit(tasks.materialize, text, workers=[w], pure=False) for w in (slow, fast)}
     refs = {w: f.result() for w, f in futures.items()}
     assert refs[slow].blocks == refs[fast].blocks
-    # the consumer times each link with pulls of two sizes, 8x apart (its fits of latency and
+    # the consumer times each link with pulls of two sizes, ~30x apart (its fits of latency and
     # bandwidth), and the fast one with a 2 MB pull too: smaller ones are mostly latency there
     for w in (slow, fast):
         sizes = [short] + ([CONTEXT * 32] if w == fast else [])
@@ -172,7 +175,8 @@ def test_a_state_on_a_slow_and_a_fast_host_is_pulled_from_the_fast_one(hosts):
     # the ref names the slow host; the pull still comes from the fast copy
     d = client.submit(probes.measure_rule, refs[slow], workers=[consumer], pure=False).result()
     print(f"rule: {d['action']} from {d['holder']} in {d['seconds']:.3f} s, copies {d['holders']}")
-    assert d["holder"] == fast and set(d["holders"]) == {slow, fast}
+    latency = client.run(lambda dask_worker: dask_worker.latency, workers=[consumer])[consumer]
+    assert d["holder"] == fast and set(d["holders"]) == {slow, fast}, f"scheduler latency {latency * 1e3:.0f} ms"
     # placement prices the consumer's pull from the copy it measured fastest (once the
     # consumer's report of its links, and of the blocks measure_rule dropped, is in)
     key = futures[slow].key
