@@ -159,6 +159,75 @@ class BlockKV:
         return joined
 
 
+@dataclass(frozen=True)
+class Arena:
+    """A state's blocks laid out back to back in one new buffer, written once.
+
+    Block ``i`` is a contiguous ``[L, 2, H, t, D]`` view of the buffer (every block
+    ``block_tokens`` tokens but the last), so a pull of consecutive blocks is one run of
+    memory (``plugins/worker/arena.py`` says why the store wants that). A backend whose
+    KV is not one ``[L, 2, H, T, D]`` tensor to begin with (transformers' per-layer cache,
+    vLLM's pages) writes each layer straight into place: joining the layers first and
+    laying the join out after copied a 4,074-token SmolLM2 state (187 MB) into fresh
+    memory twice or three times instead of once.
+
+    Examples
+    --------
+    >>> import torch
+    >>> kv = torch.arange(2 * 2 * 1 * 5 * 3, dtype=torch.float32).reshape(2, 2, 1, 5, 3)
+    >>> arena = Arena.empty(2, 1, 3, 5, 2, dtype=kv.dtype, device=kv.device)
+    >>> for layer in range(2):
+    ...     arena.write_layer(layer, kv[layer, 0], kv[layer, 1])
+    >>> [b.shape[3] for b in arena.kv.blocks], torch.equal(arena.kv.joined(), kv)
+    ([2, 2, 1], True)
+    """
+
+    full: torch.Tensor | None  # the whole blocks, [n, L, 2, H, block_tokens, D]
+    tail: torch.Tensor | None  # a last partial block, [L, 2, H, rest, D]
+    kv: BlockKV  # every block, in token order
+
+    @classmethod
+    def empty(cls, layers: int, heads: int, head_dim: int, tokens: int, block_tokens: int, *, dtype, device) -> Arena:
+        """Room for ``tokens`` tokens of KV in blocks of ``block_tokens``, on ``device``."""
+        import torch
+
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens!r}")
+        n_full, rest = divmod(tokens, block_tokens)
+        per_token = layers * 2 * heads * head_dim
+        n = tokens * per_token
+        if torch.device(device).type == "cpu":
+            # numpy's allocator asks the kernel for transparent huge pages (madvise) on large
+            # buffers, torch's does not: the socket reads a huge-page arena with fewer TLB
+            # misses, as it reads Dask's numpy arrays and the packing buffers.
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            buffer = torch.from_numpy(np.empty(n * itemsize, dtype=np.uint8)).view(dtype)
+        else:
+            buffer = torch.empty(n, dtype=dtype, device=device)
+        cut = n_full * block_tokens * per_token
+        full = buffer[:cut].view(n_full, layers, 2, heads, block_tokens, head_dim) if n_full else None
+        tail = buffer[cut:].view(layers, 2, heads, rest, head_dim) if rest else None
+        blocks = [] if full is None else list(full.unbind(0))
+        return cls(full, tail, BlockKV(tuple(blocks + ([tail] if tail is not None else []))))
+
+    def write_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy one layer's ``[H, T, D]`` keys and values (token-major, any strides) into place."""
+        whole = 0
+        if self.full is not None:
+            n, _, _, heads, size, dim = self.full.shape
+            whole = n * size
+            for half, src in ((0, keys), (1, values)):
+                self.full[:, layer, half].copy_(src[:, :whole].reshape(heads, n, size, dim).transpose(0, 1))
+        if self.tail is not None:
+            self.tail[layer, 0].copy_(keys[:, whole:])
+            self.tail[layer, 1].copy_(values[:, whole:])
+
+
+def kv_tokens(kv: torch.Tensor | BlockKV) -> int:
+    """Tokens of a state's KV: a ``[L, 2, H, T, D]`` tensor's ``T``, or a ``BlockKV``'s."""
+    return kv.tokens if isinstance(kv, BlockKV) else int(kv.shape[3])
+
+
 def join_blocks(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """Concatenate block tensors along the token axis (``None`` when there are none).
 

@@ -55,6 +55,35 @@ def test_a_prefill_is_laid_out_as_views_of_one_block_major_buffer():
     store.close()
 
 
+@pytest.mark.parametrize("start", [0, 16])
+def test_a_backends_own_cache_is_written_into_blocks_once_and_stored_as_they_are(backend, start):
+    """The transformers backend writes each cache layer straight into an arena of blocks
+    (``kv_to_store``): the same KV as ``kv_from_cache``, one run of memory, and the worker
+    stores those very tensors; blocks of another size are laid out again, equal."""
+    import torch
+
+    from dask_kvstate.blocks import BlockKV
+    from dask_kvstate.plugins.worker.arena import blocks_to_store, span
+
+    ids = backend.tokenize(CONTEXT)
+    cache, _ = backend.prefill(ids)
+    want = backend.kv_from_cache(cache, start)
+    stored = backend.kv_to_store(cache, start, 16)
+    assert isinstance(stored, BlockKV) and span(stored.blocks) is not None
+    assert [int(b.shape[3]) for b in stored.blocks[:-1]] == [16] * (len(stored.blocks) - 1)
+    assert torch.equal(stored.joined(), want)
+    hashes = [bytes([i]) * 16 for i in range(-(-len(ids) // 16))]
+    kept = blocks_to_store(stored, hashes, 16, first=start // 16, first_token=start)
+    assert len(kept) == len(stored.blocks) and all(a.tensor is b for a, b in zip(kept, stored.blocks)), (
+        "laid-out blocks are stored as they are"
+    )
+    assert [b.start for b in kept] == list(range(start, len(ids), 16))
+    # blocks of 8 tokens for a store of 16: one copy into an arena of 16-token blocks
+    other = blocks_to_store(BlockKV.split(want, 8), hashes, 16, first=start // 16, first_token=start)
+    assert all(torch.equal(a.tensor, b.tensor) for a, b in zip(other, kept)) and len(other) == len(kept)
+    assert span([b.tensor for b in other]) is not None
+
+
 def test_a_run_of_arena_blocks_is_sent_as_its_memory_and_received_as_views(tmp_path):
     import asyncio
 

@@ -87,9 +87,10 @@ def test_state_made_on_one_host_resumes_on_another_over_a_shaped_link(hosts):
         f"{ref.num_tokens} tokens, {ref.nbytes / 1e6:.2f} MB over {SLOW}: pull {pull:.3f} s "
         f"({rate * 8 / 1e6:.1f} Mbit/s), recompute {recompute:.3f} s"
     )
-    # the shaped link, not loopback: the bytes take their time at 10 Mbit/s (TCP's framing
-    # and the request's round trip move the measured rate a little)
-    assert SLOW_BPS / 2 < rate < SLOW_BPS * 1.5
+    # the shaped link, not loopback: the bytes take their time at 10 Mbit/s or slower (TCP's
+    # framing and the request's round trip move the measured rate a little; a busy machine,
+    # e.g. the vLLM tests compiling on the other pytest worker, only slows a pull: 2.5 Mbit/s once)
+    assert rate < SLOW_BPS * 1.5
     out = client.submit(tasks.resume, ref, QUESTION, max_new_tokens=12, workers=[b], pure=False).result()
     assert out.token_ids == replay(client, text + QUESTION).token_ids
 

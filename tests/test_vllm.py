@@ -65,7 +65,7 @@ def test_the_engine_gets_exactly_the_kv_memory_configured(backend):
 
 def test_captured_kv_is_transformers_kv_of_the_same_prompt(backend, hf_model):
     ids = backend.tokenize(PREFIX)
-    kv, _ = backend.prefill(ids)
+    kv = backend.kv_from_cache(backend.prefill(ids)[0])
     with torch.inference_mode():
         cache = hf_model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
     want = torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers])
@@ -77,7 +77,7 @@ def test_captured_kv_is_transformers_kv_of_the_same_prompt(backend, hf_model):
 
 def test_a_loaded_state_resumes_token_identical_to_replay(backend):
     ids = backend.tokenize(PREFIX)
-    kv, _ = backend.prefill(ids)
+    kv = backend.kv_from_cache(backend.prefill(ids)[0])
     for _, suffix in PARTS:
         full = backend.tokenize(PREFIX + suffix)
         assert full[: len(ids) - 1] == ids[: len(ids) - 1]
@@ -137,10 +137,10 @@ def test_a_prefill_over_a_past_copies_out_only_the_kv_from_keep_from(backend):
     size = backend.block_tokens
     assert len(ids) > 2 * size + 1
     backend.reset_engine_cache()
-    whole, _ = backend.prefill(ids)
+    whole = backend.kv_from_cache(backend.prefill(ids)[0])
     for keep_from in (2 * size, 2 * size + 5):  # on a block boundary, and inside a block
         backend.reset_engine_cache()  # the tail is computed over the loaded past, not found in the engine
-        tail, _ = backend.prefill(ids, whole[:, :, :, : 2 * size + 7], keep_from=keep_from)
+        tail = backend.kv_from_cache(backend.prefill(ids, whole[:, :, :, : 2 * size + 7], keep_from=keep_from)[0])
         assert tail.shape[3] == len(ids) - 2 * size, keep_from
         torch.testing.assert_close(tail, whole[:, :, :, 2 * size :], atol=1e-4, rtol=1e-4)
 
@@ -153,7 +153,7 @@ def test_a_generation_hands_its_prompt_kv_from_keep_from_on_and_decodes_as_repla
     size = backend.block_tokens
     sampling = Sampling(max_new_tokens=6)
     backend.reset_engine_cache()
-    whole, _ = backend.prefill(ids)
+    whole = backend.kv_from_cache(backend.prefill(ids)[0])
     backend.reset_engine_cache()
     want = backend.generate(ids, None, sampling).token_ids
     for keep_from in (0, 2 * size, 2 * size + 5):
@@ -169,7 +169,7 @@ def test_a_generation_hands_its_prompt_kv_from_keep_from_on_and_decodes_as_repla
 
 def test_every_form_of_a_loaded_state_resumes_token_identical(backend):
     ids = backend.tokenize(PREFIX)
-    kv, _ = backend.prefill(ids)
+    kv = backend.kv_from_cache(backend.prefill(ids)[0])
     _, suffix = PARTS[1]
     full = backend.tokenize(PREFIX + suffix)
     backend.reset_engine_cache()
@@ -205,7 +205,7 @@ def test_requests_that_do_not_read_the_engine_cache_compute_every_token_and_agre
     rows = [Row(ids=backend.tokenize(PREFIX + suffix), keep=keep) for _, suffix in PARTS]
     with dask.config.set({"kvstate.vllm.read-prefix-cache": False}):
         replay = backend.generate(ids, None, GREEDY)
-        kv, _ = backend.prefill(prefix_ids)
+        kv = backend.kv_from_cache(backend.prefill(prefix_ids)[0])
         backend.reset_engine_cache()
         before = backend.counters["loaded_tokens"]
         batched = backend.generate_batch(rows, kv[:, :, :, :keep], GREEDY, started=0.0)
@@ -267,7 +267,7 @@ def test_a_namespace_never_hits_another_namespaces_blocks_in_the_engine(backend)
     assert other.token_ids == same.token_ids  # the salt changes what is shared, never the tokens
     assert other.prefill_tokens == len(asks[1])  # tenant-b computed the whole prompt itself
     # A state loaded into the engine by tenant-a's resume: its blocks are tenant-a's too.
-    kv, _ = backend.prefill(doc, namespace="tenant-a")
+    kv = backend.kv_from_cache(backend.prefill(doc, namespace="tenant-a")[0])
     backend.reset_engine_cache()
     _, resumed = _hits(backend, asks[2], "tenant-a", kv[:, :, :, : len(doc) - 1])
     across, _ = _hits(backend, asks[2], "tenant-b")
@@ -301,7 +301,7 @@ def test_a_failed_step_leaves_no_unwritten_block_in_the_engine_cache(backend):
     assert backend.exchange.counters["retried_requests"] == retried + 1
     # A state's load in a failed step: retried with the same load, same tokens.
     doc = backend.tokenize(PREFIX)
-    kv, _ = backend.prefill(doc, namespace="t")
+    kv = backend.kv_from_cache(backend.prefill(doc, namespace="t")[0])
     backend.reset_engine_cache()
     fail_steps(backend, 1)
     loaded = backend.generate(ids, kv[:, :, :, : len(doc) - 1], GREEDY, namespace="t")

@@ -32,7 +32,7 @@ def test_kit_family_on_vllm(family, tmp_path_factory):
     try:
         prefix = "The planner reads the task and writes a plan; the developer writes the code. " * 3
         ids = backend.tokenize(prefix)
-        kv, _ = backend.prefill(ids)
+        kv = backend.kv_from_cache(backend.prefill(ids)[0])
         for suffix in (" The tester", " Then what failed was"):
             full = backend.tokenize(prefix + suffix)
             keep = min(len(ids), len(full)) - 1

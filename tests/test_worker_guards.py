@@ -82,7 +82,9 @@ def _engine(running: int, monkeypatch, idle: int = 4):
     settings = WorkerSettings.from_config({"kvstate.worker.borrow-idle-threads": 8})
     state = SimpleNamespace(executing=set(range(running)), long_running=set())
     worker = SimpleNamespace(address="tcp://w", state=state)
-    backend = SimpleNamespace(prefill=prefill, kv_from_cache=lambda cache, start=0: cache, elastic_threads=True)
+    backend = SimpleNamespace(
+        prefill=prefill, kv_to_store=lambda cache, start, block_tokens: cache, elastic_threads=True
+    )
     return KVEngine(backend, SimpleNamespace(), worker, settings=settings), seen
 
 

@@ -149,6 +149,15 @@ class Backend(Protocol):
         a returning visit's first token by a copy of its whole context."""
         ...
 
+    def kv_to_store(self, cache: Any, start: int, block_tokens: int) -> torch.Tensor | BlockKV:
+        """:meth:`kv_from_cache`'s KV in the form the worker stores, whichever the backend
+        can give with the fewest copies: that ``[L, 2, H, T, D]`` tensor (the default,
+        which the worker then lays out as blocks, one more copy), or its blocks of
+        ``block_tokens`` already laid out in one buffer (:class:`~dask_kvstate.blocks.Arena`,
+        from token ``start``, a block boundary), written once from the backend's own
+        cache."""
+        return self.kv_from_cache(cache, start)
+
     # -- generation ----------------------------------------------------------------
     def generate(
         self,

@@ -147,6 +147,13 @@ class HFBackend(Backend):
         """The tokens of a batch-1 cache from ``start`` on as one ``[L, 2, H, T, D]`` tensor."""
         return layout.kv_of(cache, start)
 
+    def kv_to_store(self, cache, start: int, block_tokens: int) -> torch.Tensor | BlockKV:
+        """The tokens from ``start`` on as blocks laid out in one arena, each layer copied
+        once from the cache (joining the layers first, then laying them out, copied twice)."""
+        if start % block_tokens:
+            return self.kv_from_cache(cache, start)
+        return layout.blocks_of(cache, start, block_tokens)
+
     def _check_kv_shape(self) -> None:
         """Prefill one token and check its KV has the shape blocks assume (at load, not at first use).
 

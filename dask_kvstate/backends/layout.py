@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
+from dask_kvstate.blocks import Arena, BlockKV
+
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 CHUNKED = "chunked_attention"
@@ -234,12 +236,10 @@ def new_cache(layout: Layout, kv: torch.Tensor | None = None) -> DynamicCache:
     return cache
 
 
-def kv_of(cache: DynamicCache, start: int = 0) -> torch.Tensor:
-    """The tokens of a batch-1 cache from ``start`` on (all by default) as one ``[L, 2, H, T, D]`` tensor.
-
-    ``D`` is the wider of the key and value head sizes; the narrower is zero-padded (see the
-    module docstring for why one tensor). Only the tokens from ``start`` are copied.
-    """
+def _layer_kv(cache: DynamicCache, start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's ``[H, T, D]`` keys and values from token ``start`` on (views where the
+    layer keeps every token), ``D`` the wider of the key and value head sizes, the narrower
+    zero-padded (see the module docstring for why one width); checked to form one state."""
     per_layer = []
     for layer in cache.layers:
         if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
@@ -252,14 +252,41 @@ def kv_of(cache: DynamicCache, start: int = 0) -> torch.Tensor:
             k, v = layer.keys[:, :, start:], layer.values[:, :, start:]
         width = max(k.shape[-1], v.shape[-1])
         k, v = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (k, v))
-        per_layer.append(torch.stack((k[0], v[0])))
-    shapes = {(t.shape[1], t.shape[3]) for t in per_layer}
+        per_layer.append((k[0], v[0]))
+    shapes = {(k.shape[0], k.shape[2]) for k, _ in per_layer}
     if len(shapes) != 1:
         raise ValueError(f"cache layers hold KV of different (heads, head size) {sorted(shapes)}: not one tensor")
-    lengths = {t.shape[2] for t in per_layer}
+    lengths = {k.shape[1] for k, _ in per_layer}
     if len(lengths) != 1:
         raise ValueError(f"cache layers hold different token counts {sorted(lengths)}: not one state")
-    return torch.stack(per_layer)
+    return per_layer
+
+
+def kv_of(cache: DynamicCache, start: int = 0) -> torch.Tensor:
+    """The tokens of a batch-1 cache from ``start`` on (all by default) as one ``[L, 2, H, T, D]`` tensor.
+
+    Only the tokens from ``start`` are copied, once, into the result.
+    """
+    per_layer = _layer_kv(cache, start)
+    keys = per_layer[0][0]
+    out = keys.new_empty((len(per_layer), 2, *keys.shape))
+    for number, (k, v) in enumerate(per_layer):
+        out[number, 0].copy_(k)
+        out[number, 1].copy_(v)
+    return out
+
+
+def blocks_of(cache: DynamicCache, start: int, block_tokens: int) -> BlockKV:
+    """The tokens of a batch-1 cache from ``start`` on as blocks of ``block_tokens`` laid out
+    in one arena, each layer copied once, straight into place (see ``Arena``)."""
+    per_layer = _layer_kv(cache, start)
+    heads, tokens, dim = per_layer[0][0].shape
+    arena = Arena.empty(
+        len(per_layer), heads, dim, tokens, block_tokens, dtype=per_layer[0][0].dtype, device=per_layer[0][0].device
+    )
+    for number, (k, v) in enumerate(per_layer):
+        arena.write_layer(number, k, v)
+    return arena.kv
 
 
 def measure(layout: Layout, cache: DynamicCache) -> Layout:

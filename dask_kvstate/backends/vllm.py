@@ -185,8 +185,15 @@ class VLLMBackend(Backend):
     # -- KV ------------------------------------------------------------------------
     @staticmethod
     def kv_from_cache(cache: Any, start: int = 0) -> torch.Tensor:
-        """This backend's "cache" is already the captured ``[L, 2, H, T, D]`` tensor, copied
-        out of the engine from the block holding ``keep_from`` on (``start`` is that)."""
+        """This backend's "cache" is the KV copied out of the engine from the block holding
+        ``keep_from`` on (``start`` is that), as blocks: joined here into one ``[L, 2, H, T, D]``
+        tensor (a copy; the worker stores the blocks as they are, :meth:`kv_to_store`)."""
+        return cache.joined() if isinstance(cache, BlockKV) else cache
+
+    @staticmethod
+    def kv_to_store(cache: Any, start: int, block_tokens: int) -> torch.Tensor | BlockKV:
+        """The captured blocks as they are: the engine's pages were copied once, straight
+        into an arena of blocks of its block size (the worker's ``kvstate.block-tokens``)."""
         return cache
 
     def prefill(

@@ -39,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from dask_kvstate.backends.vllm_pages import PAGED_ISAS, capture_blocks, load_chunks, write_blocks
+from dask_kvstate.backends.vllm_pages import PAGED_ISAS, capture_arena, load_chunks, write_blocks
 from dask_kvstate.blocks import BlockKV
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ class Order:
     load: BlockKV | None = None  # KV of the prompt's leading tokens, as blocks of the engine's size
     capture: int = 0  # leading prompt tokens whose KV to copy out...
     capture_from: int = 0  # ...from this one on (a block boundary)
-    captured: torch.Tensor | None = None  # set by the worker half
+    captured: BlockKV | None = None  # set by the worker half: the KV from capture_from on, as blocks
     loaded_tokens: int = 0  # tokens written into the engine from ``load``
     engine_hit_tokens: int = 0  # tokens vLLM's own prefix cache already held
 
@@ -276,7 +276,7 @@ class KVStateConnector(KVConnectorBase_V1):
             order = self.exchange.get(copy.key)
             if order is None:
                 continue
-            order.captured = capture_blocks(self._layers, copy.block_ids, copy.stop - copy.start)
+            order.captured = capture_arena(self._layers, copy.block_ids, copy.stop - copy.start)
             self.exchange.counters["captured_tokens"] += copy.stop - copy.start
         if meta.saves:
             self.exchange.counters["capture_s"] += time.perf_counter() - t0

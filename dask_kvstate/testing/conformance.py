@@ -83,6 +83,14 @@ def _prefill(backend: Backend, ids: list[int]):
     tail = backend.kv_from_cache(cache, start)
     assert len(ids) - start <= tail.shape[3] <= len(ids), f"kv_from_cache(cache, {start}) has {tail.shape[3]} tokens"
     assert torch.equal(tail, kv[:, :, :, len(ids) - tail.shape[3] :]), "kv_from_cache(cache, start): the cache's tail"
+    # The form the worker stores: the same KV, as a tensor or as blocks of the block size
+    size = getattr(backend, "block_tokens", 4)
+    stored = backend.kv_to_store(cache, 0, size)
+    if isinstance(stored, BlockKV):
+        sizes = [int(b.shape[3]) for b in stored.blocks]
+        assert all(n == size for n in sizes[:-1]), f"kv_to_store's blocks hold {sizes} tokens, not {size} each"
+        stored = stored.joined()
+    assert torch.equal(stored, kv), "kv_to_store(cache, 0, ...): the KV kv_from_cache gives"
     return kv
 
 

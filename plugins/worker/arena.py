@@ -5,7 +5,10 @@ do the same per prefill: :func:`lay_out` copies the ``[L, 2, H, T, D]`` output o
 prefill once, block-major, into one flat buffer, and every block is a contiguous
 ``[L, 2, H, t, D]`` view of it (the last one may be partial: it is just shorter).
 That copy replaces the per-block ``.contiguous()`` copies made before, so building an
-arena costs nothing extra.
+arena costs nothing extra. A backend that can write its own cache (vLLM's pages,
+transformers' per-layer cache) straight into such a buffer hands the blocks over laid out
+(``Backend.kv_to_store``, :class:`~dask_kvstate.blocks.Arena`), and
+:func:`blocks_to_store` keeps them as they are: one copy out of the engine, not two.
 
 Why: a pull of a state's blocks is then one run of memory, and :func:`span` finds it
 by pointer arithmetic (same storage, each block starting where the previous one
@@ -27,7 +30,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 
-from dask_kvstate.blocks import KVBlock, follows, nbytes
+from dask_kvstate.blocks import Arena, BlockKV, KVBlock, follows, nbytes
 
 
 def lay_out(kv, block_tokens: int, first_token: int = 0) -> list:
@@ -49,40 +52,23 @@ def lay_out(kv, block_tokens: int, first_token: int = 0) -> list:
     >>> span(blocks) is not None   # one run of memory
     True
     """
-    import torch
-
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens!r}")
     if kv.dim() != 5:
         raise ValueError(f"expected a KV tensor [layers, 2, kv_heads, tokens, head_dim], got shape {tuple(kv.shape)}")
-    L, two, H, T, D = kv.shape
-    tokens = T - first_token
-    if tokens <= 0:
+    L, _, H, T, D = kv.shape
+    if T - first_token <= 0:
         return []
-    full, rest = divmod(tokens, block_tokens)
-    per_token = L * two * H * D
-    n = tokens * per_token
-    if kv.device.type == "cpu":
-        # numpy's allocator asks the kernel for transparent huge pages (madvise) on large
-        # buffers, torch's does not: the socket reads a huge-page arena with fewer TLB
-        # misses, as it reads Dask's numpy arrays and the packing buffers.
-        import numpy as np
-
-        arena = torch.from_numpy(np.empty(n * kv.element_size(), dtype=np.uint8)).view(kv.dtype)
-    else:
-        arena = torch.empty(n, dtype=kv.dtype, device=kv.device)
-    cut = full * block_tokens * per_token
-    if full:
-        # One strided copy: [L, 2, H, full, bt, D] -> [full, L, 2, H, bt, D].
-        src = kv[:, :, :, first_token : first_token + full * block_tokens].reshape(L, two, H, full, block_tokens, D)
-        arena[:cut].view(full, L, two, H, block_tokens, D).copy_(src.permute(3, 0, 1, 2, 4, 5))
-    if rest:
-        arena[cut:].view(L, two, H, rest, D).copy_(kv[:, :, :, first_token + full * block_tokens :])
-    size = block_tokens * per_token
-    blocks = [arena[i * size : (i + 1) * size].view(L, two, H, block_tokens, D) for i in range(full)]
-    if rest:
-        blocks.append(arena[cut:].view(L, two, H, rest, D))
-    return blocks
+    arena = Arena.empty(L, H, D, T - first_token, block_tokens, dtype=kv.dtype, device=kv.device)
+    src = kv[:, :, :, first_token:]
+    if arena.full is not None:
+        # One strided copy: [L, 2, H, n, bt, D] -> [n, L, 2, H, bt, D].
+        n = arena.full.shape[0]
+        whole = src[:, :, :, : n * block_tokens].reshape(L, 2, H, n, block_tokens, D)
+        arena.full.copy_(whole.permute(3, 0, 1, 2, 4, 5))
+    if arena.tail is not None:
+        arena.tail.copy_(src[:, :, :, T - first_token - arena.tail.shape[3] :])
+    return list(arena.kv.blocks)
 
 
 def span(tensors: Sequence):
@@ -145,3 +131,34 @@ def split_blocks(kv, hashes: Sequence[bytes], block_tokens: int, first: int = 0,
     tensors = lay_out(kv, block_tokens, first * block_tokens - first_token)
     assert len(tensors) == len(hashes) - first, f"{len(tensors)} blocks for {len(hashes) - first} hashes"
     return [KVBlock(hashes[first + i], (first + i) * block_tokens, t) for i, t in enumerate(tensors)]
+
+
+def blocks_to_store(
+    kv, hashes: Sequence[bytes], block_tokens: int, first: int = 0, first_token: int = 0
+) -> list[KVBlock]:
+    """Blocks ``first, first+1, ...`` of a state's KV, which starts at token ``first_token``
+    (a block boundary no later than block ``first``): ``kv`` a ``[L, 2, H, T, D]`` tensor
+    (laid out by :func:`split_blocks`) or a :class:`~dask_kvstate.blocks.BlockKV` a backend
+    already laid out in one arena (its blocks kept as they are: no copy), e.g.
+
+    >>> import torch
+    >>> from dask_kvstate.blocks import Arena
+    >>> arena = Arena.empty(1, 1, 2, 5, 2, dtype=torch.float32, device="cpu")
+    >>> blocks = blocks_to_store(arena.kv, [b"a", b"b", b"c"], 2, first=1)
+    >>> [(b.hash, b.start, b.num_tokens) for b in blocks], blocks[0].tensor is arena.kv.blocks[1]
+    ([(b'b', 2, 2), (b'c', 4, 1)], True)
+    """
+    if not isinstance(kv, BlockKV):
+        return split_blocks(kv, hashes, block_tokens, first, first_token)
+    skip = first - first_token // block_tokens
+    own = kv.blocks[skip:]
+    laid_out = (
+        first_token % block_tokens == 0
+        and skip >= 0
+        and len(own) == len(hashes) - first
+        and all(int(b.shape[3]) == block_tokens for b in own[:-1])
+        and span(own) is not None
+    )
+    if not laid_out:  # blocks of another size or memory: one copy into an arena of our own
+        return split_blocks(kv.joined(), hashes, block_tokens, first, first_token)
+    return [KVBlock(hashes[first + i], (first + i) * block_tokens, t) for i, t in enumerate(own)]

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 import torch
 from dask.system import CPU_COUNT
 
-from dask_kvstate.blocks import BlockKV, block_hashes
+from dask_kvstate.blocks import BlockKV, block_hashes, kv_tokens
 from dask_kvstate.plugins.worker import scheduler_link
 from dask_kvstate.plugins.worker.accounting import LiveKV
-from dask_kvstate.plugins.worker.arena import split_blocks
+from dask_kvstate.plugins.worker.arena import blocks_to_store
 from dask_kvstate.plugins.worker.measure import LinkMeter, PrefillMeter, dask_bandwidth
 from dask_kvstate.plugins.worker.settings import WorkerSettings
 from dask_kvstate.state import KVStateRef, Lineage, Placement, new_state_id
@@ -102,10 +102,12 @@ class KVEngine:
             placement=Placement(self.address, self.store.tier),
         )
 
-    def store_kv(self, kv: torch.Tensor, hashes: tuple[bytes, ...], first_block: int, first_token: int = 0) -> list:
-        """Cut ``kv`` (the KV of tokens ``first_token...``) into blocks ``first_block...``,
-        store them, return their tensors."""
-        blocks = split_blocks(kv, hashes, self.block_tokens, first_block, first_token)
+    def store_kv(
+        self, kv: torch.Tensor | BlockKV, hashes: tuple[bytes, ...], first_block: int, first_token: int = 0
+    ) -> list:
+        """Cut ``kv`` (the KV of tokens ``first_token...``; blocks a backend laid out are
+        kept as they are) into blocks ``first_block...``, store them, return their tensors."""
+        blocks = blocks_to_store(kv, hashes, self.block_tokens, first_block, first_token)
         for block in blocks:
             self.store.put(block.hash, block.tensor)
         return [block.tensor for block in blocks]
@@ -132,7 +134,7 @@ class KVEngine:
         keep_from: int = 0,
         *,
         namespace: str | None = None,
-    ) -> tuple[torch.Tensor, int]:
+    ) -> tuple[torch.Tensor | BlockKV, int]:
         """``(kv, first)``: the KV of ``ids`` from token ``first`` on, ``past`` being that of
         their leading tokens; counted and metered.
 
@@ -144,7 +146,7 @@ class KVEngine:
         ``namespace`` is the tenant the prefill is for (an engine with a prefix cache of
         its own keeps tenants apart there).
         """
-        past_len = 0 if past is None else past.tokens if isinstance(past, BlockKV) else int(past.shape[3])
+        past_len = 0 if past is None else kv_tokens(past)
         self.counters["prefill_tokens"] += len(ids) - past_len
         self.counters["reused_tokens"] += past_len
         with self._borrowed_threads(len(ids)) as threads:  # computed, and read as context
@@ -152,11 +154,11 @@ class KVEngine:
             cache, _ = self.backend.prefill(list(ids), past, keep_from=keep_from, namespace=namespace)
             seconds = time.perf_counter() - t0
         self._meter_prefill(threads, len(ids) - past_len, past_len, seconds)
-        kv = self.backend.kv_from_cache(cache, keep_from)
-        first = len(ids) - int(kv.shape[3])
+        kv = self.backend.kv_to_store(cache, keep_from, self.block_tokens)
+        first = len(ids) - kv_tokens(kv)
         if not 0 <= first <= keep_from or first % self.block_tokens:
             raise RuntimeError(
-                f"{self.backend.name!r} returned the KV of {int(kv.shape[3])} of {len(ids)} tokens: it must "
+                f"{self.backend.name!r} returned the KV of {kv_tokens(kv)} of {len(ids)} tokens: it must "
                 f"start on a block boundary no later than token {keep_from}"
             )
         return kv, first

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from dask_kvstate.blocks import BlockKV
+from dask_kvstate.blocks import BlockKV, kv_tokens
 from dask_kvstate.generation import Generation, Sampling
 
 if TYPE_CHECKING:
@@ -60,8 +60,8 @@ def generate(rt, text: str, namespace: str, sampling: Sampling) -> Generation:
     stored = len(present) * rt.block_tokens  # the prompt's tokens the store already holds
 
     def keep_prompt(cache) -> None:  # before decoding: the cache holds the prompt from `stored` on
-        kv = backend.kv_from_cache(cache, stored)
-        rt.store_kv(kv, hashes, len(present), first_token=len(ids) - int(kv.shape[3]))
+        kv = backend.kv_to_store(cache, stored, rt.block_tokens)
+        rt.store_kv(kv, hashes, len(present), first_token=len(ids) - kv_tokens(kv))
 
     return rt.generate_from(
         ids,
