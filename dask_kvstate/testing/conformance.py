@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dask_kvstate import config
 from dask_kvstate.backends.base import Backend, GenerationResult, Row
-from dask_kvstate.blocks import BlockKV
+from dask_kvstate.blocks import BlockKV, kv_tokens
 from dask_kvstate.generation import Sampling
 
 #: A prompt that plain-text tokenizers round-trip, longer than a block, so a state spans several.
@@ -98,7 +98,7 @@ def _generate(backend: Backend, ids: list[int], past, sampling: Sampling) -> Gen
     backend.reset_engine_cache()  # what the engine kept of an earlier call would hide a load
     res = backend.generate(ids, past, sampling)
     assert isinstance(res, GenerationResult), f"generate returns a GenerationResult, got {type(res).__name__}"
-    reused = 0 if past is None else (past.tokens if isinstance(past, BlockKV) else int(past.shape[3]))
+    reused = 0 if past is None else kv_tokens(past)
     assert res.reused_tokens == reused, f"generate reused {res.reused_tokens} tokens of a {reused}-token state"
     assert res.prefill_tokens == len(ids) - reused, f"generate computed {res.prefill_tokens} prompt tokens"
     n = len(res.token_ids)

@@ -144,9 +144,16 @@ def blocks_to_store(
     >>> import torch
     >>> from dask_kvstate.blocks import Arena
     >>> arena = Arena.empty(1, 1, 2, 5, 2, dtype=torch.float32, device="cpu")
-    >>> blocks = blocks_to_store(arena.kv, [b"a", b"b", b"c"], 2, first=1)
-    >>> [(b.hash, b.start, b.num_tokens) for b in blocks], blocks[0].tensor is arena.kv.blocks[1]
-    ([(b'b', 2, 2), (b'c', 4, 1)], True)
+    >>> blocks = blocks_to_store(arena.kv, [b"a", b"b", b"c"], 2)
+    >>> [(b.hash, b.start, b.num_tokens) for b in blocks], blocks[1].tensor is arena.kv.blocks[1]
+    ([(b'a', 0, 2), (b'b', 2, 2), (b'c', 4, 1)], True)
+
+    Blocks it would not store (here the first, stored already) are not kept alive by the
+    others: those are copied into an arena of their own.
+
+    >>> later = blocks_to_store(arena.kv, [b"a", b"b", b"c"], 2, first=1)
+    >>> [b.start for b in later], later[0].tensor is arena.kv.blocks[1]
+    ([2, 4], False)
     """
     if not isinstance(kv, BlockKV):
         return split_blocks(kv, hashes, block_tokens, first, first_token)
@@ -154,7 +161,7 @@ def blocks_to_store(
     own = kv.blocks[skip:]
     laid_out = (
         first_token % block_tokens == 0
-        and skip >= 0
+        and skip == 0  # else the blocks before would stay allocated, unstored, in the arena
         and len(own) == len(hashes) - first
         and all(int(b.shape[3]) == block_tokens for b in own[:-1])
         and span(own) is not None

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dask_kvstate.blocks import BlockKV, join_blocks, same_storage
+from dask_kvstate.blocks import BlockKV, join_blocks, kv_tokens, same_storage
 from dask_kvstate.errors import MergeError
 from dask_kvstate.generation import Generation, Sampling
 from dask_kvstate.plugins.worker import placement, prefix_cache, probes
@@ -153,7 +153,7 @@ class StateRuntime(KVEngine):
         prompt, reused or not, runs with the host's idle threads too, as a long prefill does
         (the prefix cache's calls; text replay, a baseline, never borrows).
         """
-        keep = 0 if past is None else past.tokens if isinstance(past, BlockKV) else int(past.shape[3])
+        keep = 0 if past is None else kv_tokens(past)
         self.counters["reused_tokens"] += keep
         held = self.live.hold((len(ids) + sampling.max_new_tokens) * self.backend.kv_bytes_per_token)
         # The prompt, reused or computed, and the steps decoding over it: what the call reads
