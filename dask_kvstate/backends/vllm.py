@@ -188,7 +188,7 @@ class VLLMBackend(Backend):
         """This backend's "cache" is the KV copied out of the engine from the block holding
         ``keep_from`` on (``start`` is that), as blocks: joined here into one ``[L, 2, H, T, D]``
         tensor (a copy; the worker stores the blocks as they are, :meth:`kv_to_store`)."""
-        return cache.joined() if isinstance(cache, BlockKV) else cache
+        return cache.joined()
 
     @staticmethod
     def kv_to_store(cache: Any, start: int, block_tokens: int) -> torch.Tensor | BlockKV:

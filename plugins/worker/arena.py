@@ -60,14 +60,8 @@ def lay_out(kv, block_tokens: int, first_token: int = 0) -> list:
     if T - first_token <= 0:
         return []
     arena = Arena.empty(L, H, D, T - first_token, block_tokens, dtype=kv.dtype, device=kv.device)
-    src = kv[:, :, :, first_token:]
-    if arena.full is not None:
-        # One strided copy: [L, 2, H, n, bt, D] -> [n, L, 2, H, bt, D].
-        n = arena.full.shape[0]
-        whole = src[:, :, :, : n * block_tokens].reshape(L, 2, H, n, block_tokens, D)
-        arena.full.copy_(whole.permute(3, 0, 1, 2, 4, 5))
-    if arena.tail is not None:
-        arena.tail.copy_(src[:, :, :, T - first_token - arena.tail.shape[3] :])
+    for layer in range(L):
+        arena.write_layer(layer, kv[layer, 0, :, first_token:], kv[layer, 1, :, first_token:])
     return list(arena.kv.blocks)
 
 
@@ -157,15 +151,12 @@ def blocks_to_store(
     """
     if not isinstance(kv, BlockKV):
         return split_blocks(kv, hashes, block_tokens, first, first_token)
-    skip = first - first_token // block_tokens
-    own = kv.blocks[skip:]
     laid_out = (
-        first_token % block_tokens == 0
-        and skip == 0  # else the blocks before would stay allocated, unstored, in the arena
-        and len(own) == len(hashes) - first
-        and all(int(b.shape[3]) == block_tokens for b in own[:-1])
-        and span(own) is not None
+        first_token == first * block_tokens  # else blocks before would stay allocated, unstored, in the arena
+        and len(kv.blocks) == len(hashes) - first
+        and all(int(b.shape[3]) == block_tokens for b in kv.blocks[:-1])
+        and span(kv.blocks) is not None
     )
     if not laid_out:  # blocks of another size or memory: one copy into an arena of our own
         return split_blocks(kv.joined(), hashes, block_tokens, first, first_token)
-    return [KVBlock(hashes[first + i], (first + i) * block_tokens, t) for i, t in enumerate(own)]
+    return [KVBlock(hashes[first + i], (first + i) * block_tokens, t) for i, t in enumerate(kv.blocks)]

@@ -117,7 +117,7 @@ class StateRuntime(KVEngine):
         keep = common_prefix(old.token_ids, ids) if past is not None else 0
         if past is not None and keep == len(ids):
             head = _prefix(past, keep)
-            self.store_kv(head.joined() if isinstance(head, BlockKV) else head, hashes, keep // self.block_tokens)
+            self.store_kv(head, hashes, keep // self.block_tokens)  # blocks or a tensor: store_kv lays either out
             self.counters["reused_tokens"] += keep
         else:
             past = _prefix(past, keep) if past is not None and keep else None
