@@ -231,6 +231,8 @@ def host_tensor(numel: int, dtype) -> torch.Tensor:
     """
     import torch
 
+    if numel == 0:  # torch cannot view an empty byte array (its stride is 0) as another dtype
+        return torch.empty(0, dtype=dtype)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     memory = np.empty(numel * itemsize, dtype=np.uint8)
     memory.fill(0)

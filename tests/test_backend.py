@@ -39,6 +39,27 @@ def test_resume_from_any_split_is_token_identical_to_text_replay(backend):
         assert out.reused_tokens == split and out.prefill_tokens == len(ids) - split
 
 
+def test_a_reuse_hands_on_the_prompts_kv_as_transformers_cache_holds_it(backend):
+    """A generate with a state reads it in place (no DynamicCache); what it hands ``on_prefill``
+    gives the store the same blocks, from any start, as a text replay's cache does."""
+    ids = backend.tokenize(CONTEXT + "Question: who tries again?")
+    starts = (0, 16, 32, 48)
+
+    def keep(into: list):  # the hook copies at once, as the prefix cache's does: decoding goes on after it
+        return lambda cache: into.append((type(cache).__name__, [backend.kv_to_store(cache, s, 16) for s in starts]))
+
+    replayed: list = []
+    replay = backend.generate(ids, None, Sampling(max_new_tokens=6), on_prefill=keep(replayed))
+    state = backend.kv_from_cache(backend.prefill(ids[:32])[0])
+    reused: list = []
+    out = backend.generate(ids, state, Sampling(max_new_tokens=6), on_prefill=keep(reused))
+    assert out.token_ids == replay.token_ids and out.reused_tokens == 32
+    assert reused[0][0] == "PromptKV"  # the state was read in place, not copied into a cache
+    for start, want, got in zip(starts, replayed[0][1], reused[0][1]):
+        assert [b.shape for b in got.blocks] == [b.shape for b in want.blocks], f"from {start}"
+        assert torch.allclose(got.joined(), want.joined(), atol=1e-5), f"from {start}"
+
+
 def test_blocks_round_trip_and_are_never_mutated_by_a_forward_pass(backend):
     ids = backend.tokenize(CONTEXT)
     kv = backend.kv_from_cache(backend.prefill(ids)[0])

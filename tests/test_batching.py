@@ -29,7 +29,7 @@ def rows_for(backend, suffixes, seed=None):
 
 def stock(backend, row, kv, **params):
     """The same generation through transformers' own cache (DynamicCache, sdpa): the reference."""
-    return backend.generate(row.ids, kv[:, :, :, : row.keep], Sampling(seed=row.seed, **params)).token_ids
+    return backend.generate_in_cache(row.ids, kv[:, :, :, : row.keep], Sampling(seed=row.seed, **params)).token_ids
 
 
 def test_batched_decode_equals_unbatched_token_for_token(backend):

@@ -25,11 +25,13 @@ tests (tiny-llama, and SmolLM2 on the benchmark prompts in a slow test).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch
 
-from dask_kvstate.backends import compat
+from dask_kvstate.backends import compat, layout
 from dask_kvstate.backends.base import GenerationResult, Row
 from dask_kvstate.backends.cascade import CascadeUnsupported, SharedPrefixKV, serving, unsupported_layout
 from dask_kvstate.backends.decoding import generator, pick_token
@@ -54,16 +56,27 @@ def kv_bytes(backend, rows: list[Row], max_new_tokens: int) -> int:
 
 @torch.inference_mode()
 def generate_batch(
-    backend, rows: list[Row], prefix: torch.Tensor | None, sampling: Sampling, *, started: float | None = None
+    backend,
+    rows: list[Row],
+    prefix: torch.Tensor | None,
+    sampling: Sampling,
+    *,
+    started: float | None = None,
+    on_prefill: Callable[[Any], None] | None = None,
 ) -> list[GenerationResult]:
     """Generate for every row over the shared ``prefix`` KV ([L, 2, H, P, D]); one result per row.
 
-    Each row's tokens equal ``backend.generate(row.ids, prefix[..., :row.keep, :], sampling)``
-    (greedy, or sampling with the row's seed). ``ttft`` is from ``started`` (default:
-    now) to the row's first token; all rows' suffixes are prefilled by one forward, so
-    they share it. Raises ValueError for an empty row or a ``keep`` the prefix can't cover.
+    Each row's tokens equal text replay of ``row.ids`` (greedy, or sampling with the row's
+    seed). ``ttft`` is from ``started`` (default: now) to the row's first token; all rows'
+    suffixes are prefilled by one forward, so they share it. ``on_prefill`` (one row only)
+    gets the prompt's KV once its first token is picked, as a
+    :class:`~dask_kvstate.backends.layout.PromptKV` (or the fallback's cache), which the
+    backend's ``kv_to_store`` reads. Raises ValueError for an empty row or a ``keep`` the
+    prefix can't cover.
     """
     t0 = time.perf_counter() if started is None else started
+    if on_prefill is not None and len(rows) != 1:
+        raise ValueError(f"on_prefill takes the KV of one prompt, not of {len(rows)} rows")
     for n, row in enumerate(rows):
         if not row.ids:
             raise ValueError(f"row {n} has an empty prompt: give at least one token of text")
@@ -75,24 +88,27 @@ def generate_batch(
     why = "attention not routable" if not backend.cascade else unsupported_layout(backend.layout.kinds)
     if why is None:
         try:
-            return _cascade(backend, rows, prefix, sampling, t0)
+            return _cascade(backend, rows, prefix, sampling, t0, on_prefill)
         except CascadeUnsupported as e:
             why = str(e)
     # The model's own attention, one stock resume per row; counted, so that a model the
     # fused path does not serve shows up in ``kvs.stats`` rather than silently slower.
     backend.cascade_fallbacks[why] += 1
     return [
-        backend.generate(
+        backend.generate_in_cache(
             r.ids,
             prefix[:, :, :, : r.keep] if prefix is not None and r.keep else None,
             _row_sampling(sampling, r),
             started=t0,
+            on_prefill=on_prefill,
         )
         for r in rows
     ]
 
 
-def _cascade(backend, rows: list[Row], prefix, sampling: Sampling, t0: float) -> list[GenerationResult]:
+def _cascade(
+    backend, rows: list[Row], prefix, sampling: Sampling, t0: float, on_prefill: Callable[[Any], None] | None
+) -> list[GenerationResult]:
     device = backend.device
     if prefix is not None:
         prefix = prefix.to(device, non_blocking=True)
@@ -138,10 +154,12 @@ def _cascade(backend, rows: list[Row], prefix, sampling: Sampling, t0: float) ->
             outs[b].append(pick_token(logits[b], sampling.temperature, sampling.top_p, gens[b]))
             if outs[b][-1] not in backend.eos_ids and sampling.max_new_tokens > 1:
                 live.append(b)
-    if live and len(live) < len(rows):
-        kv.select(live)  # rows done at their first token (EOS) leave before the first decode step
     first = time.perf_counter()
     prefill_s = first - p0
+    if on_prefill is not None:  # after the first token, so its copy counts as decode time
+        on_prefill(layout.PromptKV(prefix, rows[0].keep, kv.own_k[:, 0], kv.own_v[:, 0], own[0]))
+    if live and len(live) < len(rows):
+        kv.select(live)  # rows done at their first token (EOS) leave before the first decode step
 
     # Decode: one forward per step for the rows still running.
     while live:

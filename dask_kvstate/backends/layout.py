@@ -237,10 +237,44 @@ def new_cache(layout: Layout, kv: torch.Tensor | None = None) -> DynamicCache:
     return cache
 
 
-def _layer_kv(cache: DynamicCache, start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+@dataclass(frozen=True)
+class PromptKV:
+    """A batch-1 prompt's KV as the shared-prefix path (``backends/cascade.py``) holds it after
+    its prefill, in place of a ``DynamicCache``: the state's first ``keep`` tokens, read where
+    they lie (``prefix``, ``[L, 2, H, P, D]``, ``P >= keep``), then the prompt's own ``own``
+    tokens (``keys`` and ``values``, ``[L, H, capacity, D]``, at the stored width).
+
+    Why: a call that reuses a state reads it in place rather than copying it into a cache,
+    and still hands its new tokens to the store (:func:`kv_of` and :func:`blocks_of` read it).
+    """
+
+    prefix: torch.Tensor | None
+    keep: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    own: int
+
+    def layer_kv(self, start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's ``[H, T, D]`` keys and values from token ``start`` on (views of the own
+        tokens; joined with the prefix's last tokens where ``start`` lies inside the prefix)."""
+        per_layer = []
+        for number in range(self.keys.shape[0]):
+            k = self.keys[number, :, max(start - self.keep, 0) : self.own]
+            v = self.values[number, :, max(start - self.keep, 0) : self.own]
+            if start < self.keep:
+                assert self.prefix is not None, "a prompt keeping prefix tokens has a prefix"
+                k = torch.cat((self.prefix[number, 0, :, start : self.keep], k), dim=1)
+                v = torch.cat((self.prefix[number, 1, :, start : self.keep], v), dim=1)
+            per_layer.append((k, v))
+        return per_layer
+
+
+def _layer_kv(cache: DynamicCache | PromptKV, start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's ``[H, T, D]`` keys and values from token ``start`` on (views where the
     layer keeps every token), ``D`` the wider of the key and value head sizes, the narrower
     zero-padded (see the module docstring for why one width); checked to form one state."""
+    if isinstance(cache, PromptKV):
+        return cache.layer_kv(start)
     per_layer = []
     for layer in cache.layers:
         if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
@@ -263,8 +297,9 @@ def _layer_kv(cache: DynamicCache, start: int) -> list[tuple[torch.Tensor, torch
     return per_layer
 
 
-def kv_of(cache: DynamicCache, start: int = 0) -> torch.Tensor:
-    """The tokens of a batch-1 cache from ``start`` on (all by default) as one ``[L, 2, H, T, D]`` tensor.
+def kv_of(cache: DynamicCache | PromptKV, start: int = 0) -> torch.Tensor:
+    """The tokens of a batch-1 cache (or :class:`PromptKV`) from ``start`` on (all by default) as one
+    ``[L, 2, H, T, D]`` tensor.
 
     Only the tokens from ``start`` are copied, once, into the result.
     """
@@ -278,7 +313,7 @@ def kv_of(cache: DynamicCache, start: int = 0) -> torch.Tensor:
     return out
 
 
-def blocks_of(cache: DynamicCache, start: int, block_tokens: int) -> BlockKV:
+def blocks_of(cache: DynamicCache | PromptKV, start: int, block_tokens: int) -> BlockKV:
     """The tokens of a batch-1 cache from ``start`` on as blocks of ``block_tokens`` laid out
     in one arena, each layer copied once, straight into place (see ``Arena``)."""
     per_layer = _layer_kv(cache, start)
