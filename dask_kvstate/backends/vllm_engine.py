@@ -108,6 +108,13 @@ class EngineLoop:
         self._thread.daemon = True
         self._thread.start()
         self.engine = started.result()  # the engine's start error, raised in the caller
+        # Only the engine's own thread runs torch multi-threaded in this process. torch gives
+        # each thread's OpenMP team, at its first parallel op, the count last set anywhere in
+        # the process (start_engine set the engine's); another thread's team beside the
+        # engine's makes libgomp count more threads than cores, and it then stops spinning
+        # between parallel regions, for the engine too: its decode step took 26.3-28.6 ms in
+        # a Dask worker against 13.4-19.6 ms alone. The driver keeps the count it has set.
+        self._set_num_threads(1)
 
     def _main(self, options: EngineOptions, started: Future) -> None:
         import torch
