@@ -14,7 +14,6 @@ The last block of a state may be partial; its hash covers exactly its tokens.
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -197,8 +196,12 @@ class Arena:
         n_full, rest = divmod(tokens, block_tokens)
         per_token = layers * 2 * heads * head_dim
         n = tokens * per_token
-        on_host = torch.device(device).type == "cpu"
-        buffer = host_tensor(n, dtype) if on_host else torch.empty(n, dtype=dtype, device=device)
+        # torch's allocator, in ordinary pages. numpy's buffer asks the kernel for transparent
+        # huge pages, and on a kernel that compacts memory for them when asked (``defrag:
+        # madvise``) each new arena's huge pages cost a compaction; a worker keeps its states,
+        # so every capture paid it (a 3,026-token SmolLM2 state, 139 MB, out of vLLM's pages:
+        # 0.25-0.31 s, against 0.035-0.041 s now). TCP pulls from these arenas measured the same.
+        buffer = torch.empty(n, dtype=dtype, device=device)
         cut = n_full * block_tokens * per_token
         full = buffer[:cut].view(n_full, layers, 2, heads, block_tokens, head_dim) if n_full else None
         tail = buffer[cut:].view(layers, 2, heads, rest, head_dim) if rest else None
@@ -216,29 +219,6 @@ class Arena:
         if self.tail is not None:
             self.tail[layer, 0].copy_(keys[:, whole:])
             self.tail[layer, 1].copy_(values[:, whole:])
-
-
-def host_tensor(numel: int, dtype) -> torch.Tensor:
-    """A new 1-d CPU tensor of ``numel`` elements, its memory faulted in already (zeros).
-
-    Why not ``torch.empty``: the copies that fill a state's memory (an arena's blocks, a
-    join of blocks) write it in strided runs from torch's threads, and two threads taking
-    the page faults of fresh memory that way are slow: capturing a 4,074-token SmolLM2
-    state (187 MB) out of vLLM's pages took 0.23 s into fresh memory, 0.014 s into memory
-    written before. ``torch.zeros`` faults it in order, in one parallel pass (~35 ms for
-    139 MB). Why not numpy's buffer, which asks the kernel for transparent huge pages: on
-    a kernel that compacts memory for such pages when they are asked for (``defrag:
-    madvise``), each new state's huge pages cost a compaction, and a worker keeps its
-    states, so every capture paid it (0.25-0.31 s for 139 MB, against 9 ms when the
-    pages of a freed buffer come back).
-
-    >>> import torch
-    >>> host_tensor(3, torch.float32)
-    tensor([0., 0., 0.])
-    """
-    import torch
-
-    return torch.zeros(numel, dtype=dtype)
 
 
 def kv_tokens(kv: torch.Tensor | BlockKV) -> int:
@@ -259,13 +239,7 @@ def join_blocks(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     if len(tensors) == 1:
         return tensors[0]
     joined = consecutive_view(tensors)
-    if joined is not None:
-        return joined
-    first = tensors[0]
-    if first.device.type != "cpu":
-        return torch.cat(list(tensors), dim=3)
-    shape = (*first.shape[:3], sum(int(t.shape[3]) for t in tensors), first.shape[4])
-    return torch.cat(list(tensors), dim=3, out=host_tensor(math.prod(shape), first.dtype).view(shape))
+    return joined if joined is not None else torch.cat(list(tensors), dim=3)
 
 
 def consecutive_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:

@@ -253,10 +253,9 @@ class HFBackend(Backend):
         on_prefill: Callable[[Any], None] | None = None,
     ) -> GenerationResult:
         """:meth:`generate` through transformers' own cache, ``past_kv`` (joined) copied into it:
-        text replay, and the per-row fallback of a model the shared-prefix path cannot serve."""
+        text replay, and the per-row fallback of a model the shared-prefix path cannot serve
+        (both callers have checked ``ids``)."""
         t0 = time.perf_counter() if started is None else started
-        if not ids:
-            raise ValueError("cannot generate from an empty prompt: give at least one token of text")
         p0 = time.perf_counter()
         cache, logits = self.prefill(ids, past_kv)
         p1 = time.perf_counter()

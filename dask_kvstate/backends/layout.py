@@ -39,7 +39,6 @@ to an encoder are refused by :func:`describe` with the missing capability named.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, replace
 
@@ -47,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
-from dask_kvstate.blocks import Arena, BlockKV, host_tensor
+from dask_kvstate.blocks import Arena, BlockKV
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -305,8 +304,7 @@ def kv_of(cache: DynamicCache | PromptKV, start: int = 0) -> torch.Tensor:
     """
     per_layer = _layer_kv(cache, start)
     keys = per_layer[0][0]
-    shape = (len(per_layer), 2, *keys.shape)
-    out = host_tensor(math.prod(shape), keys.dtype).view(shape) if keys.is_cpu else keys.new_empty(shape)
+    out = keys.new_empty((len(per_layer), 2, *keys.shape))
     for number, (k, v) in enumerate(per_layer):
         out[number, 0].copy_(k)
         out[number, 1].copy_(v)
