@@ -6,6 +6,8 @@ Skips, saying why, where vLLM is not installed (the ``vllm`` extra).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import dask
 import pytest
 import torch
@@ -237,6 +239,13 @@ def test_an_engine_sharing_its_cores_with_a_stepping_peer_gives_the_same_tokens(
     finally:
         core_peer.stop(peer)
     assert shared.token_ids == alone.token_ids
+    backend.reset_engine_cache()
+    again = backend.generate(ids, None, GREEDY)  # alone again: the driver takes every core back
+    assert again.token_ids == alone.token_ids
+    assert backend.loop.call(lambda engine: torch.get_num_threads()) == board.cores
+    # ... on its own thread only: a thread starting now runs torch on one, not beside the engine's team
+    with ThreadPoolExecutor(1) as fresh:
+        assert fresh.submit(torch.get_num_threads).result() == 1
 
 
 def test_a_bad_load_fails_its_call_and_the_engine_goes_on(backend):

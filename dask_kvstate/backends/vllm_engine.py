@@ -55,7 +55,6 @@ class Job:
     future: Future = field(default_factory=Future)
     submitted: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
-    prefilled: threading.Event = field(default_factory=threading.Event)  # its first token is out (or it ended)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     failed_steps: int = 0  # engine steps this job was in that raised
 
@@ -167,12 +166,6 @@ class EngineLoop:
                 if not self._thread.is_alive() and not future.done():
                     raise EngineFailed(str(self.dead or f"the vLLM engine {self.name!r} stopped")) from None
 
-    def wait_prefilled(self, job: Job) -> None:
-        """Until ``job``'s first token is out, it ended, or the driver died (then :class:`EngineFailed`)."""
-        while not job.prefilled.wait(WAIT_POLL):
-            if not self._thread.is_alive():
-                raise EngineFailed(str(self.dead or f"the vLLM engine {self.name!r} stopped"))
-
     def run(self, jobs: list[Job]) -> list[Finished]:
         """Submit ``jobs`` together (one engine step can take them all) and wait for them."""
         futures = [self.submit(job) for job in jobs]
@@ -217,7 +210,6 @@ class EngineLoop:
 
     def _finish(self, job: Job, output=None, error: BaseException | None = None) -> None:
         self._jobs.pop(job.request_id, None)
-        job.prefilled.set()
         if job.order is not None:
             self.exchange.pop(job.request_id)
         if error is not None:
@@ -275,7 +267,6 @@ class EngineLoop:
                     continue
                 if job.first_token_at is None and out.outputs and out.outputs[0].token_ids:
                     job.first_token_at = now
-                    job.prefilled.set()
                 if out.finished:
                     self._finish(job, out)
 
@@ -285,10 +276,27 @@ class EngineLoop:
             return
         threads = self._cores.threads()
         if threads != self._threads:
-            self._set_num_threads(threads)  # torch's own setter: vLLM replaced the public one with a no-op
+            self._set_driver_threads(threads)
             self._threads = threads
         if threads < self._full_threads:
             self.exchange.counters["steps_on_shared_cores"] += 1
+
+    def _set_driver_threads(self, threads: int) -> None:
+        """This (the driver) thread's OpenMP and MKL thread count, and no other thread's.
+
+        torch's setter (the saved one: vLLM replaced the public one with a no-op) sets the
+        calling thread's count and also the count every thread of the process starts its
+        OpenMP team with; left at ``threads``, the next task thread to run a parallel op
+        would start a second team beside the engine's, and libgomp would stop spinning
+        for both (the reason for the count of 1 set in ``__init__``). torch has no
+        per-thread setter, so a short-lived thread puts the process's count back to 1:
+        each thread's own count is its own, so this one's stays ``threads``.
+        """
+        self._set_num_threads(threads)
+        if threads != 1:
+            reset = threading.Thread(target=self._set_num_threads, args=(1,), name="kvstate-thread-count")
+            reset.start()
+            reset.join()
 
     def _recover_from_failed_step(self, error: Exception) -> None:
         """After a step that raised: abort its requests, drop the engine's prefix cache, retry them.
