@@ -13,7 +13,8 @@ token for token with the raw engine's:
 - ``raw-vllm`` and ``raw-vllm-eager``: one ``vllm.LLM`` in its own process, every core,
   prefix caching on, all ``k`` prompts in one ``generate`` call
   (:mod:`dask_kvstate.bench.raw_vllm`), compiled (vLLM's default) and eager; the
-  baseline is the faster of the two;
+  baseline is the faster of the two (or of the three with ``--raw`` naming
+  ``raw-vllm-core-in-process``, vLLM's engine core in that process);
 - ``dask-path/<backend>``: the same requests as plain Dask tasks on one worker whose one
   engine has every core (a thread per request, so the engine batches them): what the
   Dask path alone costs against the raw engine, with nothing of kvstate's KV handling;
@@ -43,7 +44,7 @@ from distributed import Client, LocalCluster, get_task_stream
 
 import dask_kvstate as kvs
 from dask_kvstate.bench import workload
-from dask_kvstate.bench.raw_vllm import RAW, RawEngine, cpu_model
+from dask_kvstate.bench.raw_vllm import DEFAULT_RAW, RAW, RawEngine, cpu_model
 from dask_kvstate.bench.report import saved
 
 
@@ -66,7 +67,8 @@ class Options:
         metadata={"help": "backends of the Dask-path row (one worker, one engine, plain tasks)", "nargs": "*"},
     )
     raw: list[str] = dataclasses.field(
-        default_factory=lambda: list(RAW), metadata={"help": "raw engine variants", "nargs": "*", "choices": list(RAW)}
+        default_factory=lambda: list(DEFAULT_RAW),
+        metadata={"help": "raw engine variants", "nargs": "*", "choices": list(RAW)},
     )
     repeats: int = dataclasses.field(default=3, metadata={"help": "interleaved rounds; the table shows medians"})
     out: str | None = dataclasses.field(default=None, metadata={"help": "folder for agents_vs_raw.{md,json}"})
@@ -141,7 +143,7 @@ def started(name: str, args: Options) -> Iterator[tuple[float, Callable[[list[tu
     kv = parse_bytes(args.engine_kv)
     t0 = time.perf_counter()
     if name in RAW:
-        with RawEngine(args.model, kv_cache_bytes=kv, enforce_eager=RAW[name]) as engine:
+        with RawEngine(args.model, kv_cache_bytes=kv, **RAW[name]) as engine:
             yield engine.start_s, lambda parts: run_raw(engine, parts, args.new_tokens)
         return
     kind, backend = name.split("/")

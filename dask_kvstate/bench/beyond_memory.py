@@ -55,7 +55,7 @@ from distributed import Client, LocalCluster
 import dask_kvstate as kvs
 from dask_kvstate.bench import workload
 from dask_kvstate.bench.kv_reads import PredictedPrefetches, TierReads
-from dask_kvstate.bench.raw_vllm import RAW, RawEngine, cpu_model
+from dask_kvstate.bench.raw_vllm import DEFAULT_RAW, RAW, RawEngine, cpu_model
 from dask_kvstate.bench.report import saved
 from dask_kvstate.protocol import LIFECYCLE_TOPIC, SESSION_ANNOTATION
 
@@ -85,7 +85,8 @@ class Options:
         default_factory=lambda: ["vllm"], metadata={"help": "kvstate's backends: vllm and/or hf", "nargs": "+"}
     )
     variants: list[str] = dataclasses.field(
-        default_factory=lambda: list(VARIANTS), metadata={"help": "rows to run", "nargs": "+", "choices": VARIANTS}
+        default_factory=lambda: [v for v in VARIANTS if v not in RAW or v in DEFAULT_RAW],
+        metadata={"help": "rows to run", "nargs": "+", "choices": VARIANTS},
     )
     repeats: int = dataclasses.field(default=1, metadata={"help": "interleaved repeats; the table shows medians"})
     out: str | None = dataclasses.field(default=None, metadata={"help": "folder for beyond_memory.{md,json,png}"})
@@ -293,7 +294,7 @@ def started(name: str, args: Options, spare: str) -> Iterator[Callable[[list[str
             args.model,
             kv_cache_bytes=parse_bytes(args.engine_kv),
             max_model_len=args.max_model_len,
-            enforce_eager=RAW[name],
+            **RAW[name],
         ) as engine:
             engine.one_by_one([spare + question(0, 0)], args.new_tokens)
             print(f"  {name}: engine started in {engine.start_s:.1f} s", flush=True)

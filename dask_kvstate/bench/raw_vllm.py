@@ -32,11 +32,27 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
-#: The raw engine's variants by name: vLLM's default start (compiled) and eager. Rows
-#: against the raw engine take the faster of the two for each figure.
-RAW = {"raw-vllm": False, "raw-vllm-eager": True}
+
+class RawVariant(TypedDict, total=False):
+    """What a raw variant sets beyond vLLM's defaults (:class:`RawEngine` keywords)."""
+
+    enforce_eager: bool
+    core_in_process: bool
+
+
+#: The raw engine's variants by name, as :class:`RawEngine` keywords: vLLM's default start
+#: (compiled) and eager, and, when asked for, the engine core in the engine's own process
+#: (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as a kvstate worker runs its engine; not vLLM's
+#: default). Rows against the raw engine take the fastest variant run for each figure.
+RAW: dict[str, RawVariant] = {
+    "raw-vllm": {},
+    "raw-vllm-eager": {"enforce_eager": True},
+    "raw-vllm-core-in-process": {"core_in_process": True},
+}
+#: The variants the experiments run unless told which: vLLM as a user starts it.
+DEFAULT_RAW = ("raw-vllm", "raw-vllm-eager")
 
 
 def cpu_model() -> str:
@@ -71,6 +87,7 @@ class RawSettings:
     block_tokens: int | None = None  # None: vLLM's default block size
     max_model_len: int | None = None
     enforce_eager: bool = False  # vLLM's default compiles the model
+    core_in_process: bool = False  # vLLM's default runs its engine core in a process of its own
     max_num_seqs: int | None = None  # requests the engine runs at once; None: vLLM's default
 
 
@@ -91,6 +108,8 @@ class RawEngine:
         The engine's KV memory in bytes (``kv_cache_memory_bytes``); default: vLLM's.
     max_num_seqs
         Requests the engine runs at once (vLLM's ``max_num_seqs``); default: vLLM's.
+    core_in_process
+        Run vLLM's engine core in the engine's process rather than in one more of its own.
     start_timeout
         Seconds to wait for the engine to start (51-83 s seen on a 2-core CPU machine).
 
@@ -110,6 +129,7 @@ class RawEngine:
         block_tokens: int | None = None,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
+        core_in_process: bool = False,
         max_num_seqs: int | None = None,
         start_timeout: float = 600.0,
     ):
@@ -124,6 +144,7 @@ class RawEngine:
             block_tokens=block_tokens,
             max_model_len=max_model_len,
             enforce_eager=enforce_eager,
+            core_in_process=core_in_process,
             max_num_seqs=max_num_seqs,
         )
         ctx = multiprocessing.get_context("spawn")
@@ -265,6 +286,8 @@ def _start(settings: RawSettings):
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cores
     if settings.kv_cache_bytes is not None:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    if settings.core_in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
     kwargs: dict[str, Any] = {"model": settings.folder, "dtype": settings.dtype, "enable_prefix_caching": True}

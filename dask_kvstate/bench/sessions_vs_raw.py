@@ -18,7 +18,8 @@ with the raw engine's:
 
 - ``raw-vllm`` and ``raw-vllm-eager``: one ``vllm.LLM`` in its own process, every core,
   prefix caching on, fed as a server is (:meth:`RawEngine.sessions`): each call added to
-  its step loop as it arrives, first come, first served;
+  its step loop as it arrives, first come, first served; ``raw-vllm-core-in-process``
+  (run only when named) with vLLM's engine core in that process, as a worker's engine runs;
 - ``kvstate``: what a user of this library writes: a ``LocalCluster`` whose worker holds
   the vLLM engine, ``kvs.install`` with every default (workflow-progress priority
   included), each session a ``kvs.session`` of plain
@@ -49,7 +50,7 @@ from distributed import Client, LocalCluster
 
 import dask_kvstate as kvs
 from dask_kvstate.bench import workload
-from dask_kvstate.bench.raw_vllm import RAW, RawEngine, cpu_model
+from dask_kvstate.bench.raw_vllm import DEFAULT_RAW, RAW, RawEngine, cpu_model
 from dask_kvstate.bench.report import saved
 
 #: ``kvs.install`` overrides of the kvstate rows.
@@ -90,7 +91,8 @@ class Options:
         default=None, metadata={"help": "raw rows: requests the engine runs at once (max_num_seqs); default: vLLM's"}
     )
     variants: list[str] = dataclasses.field(
-        default_factory=lambda: list(VARIANTS), metadata={"help": "rows to run", "nargs": "+", "choices": VARIANTS}
+        default_factory=lambda: [v for v in VARIANTS if v not in RAW or v in DEFAULT_RAW],
+        metadata={"help": "rows to run", "nargs": "+", "choices": VARIANTS},
     )
     repeats: int = dataclasses.field(default=2, metadata={"help": "interleaved repeats; the table shows medians"})
     out: str | None = dataclasses.field(default=None, metadata={"help": "folder for sessions_vs_raw.{md,json,png}"})
@@ -218,7 +220,7 @@ def started(name: str, args: Options, spare: list[dict]) -> Iterator[Callable[[l
             args.model,
             kv_cache_bytes=kv,
             max_model_len=args.max_model_len,
-            enforce_eager=RAW[name],
+            **RAW[name],
             max_num_seqs=args.raw_max_seqs,
         ) as e:
             print(f"  {name}: engine started in {e.start_s:.1f} s", flush=True)
@@ -323,7 +325,10 @@ def write(res: dict, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, reps in res["runs"].items():
         e2e = sorted(s["end_s"] - s["arrival_s"] for s in reps[0])
-        raw = {"color": "0.5", "linestyle": "--" if RAW[name] else "-"} if name in RAW else {}  # eager dashed
+        style = (
+            "--" if RAW.get(name, {}).get("enforce_eager") else ":" if RAW.get(name, {}).get("core_in_process") else "-"
+        )
+        raw = {"color": "0.5", "linestyle": style} if name in RAW else {}  # eager dashed, core in process dotted
         ax.plot(np.arange(1, len(e2e) + 1) / len(e2e), e2e, label=name, **raw)
     ax.set_xlabel("fraction of sessions done within (first repeat)")
     ax.set_ylabel("end-to-end session latency (s)")
