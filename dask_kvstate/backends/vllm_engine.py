@@ -94,7 +94,8 @@ class EngineLoop:
 
     def __init__(self, options: EngineOptions, exchange: vllm_connector.Exchange):
         self.exchange = exchange
-        self._queue: queue.SimpleQueue[Job | Call | None] = queue.SimpleQueue()
+        # A list is the jobs of one run(): the driver takes them in one go, so they share a step.
+        self._queue: queue.SimpleQueue[Job | Call | list[Job] | None] = queue.SimpleQueue()
         self._jobs: dict[str, Job] = {}
         self._closed = False
         self.name = options.folder.name
@@ -149,12 +150,15 @@ class EngineLoop:
                 self._cores.close()
 
     def submit(self, job: Job | Call) -> Future:
+        self._put(job)
+        return job.future
+
+    def _put(self, item: Job | Call | list[Job]) -> None:
         if self.dead is not None:
             raise EngineFailed(str(self.dead))
         if self._closed:
             raise RuntimeError("the vLLM engine of this worker is closed")
-        self._queue.put(job)
-        return job.future
+        self._queue.put(item)
 
     def wait(self, future: Future):
         """``future``'s result, or :class:`EngineFailed` within :data:`WAIT_POLL` seconds of
@@ -167,9 +171,10 @@ class EngineLoop:
                     raise EngineFailed(str(self.dead or f"the vLLM engine {self.name!r} stopped")) from None
 
     def run(self, jobs: list[Job]) -> list[Finished]:
-        """Submit ``jobs`` together (one engine step can take them all) and wait for them."""
-        futures = [self.submit(job) for job in jobs]
-        return [self.wait(f) for f in futures]
+        """Submit ``jobs`` together and wait for them: the driver takes them as one item, so
+        the engine's next step has them all (one by one, it could wake between two)."""
+        self._put(list(jobs))
+        return [self.wait(job.future) for job in jobs]
 
     def call(self, fn):
         """``fn(engine)`` on the driver thread, between steps (the engine is not thread-safe); its result."""
@@ -229,15 +234,14 @@ class EngineLoop:
 
     def _take(self) -> list[Job | Call | None]:
         """Every submitted job, waiting for one while the engine has nothing to do."""
-        if self.engine.has_unfinished_requests():
-            taken: list[Job | Call | None] = []
-        else:
+        taken: list[Job | Call | None] = []
+        if not self.engine.has_unfinished_requests():
             if self._cores is not None:
                 self._cores.idle()  # nothing to step: the host's other engines may take our cores
-            taken = [self._queue.get()]
+            _unpack(self._queue.get(), taken)
         while True:
             try:
-                taken.append(self._queue.get_nowait())
+                _unpack(self._queue.get_nowait(), taken)
             except queue.Empty:
                 return taken
 
@@ -335,12 +339,14 @@ class EngineLoop:
         self.dead = EngineFailed(f"the vLLM engine {self.name!r} stopped: {error!r}")
         self._fail_all(self.dead)
         while True:
+            left: list[Job | Call | None] = []
             try:
-                item = self._queue.get_nowait()
+                _unpack(self._queue.get_nowait(), left)
             except queue.Empty:
                 break
-            if item is not None:
-                item.future.set_exception(EngineFailed(str(self.dead)))
+            for item in left:
+                if item is not None:
+                    item.future.set_exception(EngineFailed(str(self.dead)))
         for hook in self.on_death:
             try:
                 hook(self.dead)
@@ -352,3 +358,11 @@ class EngineLoop:
             with contextlib.suppress(Exception):  # the engine may be gone; the job still fails below
                 self.engine.abort_request([job.request_id])
             self._finish(job, error=error)
+
+
+def _unpack(item: Job | Call | list[Job] | None, into: list[Job | Call | None]) -> None:
+    """Append a queue item to ``into``: a run's jobs one by one, anything else as it is."""
+    if isinstance(item, list):
+        into.extend(item)
+    else:
+        into.append(item)
