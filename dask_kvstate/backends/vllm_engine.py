@@ -338,15 +338,15 @@ class EngineLoop:
         logger.error("kvstate: the vLLM engine %r stopped: %r", self.name, error, exc_info=error)
         self.dead = EngineFailed(f"the vLLM engine {self.name!r} stopped: {error!r}")
         self._fail_all(self.dead)
+        left: list[Job | Call | None] = []
         while True:
-            left: list[Job | Call | None] = []
             try:
                 _unpack(self._queue.get_nowait(), left)
             except queue.Empty:
                 break
-            for item in left:
-                if item is not None:
-                    item.future.set_exception(EngineFailed(str(self.dead)))
+        for item in left:
+            if item is not None:
+                item.future.set_exception(EngineFailed(str(self.dead)))
         for hook in self.on_death:
             try:
                 hook(self.dead)

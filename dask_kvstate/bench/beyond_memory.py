@@ -59,7 +59,9 @@ from dask_kvstate.bench.raw_vllm import DEFAULT_RAW, RAW, RawEngine, cpu_model
 from dask_kvstate.bench.report import saved
 from dask_kvstate.protocol import LIFECYCLE_TOPIC, SESSION_ANNOTATION
 
-VARIANTS = (*RAW, "kvstate", "kvstate-disk", "kvstate-lifecycle")
+KVSTATE_ROWS = ("kvstate", "kvstate-disk", "kvstate-lifecycle")
+VARIANTS = (*RAW, *KVSTATE_ROWS)
+DEFAULT_VARIANTS = (*DEFAULT_RAW, *KVSTATE_ROWS)
 
 
 @dataclasses.dataclass
@@ -85,7 +87,7 @@ class Options:
         default_factory=lambda: ["vllm"], metadata={"help": "kvstate's backends: vllm and/or hf", "nargs": "+"}
     )
     variants: list[str] = dataclasses.field(
-        default_factory=lambda: [v for v in VARIANTS if v not in RAW or v in DEFAULT_RAW],
+        default_factory=lambda: list(DEFAULT_VARIANTS),
         metadata={"help": "rows to run", "nargs": "+", "choices": VARIANTS},
     )
     repeats: int = dataclasses.field(default=1, metadata={"help": "interleaved repeats; the table shows medians"})

@@ -56,6 +56,7 @@ from dask_kvstate.bench.report import saved
 #: ``kvs.install`` overrides of the kvstate rows.
 KVSTATE = {"kvstate": {}, "kvstate-fcfs": {"scheduling": False}}
 VARIANTS = (*RAW, *KVSTATE)
+DEFAULT_VARIANTS = (*DEFAULT_RAW, *KVSTATE)
 ROLES = (
     ("planner", "Planner: say in one sentence what the team should change next to close the ticket."),
     ("developer", "Developer: write the one-line code change for the planner's step."),
@@ -91,7 +92,7 @@ class Options:
         default=None, metadata={"help": "raw rows: requests the engine runs at once (max_num_seqs); default: vLLM's"}
     )
     variants: list[str] = dataclasses.field(
-        default_factory=lambda: [v for v in VARIANTS if v not in RAW or v in DEFAULT_RAW],
+        default_factory=lambda: list(DEFAULT_VARIANTS),
         metadata={"help": "rows to run", "nargs": "+", "choices": VARIANTS},
     )
     repeats: int = dataclasses.field(default=2, metadata={"help": "interleaved repeats; the table shows medians"})
@@ -325,10 +326,11 @@ def write(res: dict, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, reps in res["runs"].items():
         e2e = sorted(s["end_s"] - s["arrival_s"] for s in reps[0])
-        style = (
-            "--" if RAW.get(name, {}).get("enforce_eager") else ":" if RAW.get(name, {}).get("core_in_process") else "-"
-        )
-        raw = {"color": "0.5", "linestyle": style} if name in RAW else {}  # eager dashed, core in process dotted
+        raw: dict[str, str] = {}
+        if name in RAW:  # raw rows grey: eager dashed, engine core in process dotted
+            variant = RAW[name]
+            style = "--" if variant.get("enforce_eager") else ":" if variant.get("core_in_process") else "-"
+            raw = {"color": "0.5", "linestyle": style}
         ax.plot(np.arange(1, len(e2e) + 1) / len(e2e), e2e, label=name, **raw)
     ax.set_xlabel("fraction of sessions done within (first repeat)")
     ax.set_ylabel("end-to-end session latency (s)")
