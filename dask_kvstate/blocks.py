@@ -53,9 +53,7 @@ def block_hashes(
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens!r}")
     ids = np.asarray(token_ids, dtype=np.int64)
-    # A fixed-size digest of the namespace: no namespace can end where another's token
-    # bytes begin, so tenants never collide.
-    prefix = identity + hashlib.blake2b(namespace.encode(), digest_size=HASH_BYTES).digest()
+    prefix = chain_root(identity, namespace)
     hashes = []
     parent = b""
     for start in range(0, len(ids), block_tokens):
@@ -64,6 +62,24 @@ def block_hashes(
         parent = h.digest()
         hashes.append(parent)
     return tuple(hashes)
+
+
+def chain_root(identity: bytes, namespace: str) -> bytes:
+    """What every block hash of ``identity`` and ``namespace`` starts from: the parent of a chain's first block.
+
+    A fixed-size digest of the namespace, so no namespace can end where another's token
+    bytes begin and tenants never collide; twice a hash's length, so it is never one.
+
+    >>> ident = kv_identity("m", "c")
+    >>> len(chain_root(ident, "t")) == 2 * HASH_BYTES, chain_root(ident, "t") != chain_root(ident, "u")
+    (True, True)
+    """
+    return identity + hashlib.blake2b(namespace.encode(), digest_size=HASH_BYTES).digest()
+
+
+def parent_of(hashes: Sequence[bytes], i: int, root: bytes) -> bytes:
+    """The parent of block ``i`` of a chain: block ``i - 1``'s hash, or ``root`` (:func:`chain_root`) for the first."""
+    return hashes[i - 1] if i else root
 
 
 def nbytes(t) -> int:

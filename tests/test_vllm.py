@@ -16,6 +16,7 @@ from distributed import Client, LocalCluster
 import dask_kvstate as kvs
 from dask_kvstate.bench import workload
 from dask_kvstate.generation import Sampling
+from dask_kvstate.plugins.worker.runtime import common_prefix
 
 from .conftest import SPAWNED, VLLM_TESTS, on, transformers_continuation, vllm_prompts
 
@@ -393,3 +394,29 @@ def test_the_compiler_on_vllm_is_token_identical(two_engines):
     assert all(g.reused_tokens >= len(PREFIX) // 8 for g in got)  # the shared prefix came from the state
     # The state's engine serves it from its own prefix cache, the other engine loads it through our connector.
     assert engine("engine_prefix_hit_tokens") + engine("loaded_tokens") > 0
+
+
+def test_a_prompt_parting_inside_a_block_loads_the_tokens_it_shares(two_engines):
+    """The local prefix cache's reuse inside a block (``partial_match``) through our
+    connector: the engine's own prefix cache emptied between the visits, so the second
+    loads every token it shares with the first, a block's leading part included."""
+    client = two_engines
+    _reset_engines(client)
+    a, _ = sorted(client.nthreads())
+    (p, first), (_, second) = PARTS[:2]
+    tokenize = workload.tokenizer_of("smollm2-135m")
+    shared = common_prefix(tokenize(p + first), tokenize(p + second))
+    assert shared % 64, "the prompts should part inside a block"
+
+    def visit(suffix):
+        with on(a):
+            return kvs.generate(p, suffix, max_new_tokens=8, prefix_cache=True).compute()
+
+    visit(first)
+    client.run(lambda dask_worker: dask_worker.plugins["kvstate"].runtime.backend.reset_engine_cache(), workers=[a])
+    loaded = kvs.stats(client).workers[a]["engine"]["loaded_tokens"]
+    got = visit(second)
+    with on(a):
+        want = kvs.generate(p, second, max_new_tokens=8).compute()
+    assert got.reused_tokens == shared and got.token_ids == want.token_ids
+    assert kvs.stats(client).workers[a]["engine"]["loaded_tokens"] - loaded == shared

@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING
 import torch
 from dask.system import CPU_COUNT
 
-from dask_kvstate.blocks import BlockKV, block_hashes, kv_tokens
+from dask_kvstate.blocks import BlockKV, block_hashes, chain_root, kv_tokens, parent_of
 from dask_kvstate.plugins.worker import scheduler_link
 from dask_kvstate.plugins.worker.accounting import LiveKV
 from dask_kvstate.plugins.worker.arena import blocks_to_store
 from dask_kvstate.plugins.worker.measure import LinkMeter, PrefillMeter, dask_bandwidth
+from dask_kvstate.plugins.worker.partial_match import BlockChildren
 from dask_kvstate.plugins.worker.settings import WorkerSettings
 from dask_kvstate.state import KVStateRef, Lineage, Placement, new_state_id
 
@@ -68,10 +69,45 @@ class KVEngine:
         )
         self.counters: Counter[str] = Counter() if counters is None else counters
         self.live = LiveKV(store, self.counters)
+        self.children = BlockChildren()  # the blocks this engine stored, by parent, with their tokens
 
     def hashes(self, ids: Sequence[int], namespace: str) -> tuple[bytes, ...]:
         """The block table of ``ids`` under this model and ``namespace``."""
         return block_hashes(ids, identity=self.backend.kv_identity, namespace=namespace, block_tokens=self.block_tokens)
+
+    def root(self, namespace: str) -> bytes:
+        """The parent of the first block of every chain of this model under ``namespace``."""
+        return chain_root(self.backend.kv_identity, namespace)
+
+    def stored_head(
+        self, ids: Sequence[int], hashes: tuple[bytes, ...], namespace: str
+    ) -> tuple[list, torch.Tensor | None]:
+        """What this worker stores of prompt ``ids`` (block table ``hashes``): its leading
+        blocks, whole, and the leading tokens of the stored block it leaves the chain in, as
+        many as it shares with it (:mod:`.partial_match`), or None. The caller has pinned
+        ``hashes`` for its task; the partial block is pinned with them."""
+        present = []
+        for h in hashes:
+            t = self.store.get(h)
+            if t is None:
+                break
+            present.append(t)
+        self.counters["block_hits"] += len(present)
+        i = len(present)
+        found = None
+        if i < len(hashes):
+            want = ids[i * self.block_tokens : (i + 1) * self.block_tokens]
+            found = self.children.longest(parent_of(hashes, i, self.root(namespace)), want)
+        if found is None:
+            return present, None
+        child, shared = found
+        self.store.pin(self.task_owner(), (*hashes, child))  # an owner's pins are replaced: all of them
+        block = self.store.get(child)
+        if block is None:  # it left the store since it was indexed
+            return present, None
+        self.counters["partial_block_hits"] += 1
+        self.counters["partial_block_tokens"] += shared
+        return present, block[:, :, :, :shared]
 
     def task_owner(self) -> tuple[str, Hashable | None]:
         """Pin owner for blocks in use by the running task (the worker plugin unpins it when the task ends)."""
@@ -103,13 +139,27 @@ class KVEngine:
         )
 
     def store_kv(
-        self, kv: torch.Tensor | BlockKV, hashes: tuple[bytes, ...], first_block: int, first_token: int = 0
+        self,
+        kv: torch.Tensor | BlockKV,
+        hashes: tuple[bytes, ...],
+        first_block: int,
+        first_token: int = 0,
+        *,
+        ids: Sequence[int] | None = None,
+        namespace: str | None = None,
     ) -> list:
         """Cut ``kv`` (the KV of tokens ``first_token...``; blocks a backend laid out are
-        kept as they are) into blocks ``first_block...``, store them, return their tensors."""
+        kept as they are) into blocks ``first_block...``, store them, return their tensors.
+
+        With the chain's ``ids`` and ``namespace``, the blocks are indexed by their tokens
+        too, so a later prompt that leaves the chain inside one reuses its leading tokens
+        (:mod:`.partial_match`).
+        """
         blocks = blocks_to_store(kv, hashes, self.block_tokens, first_block, first_token)
         for block in blocks:
             self.store.put(block.hash, block.tensor)
+        if ids is not None and namespace is not None:
+            self.children.add_chain(hashes, ids, first_block, self.root(namespace), self.block_tokens)
         return [block.tensor for block in blocks]
 
     def prefill_and_store(
@@ -125,7 +175,7 @@ class KVEngine:
         store blocks ``first_block...``; their tensors. Only those blocks' KV is asked of the
         backend (see :meth:`prefill`)."""
         kv, first_token = self.prefill(ids, past, keep_from=first_block * self.block_tokens, namespace=namespace)
-        return self.store_kv(kv, hashes, first_block, first_token)
+        return self.store_kv(kv, hashes, first_block, first_token, ids=ids, namespace=namespace)
 
     def prefill(
         self,

@@ -2,10 +2,12 @@
 
 What vLLM's automatic prefix caching and SGLang's radix cache give inside one engine:
 a text-prompt generation looks up the leading blocks of its prompt in this worker's
-block store by their chained hash, prefills only the rest, and leaves its own prompt
-blocks behind for later calls. Nothing is pulled from other workers, no compiler
-rewrites the graph, no placement steers tasks: a later call with the same prefix
-profits only if Dask's default scheduling happens to run it on the same worker.
+block store by their chained hash, and the leading tokens of a stored block where its
+prompt parts from the chain (:mod:`.partial_match`, as SGLang's radix cache matches
+tokens), prefills only the rest, and leaves its own prompt blocks behind for later
+calls. Nothing is pulled from other workers, no compiler rewrites the graph, no
+placement steers tasks: a later call with the same prefix profits only if Dask's
+default scheduling happens to run it on the same worker.
 
 The block store and the hash chain (``dask_kvstate/blocks.py``) already do the work;
 this module is the lookup-prefill-store loop around them. Cached blocks are not held by
@@ -40,28 +42,23 @@ def generate(rt, text: str, namespace: str, sampling: Sampling) -> Generation:
         raise ValueError("cannot generate from an empty prompt: give at least one token of text")
     hashes = rt.hashes(ids, namespace)
     rt.store.pin(rt.task_owner(), hashes)  # the plugin unpins when the task ends
-    present = []
-    for h in hashes:
-        t = rt.store.get(h)
-        if t is None:
-            break
-        present.append(t.to(backend.device, non_blocking=True))
-    rt.counters["block_hits"] += len(present)
+    present, tail = rt.stored_head(ids, hashes, namespace)
     rt.counters["prefix_cache_hits"] += len(present)
     rt.counters["prefix_cache_misses"] += len(hashes) - len(present)
+    reused = [t.to(backend.device, non_blocking=True) for t in (present if tail is None else [*present, tail])]
     # At least the last prompt token is re-run: its logits start decoding.
-    keep = min(sum(int(t.shape[3]) for t in present), len(ids) - 1)
+    keep = min(sum(int(t.shape[3]) for t in reused), len(ids) - 1)
     past: torch.Tensor | BlockKV | None = None
     if keep:
         # A backend with its own paged cache copies the blocks into it: joining them first
         # would copy the prefix once more, into fresh memory, on every call (see BlockKV).
-        head = BlockKV(tuple(present)).head(keep)
+        head = BlockKV(tuple(reused)).head(keep)
         past = head if backend.reads_blocks else head.joined()
     stored = len(present) * rt.block_tokens  # the prompt's tokens the store already holds
 
     def keep_prompt(cache) -> None:  # before decoding: the cache holds the prompt from `stored` on
         kv = backend.kv_to_store(cache, stored, rt.block_tokens)
-        rt.store_kv(kv, hashes, len(present), first_token=len(ids) - kv_tokens(kv))
+        rt.store_kv(kv, hashes, len(present), first_token=len(ids) - kv_tokens(kv), ids=ids, namespace=namespace)
 
     return rt.generate_from(
         ids,

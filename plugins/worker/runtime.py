@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dask_kvstate.blocks import BlockKV, join_blocks, kv_tokens, same_storage
+from dask_kvstate.blocks import BlockKV, kv_tokens, same_storage
 from dask_kvstate.errors import MergeError
 from dask_kvstate.generation import Generation, Sampling
 from dask_kvstate.plugins.worker import placement, prefix_cache, probes
@@ -88,15 +88,13 @@ class StateRuntime(KVEngine):
             raise ValueError("cannot materialize an empty prompt: the segments joined to no tokens")
         hashes = self.hashes(ids, namespace)
         self.store.pin(self.task_owner(), hashes)
-        present = []
-        for h in hashes:
-            t = self.store.get(h)
-            if t is None:
-                break
-            present.append(t)
-        self.counters["block_hits"] += len(present)
+        present, tail = self.stored_head(ids, hashes, namespace)
         if len(present) < len(hashes):
-            self.prefill_and_store(ids, join_blocks(present), hashes, len(present), namespace=namespace)
+            # At least the last token is computed: a prefill ends with one.
+            past = BlockKV((*present, tail) if tail is not None else tuple(present)).head(len(ids) - 1)
+            self.prefill_and_store(
+                ids, past.joined() if past.blocks else None, hashes, len(present), namespace=namespace
+            )
         else:
             self.counters["reused_tokens"] += len(ids)
         self.counters["materializations"] += 1
@@ -117,7 +115,8 @@ class StateRuntime(KVEngine):
         keep = common_prefix(old.token_ids, ids) if past is not None else 0
         if past is not None and keep == len(ids):
             head = _prefix(past, keep)
-            self.store_kv(head, hashes, keep // self.block_tokens)  # blocks or a tensor: store_kv lays either out
+            # blocks or a tensor: store_kv lays either out
+            self.store_kv(head, hashes, keep // self.block_tokens, ids=ids, namespace=ref.namespace)
             self.counters["reused_tokens"] += keep
         else:
             past = _prefix(past, keep) if past is not None and keep else None

@@ -1,0 +1,92 @@
+"""Reuse inside a block (``plugins/worker/partial_match.py``): a prompt that leaves a stored
+prompt's chain inside a block reuses the tokens the two share there, as many as they
+share, within its namespace only, and its output is text replay's token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+import dask_kvstate as kvs
+from dask_kvstate.plugins.worker.runtime import common_prefix
+
+from .conftest import CONTEXT, TEST_CONFIG, on, stats_of
+
+BLOCK = TEST_CONFIG["kvstate.block-tokens"]
+DOC = "Partial-block check. " + CONTEXT
+FIRST, SECOND = " Which role reads the plan first?", " Which role writes the code?"
+
+
+@pytest.fixture
+def parting(backend):
+    """The two visits' prompts in tokens, checked to part inside a block, and where."""
+    a, b = backend.tokenize(DOC + FIRST), backend.tokenize(DOC + SECOND)
+    shared = common_prefix(a, b)
+    assert shared % BLOCK, "the prompts should part inside a block, not on a boundary"
+    return shared
+
+
+def visit(worker, question, namespace, **options):
+    with on(worker):
+        return kvs.generate(DOC, question, max_new_tokens=8, prefix_cache=True, namespace=namespace, **options)
+
+
+def replay(question):
+    return kvs.generate(DOC, question, max_new_tokens=8).compute().token_ids
+
+
+def counter(client, worker, name) -> int:
+    return stats_of(client, worker).get(name, 0)
+
+
+def test_a_returning_visit_reuses_every_token_it_shares(client, workers, parting):
+    w = workers[0]
+    first = visit(w, FIRST, "partial-a").compute()
+    hits = counter(client, w, "partial_block_hits")
+    second = visit(w, SECOND, "partial-a").compute()
+    assert first.reused_tokens == 0
+    # Every shared token, not only the whole blocks' (parting // BLOCK * BLOCK of them).
+    assert second.reused_tokens == parting and second.prefill_tokens == second.prompt_tokens - parting
+    assert counter(client, w, "partial_block_hits") == hits + 1
+    assert first.token_ids == replay(FIRST) and second.token_ids == replay(SECOND)
+
+
+def test_a_conversations_next_turn_reuses_the_last_prompt_whole(client, workers, backend):
+    w, turn = workers[0], " The tester reports two failures."
+    first = visit(w, FIRST, "partial-turns").compute()
+    again = visit(w, FIRST + turn, "partial-turns").compute()
+    ids, more = backend.tokenize(DOC + FIRST), backend.tokenize(DOC + FIRST + turn)
+    assert len(ids) % BLOCK, "the first prompt should end inside a block"
+    assert again.reused_tokens == common_prefix(ids, more) > len(ids) // BLOCK * BLOCK
+    assert first.token_ids == replay(FIRST) and again.token_ids == replay(FIRST + turn)
+
+
+def test_another_namespace_reuses_nothing_inside_a_block(client, workers):
+    w = workers[1]
+    visit(w, FIRST, "partial-owner").compute()
+    hits = counter(client, w, "partial_block_hits")
+    stranger = visit(w, SECOND, "partial-stranger").compute()
+    assert stranger.reused_tokens == 0 and counter(client, w, "partial_block_hits") == hits
+    assert stranger.token_ids == replay(SECOND)
+
+
+def test_a_block_gone_from_the_store_is_computed_again(client, workers, parting):
+    w = workers[1]
+    visit(w, FIRST, "partial-gone").compute()
+
+    def drop_parting_block(dask_worker, shared=parting):
+        rt = dask_worker.plugins["kvstate"].runtime
+        ids = rt.backend.tokenize(DOC + FIRST)
+        return rt.store.discard(rt.hashes(ids, "partial-gone")[shared // BLOCK :])
+
+    assert client.run(drop_parting_block, workers=[w])[w] > 0
+    back = visit(w, SECOND, "partial-gone").compute()
+    assert back.reused_tokens == parting // BLOCK * BLOCK  # the whole blocks only
+    assert back.token_ids == replay(SECOND)
+
+
+def test_sampled_visits_with_reuse_inside_a_block_equal_replay(client, workers, parting):
+    w, sampling = workers[0], {"temperature": 0.8, "seed": 11}
+    visit(w, FIRST, "partial-sampled", **sampling).compute()
+    got = visit(w, SECOND, "partial-sampled", **sampling).compute()
+    want = kvs.generate(DOC, SECOND, max_new_tokens=8, **sampling).compute()
+    assert got.reused_tokens == parting and got.token_ids == want.token_ids
