@@ -12,7 +12,7 @@ from dask_kvstate.plugins.worker.runtime import common_prefix
 from .conftest import CONTEXT, TEST_CONFIG, on, stats_of
 
 BLOCK = TEST_CONFIG["kvstate.block-tokens"]
-DOC = "Partial-block check. " + CONTEXT
+DOC = "Header. Partial-block check. " + CONTEXT
 FIRST, SECOND = " Which role reads the plan first?", " Which role writes the code?"
 
 
@@ -90,3 +90,21 @@ def test_sampled_visits_with_reuse_inside_a_block_equal_replay(client, workers, 
     got = visit(w, SECOND, "partial-sampled", **sampling).compute()
     want = kvs.generate(DOC, SECOND, max_new_tokens=8, **sampling).compute()
     assert got.reused_tokens == parting and got.token_ids == want.token_ids
+
+
+def test_a_short_stored_prefix_is_computed_again_on_transformers(client, workers, backend):
+    """A stored prefix under a quarter of the prompt (a shared header before a new document)
+    is not worth its attention path on the transformers backend: the prompt is computed
+    whole, the store keeps its blocks, and the output is text replay's."""
+    w, header = workers[1], "Header. "
+    other = header + "A different document altogether. " * 12
+    with on(w):
+        kvs.generate(DOC, FIRST, max_new_tokens=4, prefix_cache=True, namespace="partial-short").compute()
+    shared = common_prefix(backend.tokenize(DOC + FIRST), backend.tokenize(other))
+    assert 0 < 4 * shared < len(backend.tokenize(other)), "the prompts should share a short header"
+    declined = counter(client, w, "prefix_cache_declined_tokens")
+    with on(w):
+        got = kvs.generate(other, max_new_tokens=8, prefix_cache=True, namespace="partial-short").compute()
+    assert got.reused_tokens == 0 and got.prefill_tokens == got.prompt_tokens
+    assert counter(client, w, "prefix_cache_declined_tokens") == declined + shared
+    assert got.token_ids == kvs.generate(other, max_new_tokens=8).compute().token_ids

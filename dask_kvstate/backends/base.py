@@ -191,6 +191,14 @@ class Backend(Protocol):
         """One result per row, each the tokens ``generate(row.ids, prefix's first row.keep tokens, ...)`` gives."""
         ...
 
+    def worth_reusing(self, reused: int, prompt: int) -> bool:
+        """Whether a ``prompt``-token prompt is computed sooner over the stored KV of its first
+        ``reused`` tokens than whole. The local prefix cache and ``materialize`` ask before
+        reusing what they find stored (a shared system prompt before a new document is a
+        short past); an explicit state is always reused. Default: always, as an engine
+        whose kernels take a past as it comes (vLLM's) is."""
+        return True
+
     # -- engine --------------------------------------------------------------------
     def engine_stats(self) -> dict:
         """What computes here and its counters (``kvs.stats`` shows them under ``engine``)."""

@@ -284,8 +284,9 @@ class SharedPrefixKV:
         if missing:
             raise CascadeUnsupported(f"the attention of layers {missing} did not go through the cascade")
 
-    def _build_masks(self, g: int, dtype, window: int | None) -> _Masks:
-        """Additive masks in the folded query layout: rows ``(b, group, i)``; None where all is visible.
+    def _build_masks(self, g: int, dtype, window: int | None, own: bool = True) -> _Masks:
+        """Additive masks in the folded query layout: rows ``(b, group, i)``; None where all is
+        visible, and for the own slots when not ``own`` (the caller attends to them causally).
 
         Query i of row b sits at position ``pos = p_b + offset_b + i``. Prefix slot j is
         visible to it iff ``j < p_b`` and ``pos - j < window``; own slot j iff
@@ -299,11 +300,13 @@ class SharedPrefixKV:
         neg = torch.finfo(dtype).min
         steps = torch.arange(q, device=dev)[None, :]
         own_pos = self.offsets[:, None] + steps  # [B, q]: own index of each query
-        hide = torch.arange(W, device=dev)[None, None, :] > own_pos[:, :, None]  # [B, q, W]
-        if window is not None:
-            hide |= torch.arange(W, device=dev)[None, None, :] <= own_pos[:, :, None] - window
-        hide = hide[:, None].expand(B, g, q, W).reshape(B, 1, g * q, W)
-        own_mask = torch.zeros(hide.shape, dtype=dtype, device=dev).masked_fill_(hide, neg)
+        own_mask = None
+        if own:
+            hide = torch.arange(W, device=dev)[None, None, :] > own_pos[:, :, None]  # [B, q, W]
+            if window is not None:
+                hide |= torch.arange(W, device=dev)[None, None, :] <= own_pos[:, :, None] - window
+            hide = hide[:, None].expand(B, g, q, W).reshape(B, 1, g * q, W)
+            own_mask = torch.zeros(hide.shape, dtype=dtype, device=dev).masked_fill_(hide, neg)
         # Slots from hi on are no row's (each keeps its first p_b): not read, so siblings that
         # all keep the same p_b attend with no prefix mask at all.
         hi = int(self.prefix_lengths.max()) if self.P else 0
@@ -379,16 +382,24 @@ class SharedPrefixKV:
             o = int(self.offsets[0])
             ok[:, :, o : o + q] = key
             ov[:, :, o : o + q] = value
-        masks = self._masks.get((window, g))
+        # The rows' first forward: its own part is plain causal attention over the q new
+        # tokens (a row's pads come after its tokens). The kernel skips the hidden half
+        # when told is_causal; given the mask it reads every slot (2.2x at 4,074 tokens).
+        causal = q > 1 and int(self.offsets[0]) == 0 and window is None and not softcap and query.device.type == "cpu"
+        masks = self._masks.get((window, g, causal))
         if masks is None:
-            masks = self._masks[(window, g)] = self._build_masks(g, query.dtype, window)
+            masks = self._masks[(window, g, causal)] = self._build_masks(g, query.dtype, window, own=not causal)
         W = self._width
         scale = scaling if scaling is not None else query_dim**-0.5
         # The fused kernel has no logit softcap; the matmul form applies it where eager does.
         fused = False if softcap else None
         # Query heads of one group share a kv head (transformers' repeat_kv order): [B, H, g*q, D].
         qh = query.reshape(B, H, g * q, D)
-        out, lse = _partial(qh, ok[:, :, :W], ov[:, :, :W], masks.own, scale, fused, softcap)
+        if causal:
+            out, lse = _causal(query, key, value, g, scale)
+            out, lse = out.reshape(B, H, g * q, D), lse.reshape(B, H, g * q)
+        else:
+            out, lse = _partial(qh, ok[:, :, :W], ov[:, :, :W], masks.own, scale, fused, softcap)
         if self.prefix is not None and masks.lo < masks.hi:
             # Every row's queries as one batch against the one prefix copy: [1, H, B*g*q, D].
             qf = qh.transpose(0, 1).reshape(1, H, B * g * q, D)
@@ -416,7 +427,7 @@ class _Masks:
     lo: int  # first prefix slot read
     hi: int  # one past the last (the longest p_b)
     prefix: torch.Tensor | None
-    own: torch.Tensor
+    own: torch.Tensor | None
     blind: torch.Tensor | None
 
 
@@ -437,6 +448,17 @@ def _partial(q, k, v, mask, scale, fused: bool | None = None, softcap: float | N
         scores = scores + mask.float()
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v), lse
+
+
+def _causal(query, key, value, g: int, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of ``query`` (``[B, H * g, q, D]``) over ``key, value`` (``[B, H, q, D]``)
+    and its log-sum-exp, with CPU's flash kernel (kv heads repeated for their ``g`` query heads,
+    transformers' ``repeat_kv`` order)."""
+    if g > 1:
+        key, value = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = flash(query, key, value, is_causal=True, scale=scale)
+    return out, lse
 
 
 def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -92,9 +92,8 @@ class StateRuntime(KVEngine):
         if len(present) < len(hashes):
             # At least the last token is computed: a prefill ends with one.
             past = BlockKV((*present, tail) if tail is not None else tuple(present)).head(len(ids) - 1)
-            self.prefill_and_store(
-                ids, past.joined() if past.blocks else None, hashes, len(present), namespace=namespace
-            )
+            reuse = past.blocks and self.backend.worth_reusing(past.tokens, len(ids))
+            self.prefill_and_store(ids, past.joined() if reuse else None, hashes, len(present), namespace=namespace)
         else:
             self.counters["reused_tokens"] += len(ids)
         self.counters["materializations"] += 1
