@@ -55,8 +55,9 @@ def _decode(options: Mapping[str, Any], call: str) -> dict[str, Any]:
 def materialize(*segments, namespace: str | None = None, model: str | None = None) -> Delayed:
     """Prefill the prompt ``"".join(segments)`` once and return its state.
 
-    Returns ``Delayed[KVStateRef]``. Leading blocks already stored on the worker
-    (same tokens, same model, same namespace) are reused, not recomputed. ``namespace``
+    Returns ``Delayed[KVStateRef]``. Leading tokens already stored on the worker (same
+    tokens, same model, same namespace), in whole blocks and in the block where the text
+    parts from a stored one, are reused, not recomputed. ``namespace``
     defaults to ``kvstate.namespace`` on this client. ``model`` picks one of the models
     given to ``kvs.install`` (default: the first); calls on a state use the state's model
     unless told otherwise.

@@ -108,3 +108,15 @@ def test_a_short_stored_prefix_is_computed_again_on_transformers(client, workers
     assert got.reused_tokens == 0 and got.prefill_tokens == got.prompt_tokens
     assert counter(client, w, "prefix_cache_declined_tokens") == declined + shared
     assert got.token_ids == kvs.generate(other, max_new_tokens=8).compute().token_ids
+
+
+def test_materialize_reuses_a_stored_block_it_parts_from_and_resumes_as_replay(client, workers, parting):
+    w = workers[0]
+    with on(w):
+        kvs.generate(DOC, FIRST, max_new_tokens=2, prefix_cache=True, namespace="partial-state").compute()
+        hits = counter(client, w, "partial_block_tokens")
+        state = kvs.materialize(DOC + SECOND, namespace="partial-state")
+        got = kvs.resume(state, " Answer:", max_new_tokens=8).compute()
+    assert counter(client, w, "partial_block_tokens") == hits + parting % BLOCK
+    want = kvs.generate(DOC + SECOND + " Answer:", max_new_tokens=8, namespace="partial-state").compute()
+    assert got.token_ids == want.token_ids

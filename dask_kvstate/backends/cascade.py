@@ -253,7 +253,7 @@ class SharedPrefixKV:
         self.own_v = torch.zeros_like(self.own_k)
         self.offsets = torch.zeros(rows, dtype=torch.long, device=device)  # own tokens written per row
         self.rows, self.capacity = rows, capacity
-        self._masks: dict[tuple[int | None, int], _Masks] = {}
+        self._masks: dict[tuple[int | None, int, bool], _Masks] = {}
         self._q, self._width = 0, 0
         self._attended: set[int] = set()  # layers whose attention this forward served
 
