@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import dask_kvstate as kvs
+from dask_kvstate.plugins.worker.partial_match import BlockChildren
 from dask_kvstate.plugins.worker.runtime import common_prefix
 
 from .conftest import CONTEXT, TEST_CONFIG, on, stats_of
@@ -120,3 +121,16 @@ def test_materialize_reuses_a_stored_block_it_parts_from_and_resumes_as_replay(c
     assert counter(client, w, "partial_block_tokens") == hits + parting % BLOCK
     want = kvs.generate(DOC + SECOND + " Answer:", max_new_tokens=8, namespace="partial-state").compute()
     assert got.token_ids == want.token_ids
+
+
+def test_the_index_keeps_the_newest_blocks_and_picks_the_longest_match():
+    index = BlockChildren(capacity=3)
+    index.add(b"p", b"a", [1, 2, 3, 4])
+    index.add(b"p", b"b", [1, 2, 9, 9])
+    index.add(b"q", b"c", [1, 2, 3, 4])
+    index.add(b"p", b"a", [1, 2, 3, 4])  # seen again: the newest now
+    assert index.longest(b"p", [1, 2, 3, 7]) == (b"a", 3)
+    assert index.longest(b"p", [1, 2]) == (b"a", 2)  # a prompt ending inside the block
+    index.add(b"p", b"d", [5])  # past capacity: the oldest, b, goes
+    assert len(index) == 3 and index.longest(b"p", [1, 2, 9, 9]) == (b"a", 2)
+    assert index.longest(b"q", [1, 2, 3, 4]) == (b"c", 4) and index.longest(b"r", [1]) is None

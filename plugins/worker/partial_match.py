@@ -32,9 +32,10 @@ import numpy as np
 
 from dask_kvstate.blocks import parent_of
 
-#: Blocks indexed per worker and model. ~300 bytes an entry (64 token ids and the keys),
-#: so ~5 MB, covering a million tokens of prompts: more than a CPU worker's store holds.
-CAPACITY = 16_384
+#: Blocks indexed per worker and model: ~0.9 KB an entry (64 token ids, the keys, the
+#: dicts), ~7 MB in all, covering half a million tokens of prompts, whose KV (23 GB of
+#: SmolLM2-135M's) is more than a CPU worker's store holds.
+CAPACITY = 8_192
 
 
 class BlockChildren:
@@ -61,10 +62,12 @@ class BlockChildren:
 
     def add(self, parent: bytes, child: bytes, ids: Sequence[int]) -> None:
         """Index block ``child`` (tokens ``ids``) under ``parent``; the oldest go past capacity."""
-        tokens = np.asarray(ids, dtype=np.int64)
+        tokens = np.asarray(ids, dtype=np.int32)  # token ids fit: vocabularies are far below 2**31
         with self._lock:
-            if child in self._tokens:  # content-addressed: same parent, same tokens
+            if child in self._tokens:  # content-addressed: same parent, same tokens; now the newest
                 self._tokens.move_to_end(child)
+                siblings = self._children[parent]
+                siblings[child] = siblings.pop(child)
                 return
             self._tokens[child] = (parent, tokens)
             self._children.setdefault(parent, {})[child] = None
@@ -87,7 +90,7 @@ class BlockChildren:
 
         Newest first among equals: the block most likely still stored.
         """
-        want = np.asarray(ids, dtype=np.int64)
+        want = np.asarray(ids, dtype=np.int32)
         with self._lock:
             children = [(c, self._tokens[c][1]) for c in reversed(self._children.get(parent, ()))]
         best: tuple[bytes, int] | None = None
