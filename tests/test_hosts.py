@@ -176,7 +176,9 @@ def test_a_state_on_a_slow_and_a_fast_host_is_pulled_from_the_fast_one(hosts):
             f"latency {fits['latency'].get(w, float('nan')) * 1e3:.2f} ms"
         )
     assert fits["bandwidth"][slow] < SLOW_BPS * 2  # a fit from four pulls; a busy machine only slows them
-    assert fits["bandwidth"][fast] < FAST_BPS * 2
+    # shaped (loopback unshaped runs at GB/s); a fit from few pulls can read high when a busy
+    # machine slows the small one, which flattens the slope (2.6x the rate once under make test)
+    assert fits["bandwidth"][fast] < FAST_BPS * 4
     assert fits["bandwidth"][fast] > 4 * fits["bandwidth"][slow]
     # the ref names the slow host; the pull still comes from the fast copy
     d = client.submit(probes.measure_rule, refs[slow], workers=[consumer], pure=False).result()

@@ -14,7 +14,7 @@ from .conftest import CONTEXT, TEST_CONFIG, on, stats_of
 
 BLOCK = TEST_CONFIG["kvstate.block-tokens"]
 DOC = "Header. Partial-block check. " + CONTEXT
-FIRST, SECOND = " Which role reads the plan first?", " Which role writes the code?"
+FIRST, SECOND = " Which role reads the plan first, and why?", " Which role writes the code?"
 
 
 @pytest.fixture
@@ -103,11 +103,11 @@ def test_a_short_stored_prefix_is_computed_again_on_transformers(client, workers
         kvs.generate(DOC, FIRST, max_new_tokens=4, prefix_cache=True, namespace="partial-short").compute()
     shared = common_prefix(backend.tokenize(DOC + FIRST), backend.tokenize(other))
     assert 0 < 4 * shared < len(backend.tokenize(other)), "the prompts should share a short header"
-    declined = counter(client, w, "prefix_cache_declined_tokens")
+    declined = counter(client, w, "declined_reuse_tokens")
     with on(w):
         got = kvs.generate(other, max_new_tokens=8, prefix_cache=True, namespace="partial-short").compute()
     assert got.reused_tokens == 0 and got.prefill_tokens == got.prompt_tokens
-    assert counter(client, w, "prefix_cache_declined_tokens") == declined + shared
+    assert counter(client, w, "declined_reuse_tokens") == declined + shared
     assert got.token_ids == kvs.generate(other, max_new_tokens=8).compute().token_ids
 
 
@@ -123,14 +123,18 @@ def test_materialize_reuses_a_stored_block_it_parts_from_and_resumes_as_replay(c
     assert got.token_ids == want.token_ids
 
 
-def test_the_index_keeps_the_newest_blocks_and_picks_the_longest_match():
+def test_the_index_finds_the_longest_match_newest_first_and_forgets_the_oldest():
     index = BlockChildren(capacity=3)
-    index.add(b"p", b"a", [1, 2, 3, 4])
-    index.add(b"p", b"b", [1, 2, 9, 9])
-    index.add(b"q", b"c", [1, 2, 3, 4])
-    index.add(b"p", b"a", [1, 2, 3, 4])  # seen again: the newest now
-    assert index.longest(b"p", [1, 2, 3, 7]) == (b"a", 3)
-    assert index.longest(b"p", [1, 2]) == (b"a", 2)  # a prompt ending inside the block
-    index.add(b"p", b"d", [5])  # past capacity: the oldest, b, goes
-    assert len(index) == 3 and index.longest(b"p", [1, 2, 9, 9]) == (b"a", 2)
-    assert index.longest(b"q", [1, 2, 3, 4]) == (b"c", 4) and index.longest(b"r", [1]) is None
+    index.add(b"p", b"a", [1, 2, 3, 4, 5, 6])
+    index.add(b"p", b"b", [1, 2, 3, 4, 5, 9])
+    index.add(b"q", b"c", [1, 2, 3, 4, 5, 6])
+    index.add(b"p", b"x", [1, 2, 3])  # too short to be worth finding: not indexed
+    assert index.matches(b"p", [1, 2, 3, 4, 5, 6, 7]) == [(b"a", 6), (b"b", 5)]
+    assert index.matches(b"p", [1, 2, 3, 4]) == [(b"b", 4), (b"a", 4)]  # equals: the newest first
+    index.used(b"a")  # a hit makes it the newest
+    assert index.matches(b"p", [1, 2, 3, 4]) == [(b"a", 4), (b"b", 4)]
+    index.add(b"p", b"d", [7, 7, 7, 7])  # past capacity: the oldest, b, goes
+    assert len(index) == 3 and index.matches(b"p", [1, 2, 3, 4, 5, 9]) == [(b"a", 5)]
+    index.forget(b"a")
+    assert index.matches(b"p", [1, 2, 3, 4]) == [] and index.matches(b"q", [1, 2, 3, 4]) == [(b"c", 4)]
+    assert index.matches(b"p", [1, 2, 3]) == []  # fewer tokens than a match must share

@@ -255,6 +255,11 @@ class TieredBlockStore:
         with self.lock:
             self.pins.set(owner, hashes)
 
+    def pin_more(self, owner: Hashable, hashes: Iterable[bytes]) -> None:
+        """Add ``hashes`` to what ``owner`` pins (:meth:`pin` replaces them)."""
+        with self.lock:
+            self.pins.set(owner, (*self.pins.by_owner.get(owner, ()), *hashes))
+
     def unpin(self, owner: Hashable) -> None:
         """Let ``owner``'s blocks move again. From the event loop (the plugin's transition
         hook) this only asks the mover to rebalance; it never waits for it."""

@@ -83,9 +83,9 @@ class KVEngine:
         self, ids: Sequence[int], hashes: tuple[bytes, ...], namespace: str
     ) -> tuple[list, torch.Tensor | None]:
         """What this worker stores of prompt ``ids`` (block table ``hashes``): its leading
-        blocks, whole, and the leading tokens of the stored block it leaves the chain in, as
-        many as it shares with it (:mod:`.partial_match`), or None. The caller has pinned
-        ``hashes`` for its task; the partial block is pinned with them."""
+        blocks, whole, and the leading tokens of a stored block it leaves the chain in, as
+        many as it shares with it (:mod:`.partial_match`), or None. The partial block is
+        pinned for the running task beside whatever the caller pinned."""
         present = []
         for h in hashes:
             t = self.store.get(h)
@@ -94,20 +94,25 @@ class KVEngine:
             present.append(t)
         self.counters["block_hits"] += len(present)
         i = len(present)
-        found = None
-        if i < len(hashes):
-            want = ids[i * self.block_tokens : (i + 1) * self.block_tokens]
-            found = self.children.longest(parent_of(hashes, i, self.root(namespace)), want)
-        if found is None:
+        if i == len(hashes):
             return present, None
-        child, shared = found
-        self.store.pin(self.task_owner(), (*hashes, child))  # an owner's pins are replaced: all of them
-        block = self.store.get(child)
-        if block is None:  # it left the store since it was indexed
-            return present, None
-        self.counters["partial_block_hits"] += 1
-        self.counters["partial_block_tokens"] += shared
-        return present, block[:, :, :, :shared]
+        want = ids[i * self.block_tokens : (i + 1) * self.block_tokens]
+        for child, shared in self.children.matches(parent_of(hashes, i, self.root(namespace)), want):
+            self.store.pin_more(self.task_owner(), (child,))
+            block = self.store.get(child)
+            if block is not None:
+                self.children.used(child)
+                return present, block[:, :, :, :shared]
+            self.children.forget(child)  # it left the store since it was indexed
+        return present, None
+
+    def count_reuse(self, reused: int, whole_blocks: int) -> None:
+        """Count a call's reuse of ``reused`` stored tokens, beyond ``whole_blocks`` of them in
+        a block it parted from the chain in (:meth:`stored_head`)."""
+        inside = reused - whole_blocks * self.block_tokens
+        if inside > 0:
+            self.counters["partial_block_hits"] += 1
+            self.counters["partial_block_tokens"] += inside
 
     def task_owner(self) -> tuple[str, Hashable | None]:
         """Pin owner for blocks in use by the running task (the worker plugin unpins it when the task ends)."""

@@ -18,8 +18,9 @@ vLLM's own prefix cache matches whole blocks only. Tenants stay apart as the has
 a chain's first block has its model's and namespace's root as parent.
 
 Only the worker that stored a block knows its tokens (a block pulled from a peer is
-not indexed), and the index forgets the oldest entries past its capacity and never
-holds a block: a child that has left the store is skipped by the caller.
+not indexed). The index never holds a block: past its capacity it forgets the least
+recently used entries, and a child that has left the store is forgotten when a lookup
+finds it gone (``KVEngine.stored_head`` then tries the next).
 """
 
 from __future__ import annotations
@@ -36,47 +37,51 @@ from dask_kvstate.blocks import parent_of
 #: dicts), ~7 MB in all, covering half a million tokens of prompts, whose KV (23 GB of
 #: SmolLM2-135M's) is more than a CPU worker's store holds.
 CAPACITY = 8_192
+#: Siblings are found by their first tokens: a match shorter than this saves too little to
+#: look for, and keying on them keeps a lookup off the many prompts that part right after a
+#: shared system prompt (a scan of 8,192 siblings took ~15 ms).
+KEY_TOKENS = 4
+#: Candidates compared per lookup, newest first: bounds a lookup where many siblings begin alike.
+SCAN = 64
 
 
 class BlockChildren:
-    """Stored blocks by parent, with their token ids; thread-safe (tasks run on several threads).
+    """Stored blocks by parent and first tokens, with their token ids; thread-safe (tasks run
+    on several threads). Entries are refreshed when found and forgotten oldest first.
 
     Examples
     --------
     >>> index = BlockChildren()
-    >>> index.add(b"root", b"doc+q0", [5, 6, 7, 8])
-    >>> index.longest(b"root", [5, 6, 9, 9])
-    (b'doc+q0', 2)
-    >>> index.longest(b"root", [1, 2]) is None, index.longest(b"other", [5, 6]) is None
-    (True, True)
+    >>> index.add(b"root", b"doc+q0", [5, 6, 7, 8, 9])
+    >>> index.matches(b"root", [5, 6, 7, 8, 1])
+    [(b'doc+q0', 4)]
+    >>> index.matches(b"root", [5, 6, 1, 1]), index.matches(b"other", [5, 6, 7, 8])
+    ([], [])
     """
 
     def __init__(self, capacity: int = CAPACITY):
         self.capacity = capacity
         self._lock = threading.Lock()
-        self._tokens: OrderedDict[bytes, tuple[bytes, np.ndarray]] = OrderedDict()  # child -> (parent, ids)
-        self._children: dict[bytes, dict[bytes, None]] = {}  # parent -> its children, oldest first
+        self._entries: OrderedDict[bytes, tuple[tuple, np.ndarray]] = OrderedDict()  # child -> (key, ids)
+        self._siblings: dict[tuple, dict[bytes, None]] = {}  # (parent, first tokens) -> children, oldest first
 
     def __len__(self) -> int:
-        return len(self._tokens)
+        return len(self._entries)
 
     def add(self, parent: bytes, child: bytes, ids: Sequence[int]) -> None:
         """Index block ``child`` (tokens ``ids``) under ``parent``; the oldest go past capacity."""
+        if len(ids) < KEY_TOKENS:
+            return
         tokens = np.asarray(ids, dtype=np.int32)  # token ids fit: vocabularies are far below 2**31
         with self._lock:
-            if child in self._tokens:  # content-addressed: same parent, same tokens; now the newest
-                self._tokens.move_to_end(child)
-                siblings = self._children[parent]
-                siblings[child] = siblings.pop(child)
+            if child in self._entries:  # content-addressed: the same parent and tokens
+                self._refresh(child)
                 return
-            self._tokens[child] = (parent, tokens)
-            self._children.setdefault(parent, {})[child] = None
-            while len(self._tokens) > self.capacity:
-                old, (old_parent, _) = self._tokens.popitem(last=False)
-                siblings = self._children[old_parent]
-                del siblings[old]
-                if not siblings:
-                    del self._children[old_parent]
+            key = (parent, tokens[:KEY_TOKENS].tobytes())
+            self._entries[child] = (key, tokens)
+            self._siblings.setdefault(key, {})[child] = None
+            while len(self._entries) > self.capacity:
+                self._drop(next(iter(self._entries)))
 
     def add_chain(
         self, hashes: Sequence[bytes], ids: Sequence[int], first: int, root: bytes, block_tokens: int
@@ -85,19 +90,43 @@ class BlockChildren:
         for i in range(first, len(hashes)):
             self.add(parent_of(hashes, i, root), hashes[i], ids[i * block_tokens : (i + 1) * block_tokens])
 
-    def longest(self, parent: bytes, ids: Sequence[int]) -> tuple[bytes, int] | None:
-        """The child of ``parent`` whose tokens begin with the most of ``ids``, and how many; None if none shares one.
-
-        Newest first among equals: the block most likely still stored.
-        """
+    def matches(self, parent: bytes, ids: Sequence[int]) -> list[tuple[bytes, int]]:
+        """Children of ``parent`` sharing at least ``KEY_TOKENS`` leading tokens with ``ids``,
+        with how many: the most shared first, the newest first among equals (the likeliest
+        still stored)."""
+        if len(ids) < KEY_TOKENS:
+            return []
         want = np.asarray(ids, dtype=np.int32)
         with self._lock:
-            children = [(c, self._tokens[c][1]) for c in reversed(self._children.get(parent, ()))]
-        best: tuple[bytes, int] | None = None
-        for child, tokens in children:
+            children = self._siblings.get((parent, want[:KEY_TOKENS].tobytes()), {})
+            found = [(c, self._entries[c][1]) for c in list(reversed(children))[:SCAN]]
+        out = []
+        for child, tokens in found:
             n = min(len(tokens), len(want))
             differ = np.flatnonzero(tokens[:n] != want[:n])
-            shared = int(differ[0]) if len(differ) else n
-            if shared and (best is None or shared > best[1]):
-                best = (child, shared)
-        return best
+            out.append((child, int(differ[0]) if len(differ) else n))
+        return sorted(out, key=lambda m: -m[1])  # stable: newest first among equals
+
+    def used(self, child: bytes) -> None:
+        """``child`` served a prompt: the newest now, the last to be forgotten."""
+        with self._lock:
+            if child in self._entries:
+                self._refresh(child)
+
+    def forget(self, child: bytes) -> None:
+        """Drop ``child`` (it left the store)."""
+        with self._lock:
+            if child in self._entries:
+                self._drop(child)
+
+    def _refresh(self, child: bytes) -> None:
+        self._entries.move_to_end(child)
+        siblings = self._siblings[self._entries[child][0]]
+        siblings[child] = siblings.pop(child)
+
+    def _drop(self, child: bytes) -> None:
+        key, _ = self._entries.pop(child)
+        siblings = self._siblings[key]
+        del siblings[child]
+        if not siblings:
+            del self._siblings[key]

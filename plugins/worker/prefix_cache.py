@@ -49,8 +49,9 @@ def generate(rt, text: str, namespace: str, sampling: Sampling) -> Generation:
     # At least the last prompt token is re-run: its logits start decoding.
     keep = min(sum(int(t.shape[3]) for t in reused), len(ids) - 1)
     if keep and not backend.worth_reusing(keep, len(ids)):
-        rt.counters["prefix_cache_declined_tokens"] += keep
+        rt.counters["declined_reuse_tokens"] += keep
         keep = 0  # computed whole; the store keeps what it has and gets the rest
+    rt.count_reuse(keep, len(present))
     past: torch.Tensor | BlockKV | None = None
     if keep:
         # A backend with its own paged cache copies the blocks into it: joining them first

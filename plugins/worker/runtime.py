@@ -92,8 +92,14 @@ class StateRuntime(KVEngine):
         if len(present) < len(hashes):
             # At least the last token is computed: a prefill ends with one.
             past = BlockKV((*present, tail) if tail is not None else tuple(present)).head(len(ids) - 1)
-            reuse = past.blocks and self.backend.worth_reusing(past.tokens, len(ids))
-            self.prefill_and_store(ids, past.joined() if reuse else None, hashes, len(present), namespace=namespace)
+            if past.blocks and not self.backend.worth_reusing(past.tokens, len(ids)):
+                self.counters["declined_reuse_tokens"] += past.tokens
+                past = BlockKV(())
+            self.count_reuse(past.tokens, len(present))
+            given = None
+            if past.blocks:  # a backend with its own paged cache takes them as they are (see BlockKV)
+                given = past if self.backend.reads_blocks else past.joined()
+            self.prefill_and_store(ids, given, hashes, len(present), namespace=namespace)
         else:
             self.counters["reused_tokens"] += len(ids)
         self.counters["materializations"] += 1
