@@ -79,40 +79,55 @@ class KVEngine:
         """The parent of the first block of every chain of this model under ``namespace``."""
         return chain_root(self.backend.kv_identity, namespace)
 
-    def stored_head(
-        self, ids: Sequence[int], hashes: tuple[bytes, ...], namespace: str
-    ) -> tuple[list, torch.Tensor | None]:
-        """What this worker stores of prompt ``ids`` (block table ``hashes``): its leading
-        blocks, whole, and the leading tokens of a stored block it leaves the chain in, as
-        many as it shares with it (:mod:`.partial_match`), or None. The partial block is
-        pinned for the running task beside whatever the caller pinned."""
+    def stored_past(self, ids: Sequence[int], hashes: tuple[bytes, ...], namespace: str) -> tuple[int, BlockKV]:
+        """What a call on prompt ``ids`` (block table ``hashes``) reuses of what this worker
+        stores: how many of its leading blocks are stored whole, and the KV it computes over
+        (no blocks when none is worth it, :meth:`Backend.worth_reusing`). That is those blocks,
+        then the leading tokens of a stored block the prompt leaves the chain in, as many as
+        it shares with it (:mod:`.partial_match`), and never the prompt's last token: its
+        logits start decoding. The partial block is pinned beside whatever the caller pinned."""
         present = []
         for h in hashes:
             t = self.store.get(h)
             if t is None:
                 break
             present.append(t)
-        self.counters["block_hits"] += len(present)
-        i = len(present)
-        if i == len(hashes):
-            return present, None
+        whole = len(present)
+        self.counters["block_hits"] += whole
+        if whole < len(hashes):
+            tail = self._partial_block(ids, hashes, whole, namespace)
+            if tail is not None:
+                present.append(tail)
+        device = self.backend.device
+        past = BlockKV(tuple(t.to(device, non_blocking=True) for t in present)).head(len(ids) - 1)
+        if past.blocks and not self.backend.worth_reusing(past.tokens, len(ids)):
+            self.counters["declined_reuse_tokens"] += past.tokens
+            return whole, BlockKV(())
+        inside = past.tokens - whole * self.block_tokens
+        if inside > 0:
+            self.counters["partial_block_hits"] += 1
+            self.counters["partial_block_tokens"] += inside
+        return whole, past
+
+    def _partial_block(self, ids: Sequence[int], hashes: tuple[bytes, ...], i: int, namespace: str):
+        """The leading tokens of the stored block sharing the most with the prompt's block ``i``, or None."""
         want = ids[i * self.block_tokens : (i + 1) * self.block_tokens]
         for child, shared in self.children.matches(parent_of(hashes, i, self.root(namespace)), want):
             self.store.pin_more(self.task_owner(), (child,))
             block = self.store.get(child)
             if block is not None:
                 self.children.used(child)
-                return present, block[:, :, :, :shared]
+                return block[:, :, :, :shared]
             self.children.forget(child)  # it left the store since it was indexed
-        return present, None
+        return None
 
-    def count_reuse(self, reused: int, whole_blocks: int) -> None:
-        """Count a call's reuse of ``reused`` stored tokens, beyond ``whole_blocks`` of them in
-        a block it parted from the chain in (:meth:`stored_head`)."""
-        inside = reused - whole_blocks * self.block_tokens
-        if inside > 0:
-            self.counters["partial_block_hits"] += 1
-            self.counters["partial_block_tokens"] += inside
+    def as_past(self, past: BlockKV) -> torch.Tensor | BlockKV | None:
+        """``past`` in the form the backend takes: None when empty; its blocks for a backend with
+        a paged cache of its own (joining them would be one more copy, into fresh memory: see
+        BlockKV), joined otherwise."""
+        if not past.blocks:
+            return None
+        return past if self.backend.reads_blocks else past.joined()
 
     def task_owner(self) -> tuple[str, Hashable | None]:
         """Pin owner for blocks in use by the running task (the worker plugin unpins it when the task ends)."""

@@ -20,11 +20,12 @@ a chain's first block has its model's and namespace's root as parent.
 Only the worker that stored a block knows its tokens (a block pulled from a peer is
 not indexed). The index never holds a block: past its capacity it forgets the least
 recently used entries, and a child that has left the store is forgotten when a lookup
-finds it gone (``KVEngine.stored_head`` then tries the next).
+finds it gone (``KVEngine.stored_past`` then tries the next).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -99,7 +100,7 @@ class BlockChildren:
         want = np.asarray(ids, dtype=np.int32)
         with self._lock:
             children = self._siblings.get((parent, want[:KEY_TOKENS].tobytes()), {})
-            found = [(c, self._entries[c][1]) for c in list(reversed(children))[:SCAN]]
+            found = [(c, self._entries[c][1]) for c in itertools.islice(reversed(children), SCAN)]
         out = []
         for child, tokens in found:
             n = min(len(tokens), len(want))

@@ -17,13 +17,9 @@ any ref, so the store's scored eviction may drop them, as an engine's LRU would.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
-from dask_kvstate.blocks import BlockKV, kv_tokens
+from dask_kvstate.blocks import kv_tokens
 from dask_kvstate.generation import Generation, Sampling
-
-if TYPE_CHECKING:
-    import torch
 
 
 def generate(rt, text: str, namespace: str, sampling: Sampling) -> Generation:
@@ -42,36 +38,23 @@ def generate(rt, text: str, namespace: str, sampling: Sampling) -> Generation:
         raise ValueError("cannot generate from an empty prompt: give at least one token of text")
     hashes = rt.hashes(ids, namespace)
     rt.store.pin(rt.task_owner(), hashes)  # the plugin unpins when the task ends
-    present, tail = rt.stored_head(ids, hashes, namespace)
-    rt.counters["prefix_cache_hits"] += len(present)
-    rt.counters["prefix_cache_misses"] += len(hashes) - len(present)
-    reused = [t.to(backend.device, non_blocking=True) for t in (present if tail is None else [*present, tail])]
-    # At least the last prompt token is re-run: its logits start decoding.
-    keep = min(sum(int(t.shape[3]) for t in reused), len(ids) - 1)
-    if keep and not backend.worth_reusing(keep, len(ids)):
-        rt.counters["declined_reuse_tokens"] += keep
-        keep = 0  # computed whole; the store keeps what it has and gets the rest
-    rt.count_reuse(keep, len(present))
-    past: torch.Tensor | BlockKV | None = None
-    if keep:
-        # A backend with its own paged cache copies the blocks into it: joining them first
-        # would copy the prefix once more, into fresh memory, on every call (see BlockKV).
-        head = BlockKV(tuple(reused)).head(keep)
-        past = head if backend.reads_blocks else head.joined()
-    stored = len(present) * rt.block_tokens  # the prompt's tokens the store already holds
+    whole, past = rt.stored_past(ids, hashes, namespace)
+    rt.counters["prefix_cache_hits"] += whole
+    rt.counters["prefix_cache_misses"] += len(hashes) - whole
+    stored = whole * rt.block_tokens  # the prompt's tokens the store already holds
 
     def keep_prompt(cache) -> None:  # before decoding: the cache holds the prompt from `stored` on
         kv = backend.kv_to_store(cache, stored, rt.block_tokens)
-        rt.store_kv(kv, hashes, len(present), first_token=len(ids) - kv_tokens(kv), ids=ids, namespace=namespace)
+        rt.store_kv(kv, hashes, whole, first_token=len(ids) - kv_tokens(kv), ids=ids, namespace=namespace)
 
     return rt.generate_from(
         ids,
-        past,
+        rt.as_past(past),
         sampling,
         t0,
         namespace=namespace,
         # Only the blocks the store lacks are asked of the backend, and none when it has them all.
-        on_prefill=keep_prompt if len(present) < len(hashes) else None,
+        on_prefill=keep_prompt if whole < len(hashes) else None,
         keep_from=stored,
         # Its reuse path, as a materialize's or a resume's (text replay, the baseline, never borrows).
         borrow=True,

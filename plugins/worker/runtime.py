@@ -82,24 +82,15 @@ class StateRuntime(KVEngine):
 
     # -- operators -----------------------------------------------------------------
     def materialize(self, text: str, namespace: str) -> KVStateRef:
-        """Prefill ``text`` into blocks, reusing any leading blocks already stored here."""
+        """Prefill ``text`` into blocks, reusing what this worker stores of it (:meth:`stored_past`)."""
         ids = self.backend.tokenize(text)
         if not ids:
             raise ValueError("cannot materialize an empty prompt: the segments joined to no tokens")
         hashes = self.hashes(ids, namespace)
         self.store.pin(self.task_owner(), hashes)
-        present, tail = self.stored_head(ids, hashes, namespace)
-        if len(present) < len(hashes):
-            # At least the last token is computed: a prefill ends with one.
-            past = BlockKV((*present, tail) if tail is not None else tuple(present)).head(len(ids) - 1)
-            if past.blocks and not self.backend.worth_reusing(past.tokens, len(ids)):
-                self.counters["declined_reuse_tokens"] += past.tokens
-                past = BlockKV(())
-            self.count_reuse(past.tokens, len(present))
-            given = None
-            if past.blocks:  # a backend with its own paged cache takes them as they are (see BlockKV)
-                given = past if self.backend.reads_blocks else past.joined()
-            self.prefill_and_store(ids, given, hashes, len(present), namespace=namespace)
+        whole, past = self.stored_past(ids, hashes, namespace)
+        if whole < len(hashes):
+            self.prefill_and_store(ids, self.as_past(past), hashes, whole, namespace=namespace)
         else:
             self.counters["reused_tokens"] += len(ids)
         self.counters["materializations"] += 1
