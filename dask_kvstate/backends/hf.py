@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 from dask_kvstate import config
-from dask_kvstate.backends import batch, cascade, compat, identity, layout, models, packed_linear
+from dask_kvstate.backends import attention, batch, compat, identity, layout, models, packed_linear
 from dask_kvstate.backends.base import KV, Backend, GenerationResult, Row
 from dask_kvstate.backends.decoding import generator, pick_token
+from dask_kvstate.backends.prefill_kernel import PrefillKernel
 from dask_kvstate.blocks import BlockKV, kv_identity
 from dask_kvstate.generation import Sampling
 
@@ -79,13 +80,17 @@ class HFBackend(Backend):
         self.kv_heads = self.layout.kv_heads
         self.head_dim = self.layout.head_dim  # stored width: keys and values padded to the wider
         self.kv_bytes_per_token = self.num_layers * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+        # Attention routed through ours (.attention); shared-prefix (cascade) attention for
+        # resumes where the model's attention reads what it caches (not MLA's latents).
+        routed = attention.enable(self.model)
+        self.cascade = routed and attention.attention_reads_cache(self.prefill) is None
+        # A prompt attending over itself through vLLM's CPU kernel (kvstate.hf.prefill-kernel).
+        self.prefill_kernel, self.prefill_kernel_note = self._prefill_kernel(routed)
+        attention.use_prefill_kernel(self.model, self.prefill_kernel)
         self.config_fingerprint = self._config_fingerprint()
         self.model_fingerprint = self._model_fingerprint()
         self.kv_identity = kv_identity(self.model_fingerprint, self.config_fingerprint)
         self.eos_ids = identity.eos_ids(tokenizer, model.generation_config)
-        # Shared-prefix (cascade) attention for resumes; False for a model it can't route, or
-        # whose attention computes from something other than what it caches (MLA's latents).
-        self.cascade = cascade.enable(self.model) and cascade.attention_reads_cache(self.prefill) is None
         self.cascade_fallbacks: Counter[str] = Counter()  # batched calls run per row instead, by reason
         # Tokenizers' Rust core is not re-entrant for one object across threads.
         self._tok_lock = threading.Lock()
@@ -104,10 +109,24 @@ class HFBackend(Backend):
         return identity.config_fingerprint(
             self.model.config.to_dict(),
             architecture=type(self.model).__name__,
-            attention=getattr(self.model.config, "_kvstate_base_attn", self.model.config._attn_implementation),
+            attention=getattr(self.model.config, "_kvstate_base_attn", self.model.config._attn_implementation)
+            + ("+vllm-cpu-prefill" if self.prefill_kernel else ""),
             dtype=str(self.dtype),
             tokenizer=self.tokenizer,
         )
+
+    def _prefill_kernel(self, routed: bool) -> tuple[PrefillKernel | None, str]:
+        """vLLM's CPU attention kernel for this model's heads, or None; and what was chosen, or why not."""
+        if not config.get("hf.prefill-kernel"):
+            return None, "kvstate.hf.prefill-kernel is off"
+        if self.device.type != "cpu":
+            return None, f"the model runs on {self.device.type}, the kernel is vLLM's CPU one"
+        if not routed:
+            return None, f"attention {self.model.config._attn_implementation!r} is not routed through kvstate's"
+        heads = getattr(self.config, "num_attention_heads", None)
+        if not isinstance(heads, int):
+            return None, "the config names no num_attention_heads"
+        return PrefillKernel.load(heads, self.kv_heads, self.head_dim, self.dtype)
 
     def _model_fingerprint(self) -> str:
         # The weights themselves: a re-quantized or fine-tuned checkpoint under the
@@ -281,8 +300,9 @@ class HFBackend(Backend):
         )
 
     def engine_stats(self) -> dict:
-        """What computes here (the vLLM backend adds its engine's counters), and how many linear
-        layers run on oneDNN-packed weights (with the reason when none do) and how many MLPs are fused."""
+        """What computes here (the vLLM backend adds its engine's counters), how many linear
+        layers run on oneDNN-packed weights (with the reason when none do), how many MLPs are
+        fused, and which kernel a prompt's attention over itself runs (with the layers it served)."""
         stats: dict[str, Any] = {
             "engine": "transformers",
             "packed_linear": self.packed_linear,
@@ -290,6 +310,9 @@ class HFBackend(Backend):
         }
         if self.packed_linear_skipped:
             stats["packed_linear_skipped"] = self.packed_linear_skipped
+        stats["prefill_kernel"] = self.prefill_kernel_note
+        if self.prefill_kernel is not None:
+            stats["prefill_kernel_layers"] = self.prefill_kernel.calls
         return stats
 
     def generate_batch(
