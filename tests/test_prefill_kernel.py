@@ -171,3 +171,14 @@ def test_families_served_with_the_kernel_replay_as_transformers_generates(family
         window = getattr(backend.config, "sliding_window", None)
         used = backend.prefill_kernel.calls > before
         assert used == (window is None or len(ids) <= window), (family, len(ids), window)
+
+
+def test_a_model_on_eager_attention_keeps_it():
+    """The kernel stands in for sdpa's causal case only: eager's mask is explicit, and eager may cap logits."""
+    from dask_kvstate.testing import architectures
+
+    model, tokenizer = architectures.model(architectures.widened(architectures.FAMILIES["llama"]))
+    model.set_attn_implementation("eager")
+    backend = HFBackend("llama-eager", model, tokenizer)
+    assert backend.prefill_kernel is None
+    assert backend.engine_stats()["prefill_kernel"] == "the model's attention is 'eager', not sdpa"

@@ -121,8 +121,9 @@ class HFBackend(Backend):
             return None, "kvstate.hf.prefill-kernel is off"
         if self.device.type != "cpu":
             return None, f"the model runs on {self.device.type}, the kernel is vLLM's CPU one"
-        if not routed:
-            return None, f"attention {self.model.config._attn_implementation!r} is not routed through kvstate's"
+        base = getattr(self.model.config, "_kvstate_base_attn", None) if routed else None
+        if base != "sdpa":  # eager's causal mask is always explicit, and eager may cap logits
+            return None, f"the model's attention is {base or self.model.config._attn_implementation!r}, not sdpa"
         heads = getattr(self.config, "num_attention_heads", None)
         if not isinstance(heads, int):
             return None, "the config names no num_attention_heads"
