@@ -7,7 +7,7 @@ sends each layer's call to one of three places:
 - a forward run inside :func:`~.cascade.serving` (a context variable, so per thread): the
   rows' shared-prefix attention, :meth:`~.cascade.SharedPrefixKV.attend`;
 - a forward attending causally over exactly its own tokens, where the backend loaded vLLM's
-  CPU kernel for the model (:func:`use_prefill_kernel`, :mod:`.prefill_kernel`): that kernel;
+  CPU kernel for the model (:func:`use_cpu_attention`, :mod:`.cpu_attention`): that kernel;
 - anything else: the implementation the model had (sdpa or eager), with the same
   arguments, so text replay and the block-store paths compute what they did.
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from dask_kvstate.backends.cascade import _SERVING, CascadeUnsupported
-from dask_kvstate.backends.prefill_kernel import PrefillKernel
+from dask_kvstate.backends.cpu_attention import CPUAttention
 
 ATTN_PREFIX = "kvstate_cascade_"
 
@@ -47,8 +47,8 @@ _WATCHING: contextvars.ContextVar[list | None] = contextvars.ContextVar("kvstate
 
 
 def _dispatch(module, query, key, value, attention_mask, **kwargs):
-    """One layer's attention: the cascade's inside :func:`~.cascade.serving`, else the prefill
-    kernel's where it applies, else the model's own implementation."""
+    """One layer's attention: the cascade's inside :func:`~.cascade.serving`, else vLLM's CPU
+    kernel's for a prompt over itself, else the model's own implementation."""
     kvstate_cascade = _SERVING.get()
     if kvstate_cascade is not None:
         if kwargs.get("dropout"):
@@ -74,9 +74,9 @@ def _dispatch(module, query, key, value, attention_mask, **kwargs):
     watching = _WATCHING.get()
     if watching is not None:
         watching.append((getattr(module, "layer_idx", None), key, value))
-    kernel = getattr(module, PREFILL_KERNEL_ATTR, None)
-    if kernel is not None and kernel.applies(module, query, key, attention_mask, kwargs):
-        return kernel(query, key, value, kwargs.get("scaling")), None
+    kernel = getattr(module, CPU_ATTENTION_ATTR, None)
+    if kernel is not None and kernel.applies_to_prompt(module, query, key, attention_mask, kwargs):
+        return kernel.prompt(query, key, value, kwargs.get("scaling")), None
     base = _base_attention(module.config._kvstate_base_attn, type(module).__module__)
     return base(module, query, key, value, attention_mask, **kwargs)
 
@@ -144,15 +144,15 @@ def enable(model) -> bool:
     return model.config._attn_implementation == name
 
 
-#: The attribute of a model's attention modules that holds its :class:`PrefillKernel`.
-PREFILL_KERNEL_ATTR = "_kvstate_prefill_kernel"
+#: The attribute of a model's attention modules that holds its :class:`CPUAttention`.
+CPU_ATTENTION_ATTR = "_kvstate_cpu_attention"
 
 
-def use_prefill_kernel(model, kernel: PrefillKernel | None) -> int:
+def use_cpu_attention(model, kernel: CPUAttention | None) -> int:
     """Give ``model``'s layers ``kernel`` for prompts attending over themselves (None: take it
     away); returns how many modules hold it. On the modules, not the config: the config is
     serialized (and fingerprinted), a kernel is not data."""
     modules = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)]
     for m in modules:
-        setattr(m, PREFILL_KERNEL_ATTR, kernel)
+        setattr(m, CPU_ATTENTION_ATTR, kernel)
     return len(modules) if kernel is not None else 0

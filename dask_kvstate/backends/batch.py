@@ -31,10 +31,11 @@ from typing import Any
 
 import torch
 
-from dask_kvstate.backends import compat, layout
+from dask_kvstate.backends import compat, layout, paged_rows
 from dask_kvstate.backends.base import GenerationResult, Row
 from dask_kvstate.backends.cascade import CascadeUnsupported, SharedPrefixKV, serving, unsupported_layout
 from dask_kvstate.backends.decoding import generator, pick_token
+from dask_kvstate.backends.paged_rows import PagedRows
 from dask_kvstate.generation import Sampling
 
 __all__ = ["Row", "generate_batch", "kv_bytes"]  # Row lives in base (the interface); callers find it here too
@@ -50,8 +51,12 @@ def _capacity(rows: list[Row], max_new_tokens: int) -> int:
 
 
 def kv_bytes(backend, rows: list[Row], max_new_tokens: int) -> int:
-    """KV bytes :func:`generate_batch` allocates for ``rows`` (the prefix is borrowed)."""
-    return len(rows) * _capacity(rows, max_new_tokens) * backend.kv_bytes_per_token
+    """KV bytes :func:`generate_batch` allocates for ``rows``: their own tokens (the prefix is
+    borrowed), or, paged, the pages (the prefix copied into them)."""
+    capacity = _capacity(rows, max_new_tokens)
+    if _paged(backend, rows, None):
+        return paged_rows.kv_bytes(backend.cpu_attention, backend.num_layers, [r.keep for r in rows], capacity)
+    return len(rows) * capacity * backend.kv_bytes_per_token
 
 
 @torch.inference_mode()
@@ -106,24 +111,51 @@ def generate_batch(
     ]
 
 
+def _paged(backend, rows: list[Row], on_prefill) -> bool:
+    """Whether the rows go to vLLM's CPU kernel over shared pages (:mod:`.paged_rows`): a batch,
+    where the backend loaded the kernel, of a model with no sliding window."""
+    return (
+        getattr(backend, "cpu_attention", None) is not None
+        and len(rows) >= paged_rows.MIN_ROWS
+        and on_prefill is None
+        and all(w is None for w in backend.layout.windows)
+    )
+
+
 def _cascade(
     backend, rows: list[Row], prefix, sampling: Sampling, t0: float, on_prefill: Callable[[Any], None] | None
 ) -> list[GenerationResult]:
-    device = backend.device
     if prefix is not None:
-        prefix = prefix.to(device, non_blocking=True)
-    own = [len(r.ids) - r.keep for r in rows]
+        prefix = prefix.to(backend.device, non_blocking=True)
+    keep, capacity = [r.keep for r in rows], _capacity(rows, sampling.max_new_tokens)
+    if _paged(backend, rows, on_prefill):
+        kv = PagedRows(backend.cpu_attention, prefix, keep, capacity, num_layers=backend.num_layers)
+        return _run(backend, kv, rows, prefix, sampling, t0, on_prefill)
     kv = SharedPrefixKV(
         prefix,
-        [r.keep for r in rows],
-        _capacity(rows, sampling.max_new_tokens),
+        keep,
+        capacity,
         num_layers=backend.num_layers,
         kv_heads=backend.kv_heads,
         head_dim=backend.head_dim,
         dtype=backend.dtype,
-        device=device,
+        device=backend.device,
         windows=backend.layout.windows,
     )
+    return _run(backend, kv, rows, prefix, sampling, t0, on_prefill)
+
+
+def _run(
+    backend,
+    kv: SharedPrefixKV | PagedRows,
+    rows: list[Row],
+    prefix,
+    sampling: Sampling,
+    t0: float,
+    on_prefill: Callable[[Any], None] | None,
+) -> list[GenerationResult]:
+    device = backend.device
+    own = [len(r.ids) - r.keep for r in rows]
     gens = [generator(device, sampling.temperature, _row_sampling(sampling, r).seed) for r in rows]
     outs: list[list[int]] = [[] for _ in rows]
 
@@ -157,6 +189,7 @@ def _cascade(
     first = time.perf_counter()
     prefill_s = first - p0
     if on_prefill is not None:  # after the first token, so its copy counts as decode time
+        assert isinstance(kv, SharedPrefixKV), "paged rows are batches, never one prompt"
         on_prefill(layout.PromptKV(prefix, rows[0].keep, kv.own_k[:, 0], kv.own_v[:, 0], own[0]))
     if live and len(live) < len(rows):
         kv.select(live)  # rows done at their first token (EOS) leave before the first decode step

@@ -27,8 +27,8 @@ import torch
 from dask_kvstate import config
 from dask_kvstate.backends import attention, batch, compat, identity, layout, models, packed_linear
 from dask_kvstate.backends.base import KV, Backend, GenerationResult, Row
+from dask_kvstate.backends.cpu_attention import CPUAttention
 from dask_kvstate.backends.decoding import generator, pick_token
-from dask_kvstate.backends.prefill_kernel import PrefillKernel
 from dask_kvstate.blocks import BlockKV, kv_identity
 from dask_kvstate.generation import Sampling
 
@@ -84,9 +84,9 @@ class HFBackend(Backend):
         # resumes where the model's attention reads what it caches (not MLA's latents).
         routed = attention.enable(self.model)
         self.cascade = routed and attention.attention_reads_cache(self.prefill) is None
-        # A prompt attending over itself through vLLM's CPU kernel (kvstate.hf.prefill-kernel).
-        self.prefill_kernel, self.prefill_kernel_note = self._prefill_kernel(routed)
-        attention.use_prefill_kernel(self.model, self.prefill_kernel)
+        # vLLM's CPU attention kernel for prompts over themselves and sibling rows (kvstate.hf.vllm-attention).
+        self.cpu_attention, self.cpu_attention_note = self._cpu_attention(routed)
+        attention.use_cpu_attention(self.model, self.cpu_attention)
         self.config_fingerprint = self._config_fingerprint()
         self.model_fingerprint = self._model_fingerprint()
         self.kv_identity = kv_identity(self.model_fingerprint, self.config_fingerprint)
@@ -110,15 +110,15 @@ class HFBackend(Backend):
             self.model.config.to_dict(),
             architecture=type(self.model).__name__,
             attention=getattr(self.model.config, "_kvstate_base_attn", self.model.config._attn_implementation)
-            + ("+vllm-cpu-prefill" if self.prefill_kernel else ""),
+            + ("+vllm-cpu-attention" if self.cpu_attention else ""),
             dtype=str(self.dtype),
             tokenizer=self.tokenizer,
         )
 
-    def _prefill_kernel(self, routed: bool) -> tuple[PrefillKernel | None, str]:
+    def _cpu_attention(self, routed: bool) -> tuple[CPUAttention | None, str]:
         """vLLM's CPU attention kernel for this model's heads, or None; and what was chosen, or why not."""
-        if not config.get("hf.prefill-kernel"):
-            return None, "kvstate.hf.prefill-kernel is off"
+        if not config.get("hf.vllm-attention"):
+            return None, "kvstate.hf.vllm-attention is off"
         if self.device.type != "cpu":
             return None, f"the model runs on {self.device.type}, the kernel is vLLM's CPU one"
         base = getattr(self.model.config, "_kvstate_base_attn", None) if routed else None
@@ -127,7 +127,7 @@ class HFBackend(Backend):
         heads = getattr(self.config, "num_attention_heads", None)
         if not isinstance(heads, int):
             return None, "the config names no num_attention_heads"
-        return PrefillKernel.load(heads, self.kv_heads, self.head_dim, self.dtype)
+        return CPUAttention.load(heads, self.kv_heads, self.head_dim, self.dtype)
 
     def _model_fingerprint(self) -> str:
         # The weights themselves: a re-quantized or fine-tuned checkpoint under the
@@ -303,7 +303,7 @@ class HFBackend(Backend):
     def engine_stats(self) -> dict:
         """What computes here (the vLLM backend adds its engine's counters), how many linear
         layers run on oneDNN-packed weights (with the reason when none do), how many MLPs are
-        fused, and which kernel a prompt's attention over itself runs (with the layers it served)."""
+        fused, and whether vLLM's CPU attention kernel serves (with the layer calls it served)."""
         stats: dict[str, Any] = {
             "engine": "transformers",
             "packed_linear": self.packed_linear,
@@ -311,9 +311,9 @@ class HFBackend(Backend):
         }
         if self.packed_linear_skipped:
             stats["packed_linear_skipped"] = self.packed_linear_skipped
-        stats["prefill_kernel"] = self.prefill_kernel_note
-        if self.prefill_kernel is not None:
-            stats["prefill_kernel_layers"] = self.prefill_kernel.calls
+        stats["vllm_attention"] = self.cpu_attention_note
+        if self.cpu_attention is not None:
+            stats["vllm_attention_layers"] = self.cpu_attention.calls
         return stats
 
     def generate_batch(

@@ -1,0 +1,246 @@
+"""vLLM's CPU attention kernel for the transformers backend, where vLLM is installed.
+
+Why: with the linear layers on packed weights (:mod:`.packed_linear`), what is left of a
+long prefill on the transformers backend is mostly attention, and torch's fused CPU kernel
+(what sdpa runs, ``is_causal``) is about 2.5x slower there than vLLM's CPU attention
+kernel on the same threads; for siblings decoding over one shared prefix, the kernel
+reading shared pages takes half the time of the two partial attentions and their merge
+(:mod:`.cascade`). So where vLLM is installed (``kvstate.hf.vllm-attention``) two kinds of
+attention run it:
+
+- a forward that attends causally over exactly its own tokens (no past, no mask, no
+  window it would cut, no logit cap, no sinks): :meth:`CPUAttention.prompt`, reached
+  through :mod:`.attention`;
+- sibling rows over one prefix, the prefix's full pages shared by every row's block table
+  as vLLM's prefix cache shares them (:mod:`.paged_rows`).
+
+Everything else (single resumes, masks, windows, padding) stays where it was. The figures
+are in ``docs/design/backends.md``.
+
+How: the kernel reads keys and values from paged blocks in its own layout (keys stored
+transposed inside a block), which only its ``cpu_attn_reshape_and_cache`` writes
+(:meth:`CPUAttention.write`). It plans its work for the calling thread's OpenMP team
+(``cpu_attn_get_scheduler_metadata``) and refuses a plan made for another team size (a
+``RuntimeError``), so a plan is made in the thread that uses it (:meth:`CPUAttention.plan`).
+
+Exactness: the same softmax over the same keys, summed in another order: outputs agree
+with sdpa to a few 1e-7 in float32. :meth:`CPUAttention.load` runs both on the model's
+head shapes before the kernel is used and keeps sdpa where they disagree, or where vLLM
+is missing or refuses the shapes. The choice enters the backend's config fingerprint, so
+states computed with and without it are never mixed.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+#: Tokens per page; the kernel wants a multiple of 32.
+PAGE_TOKENS = 64
+
+#: The most scratch-page memory a thread keeps between a prompt's layers (64 MiB: a
+#: 43,000-token prompt of SmolLM2); longer prompts get pages per layer.
+KEEP_SCRATCH_BYTES = 64 << 20
+
+#: Prompt lengths the load-time check compares (one page, several with a partial last one).
+CHECK_LENGTHS = (17, 200)
+
+
+class CPUAttention:
+    """vLLM's CPU attention kernel for one model's heads; ``calls`` counts the layer calls it served."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, isa: str, ops) -> None:
+        self.heads, self.kv_heads, self.head_dim, self.dtype = heads, kv_heads, head_dim, dtype
+        self.isa, self._ops = isa, ops
+        self.calls = 0
+        self._local = threading.local()  # this thread's scratch pages and prompt plans
+
+    @classmethod
+    def load(cls, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[CPUAttention | None, str]:
+        """The kernel for these heads, or None and why not (vLLM missing, shapes it refuses,
+        results that differ from sdpa's)."""
+        if heads % kv_heads:
+            return None, f"{heads} query heads do not group over {kv_heads} kv heads"
+        try:
+            from vllm import _custom_ops as ops
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
+        except Exception as e:  # not installed, or a build without the CPU kernels
+            return None, f"vLLM's CPU attention kernel is not importable ({type(e).__name__}: {e})"
+        if head_dim not in CPUAttentionBackend.get_supported_head_sizes():
+            return None, f"head size {head_dim} is not one vLLM's CPU kernel supports"
+        if dtype not in CPUAttentionBackend.supported_dtypes:
+            return None, f"vLLM's CPU kernel does not run {dtype}"
+        try:
+            kernel = cls(heads, kv_heads, head_dim, dtype, _get_attn_isa(dtype, PAGE_TOKENS, head_dim, "auto"), ops)
+            worst = kernel._check()
+        except Exception as e:
+            return None, f"vLLM's CPU kernel failed its check ({type(e).__name__}: {e})"
+        if worst > _tolerance(dtype):
+            return None, f"vLLM's CPU kernel differs from sdpa by {worst:.2e} on these heads"
+        kernel.calls = 0
+        return kernel, f"vLLM cpu_attention_with_kv_cache ({kernel.isa})"
+
+    # -- the kernel's pieces ----------------------------------------------------------
+    def pages(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``n`` zeroed pages, as the kernel's key and value views of them. Zeroed: slots
+        past a sequence's end are never written, and the kernel must not meet NaN there."""
+        return self._views(torch.zeros((n, self.kv_heads, 2 * PAGE_TOKENS, self.head_dim), dtype=self.dtype))
+
+    @staticmethod
+    def _views(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key_pages, value_pages = pages.chunk(2, dim=2)
+        return key_pages, value_pages
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, key_pages, value_pages, slots: torch.Tensor) -> None:
+        """Tokens' keys and values (``[tokens, kv_heads, D]``) into page slots (``page * PAGE_TOKENS + i``)."""
+        self._ops.cpu_attn_reshape_and_cache(
+            key.contiguous(),
+            value.contiguous(),
+            key_pages,
+            value_pages,
+            slots,
+            self.isa,
+            k_scale=1.0,
+            v_scale=1.0,
+            kv_cache_dtype="auto",
+        )
+
+    def plan(self, starts: torch.Tensor, lengths: torch.Tensor):
+        """The kernel's work plan for sequences of ``lengths`` whose queries start at ``starts``
+        (int32), for this thread's team size: use it in this thread only."""
+        return self._ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=int(lengths.shape[0]),
+            num_heads=self.heads,
+            num_kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            seq_lens=lengths,
+            dtype=self.dtype,
+            query_start_loc=starts,
+            causal=True,
+            sliding_window_size=-1,
+            isa=self.isa,
+            enable_kv_split=False,
+            dynamic_causal=None,
+            kv_cache_dtype="auto",
+        )
+
+    def attend(self, query, key_pages, value_pages, starts, lengths, table, plan, scale: float) -> torch.Tensor:
+        """Causal attention of ``query`` (``[tokens, heads, D]``, each sequence's queries its last
+        tokens) over the pages ``table`` lists per sequence; ``[tokens, heads, D]``."""
+        out = torch.empty(query.shape, dtype=query.dtype)
+        self._ops.cpu_attention_with_kv_cache(
+            query=query.contiguous(),
+            key_cache=key_pages,
+            value_cache=value_pages,
+            output=out,
+            query_start_loc=starts,
+            seq_lens=lengths,
+            scale=scale,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=table,
+            softcap=0.0,
+            scheduler_metadata=plan,
+            s_aux=None,
+            dynamic_causal=None,
+            k_scale=1.0,
+            v_scale=1.0,
+            kv_cache_dtype="auto",
+        )
+        self.calls += 1
+        return out
+
+    # -- a prompt attending over itself ------------------------------------------------
+    def applies_to_prompt(
+        self, module, query: torch.Tensor, key: torch.Tensor, attention_mask, kwargs: dict[str, Any]
+    ) -> bool:
+        """Whether this layer call is causal attention over exactly its own tokens, as :meth:`prompt` computes it.
+
+        transformers hands sdpa no mask exactly when none is needed beyond causality (no
+        padding, no past); a window longer than the prompt cuts nothing.
+        """
+        T = query.shape[2]
+        window = kwargs.get("sliding_window")
+        return (
+            attention_mask is None
+            and query.device.type == "cpu"
+            and query.dtype == self.dtype
+            and key.shape[2] == T
+            and query.shape[1] == self.heads
+            and key.shape[1] == self.kv_heads
+            and query.shape[-1] == key.shape[-1] == self.head_dim
+            and kwargs.get("is_causal", getattr(module, "is_causal", True))
+            and (window is None or window >= T)
+            and not kwargs.get("softcap")
+            and kwargs.get("s_aux") is None
+            and not kwargs.get("dropout")
+        )
+
+    def prompt(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+    ) -> torch.Tensor:
+        """``[B, T, heads, D]`` (transformers' layout for an attention output) from ``[B, heads, T, D]`` inputs."""
+        B, H, T, D = query.shape
+        pages = -(-T // PAGE_TOKENS)
+        key_pages, value_pages = self._scratch(B * pages)
+        slots = (torch.arange(B)[:, None] * (pages * PAGE_TOKENS) + torch.arange(T)[None, :]).reshape(-1)
+        self.write(_tokens_major(key), _tokens_major(value), key_pages, value_pages, slots)
+        starts, lengths, table, plan = self._prompt_plan(B, T, pages)
+        scale = float(scaling if scaling is not None else D**-0.5)
+        out = self.attend(_tokens_major(query), key_pages, value_pages, starts, lengths, table, plan, scale)
+        return out.view(B, T, H, D)
+
+    def _scratch(self, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This thread's scratch pages, at least ``pages`` of them, kept for the next layer up
+        to :data:`KEEP_SCRATCH_BYTES`."""
+        have = getattr(self._local, "pages", None)
+        if have is None or have.shape[0] < pages:
+            have = torch.zeros((pages, self.kv_heads, 2 * PAGE_TOKENS, self.head_dim), dtype=self.dtype)
+            self._local.pages = have if have.nbytes <= KEEP_SCRATCH_BYTES else None
+        return self._views(have[:pages])
+
+    def _prompt_plan(self, B: int, T: int, pages: int):
+        """Query starts, lengths, block table and plan for B prompts of T tokens, cached per
+        team size and shape (every layer of a forward asks for the same)."""
+        threads = torch.get_num_threads()
+        plans = getattr(self._local, "plans", None)
+        if plans is None:
+            plans = self._local.plans = {}
+        key = (threads, B, T)
+        if key not in plans:
+            if len(plans) > 64:  # prompts of many lengths: keep the recent ones
+                plans.clear()
+            starts = torch.arange(B + 1, dtype=torch.int32) * T
+            lengths = torch.full((B,), T, dtype=torch.int32)
+            table = torch.arange(B * pages, dtype=torch.int32).view(B, pages)
+            plans[key] = (starts, lengths, table, self.plan(starts, lengths))
+        return plans[key]
+
+    def _check(self) -> float:
+        """The largest difference from sdpa over :data:`CHECK_LENGTHS` (two prompts at once)."""
+        g = torch.Generator().manual_seed(0)
+        group = self.heads // self.kv_heads
+        worst = 0.0
+        for T in CHECK_LENGTHS:
+            q = torch.randn((2, self.heads, T, self.head_dim), generator=g).to(self.dtype)
+            k = torch.randn((2, self.kv_heads, T, self.head_dim), generator=g).to(self.dtype)
+            v = torch.randn((2, self.kv_heads, T, self.head_dim), generator=g).to(self.dtype)
+            want = F.scaled_dot_product_attention(
+                q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=True
+            ).transpose(1, 2)
+            worst = max(worst, float((self.prompt(q, k, v, None).float() - want.float()).abs().max()))
+        return worst
+
+
+def _tokens_major(t: torch.Tensor) -> torch.Tensor:
+    """``[B, heads, T, D]`` as the kernel's ``[B * T, heads, D]``."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """How far two correct attentions over unit-normal inputs may differ in ``dtype``."""
+    return 1e-4 if dtype == torch.float32 else 3e-2
