@@ -128,6 +128,7 @@ def _cascade(
     if prefix is not None:
         prefix = prefix.to(backend.device, non_blocking=True)
     keep, capacity = [r.keep for r in rows], _capacity(rows, sampling.max_new_tokens)
+    kv: SharedPrefixKV | PagedRows
     if _paged(backend, rows, on_prefill):
         kv = PagedRows(backend.cpu_attention, prefix, keep, capacity, num_layers=backend.num_layers)
         return _run(backend, kv, rows, prefix, sampling, t0, on_prefill)

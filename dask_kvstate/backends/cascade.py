@@ -62,6 +62,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -71,12 +72,23 @@ class CascadeUnsupported(Exception):
     """The model asked the cascade for an attention feature it does not compute."""
 
 
+class RowsAttention(Protocol):
+    """What the forwards inside :func:`serving` attend through: :class:`SharedPrefixKV`, or
+    :class:`~.paged_rows.PagedRows` (vLLM's CPU kernel over shared pages)."""
+
+    def attend(
+        self, layer: int, query, key, value, scaling, *, softcap=None, sinks=None, window=None
+    ) -> torch.Tensor: ...
+
+
+_Rows = TypeVar("_Rows", bound=RowsAttention)
+
 #: The rows a forward in this thread serves through the cascade (:func:`serving`), or None.
-_SERVING: contextvars.ContextVar[SharedPrefixKV | None] = contextvars.ContextVar("kvstate_cascade", default=None)
+_SERVING: contextvars.ContextVar[RowsAttention | None] = contextvars.ContextVar("kvstate_cascade", default=None)
 
 
 @contextlib.contextmanager
-def serving(kv: SharedPrefixKV) -> Iterator[SharedPrefixKV]:
+def serving(kv: _Rows) -> Iterator[_Rows]:
     """Route the attention of forwards run inside (in this thread) to ``kv``."""
     token = _SERVING.set(kv)
     try:
