@@ -1,9 +1,11 @@
-"""The transformers backend's linear layers: as transformers runs them vs oneDNN-packed with fused MLPs.
+"""The transformers backend's kernels, switched on one loaded SmolLM2 (``bench/hf_kernels.py``,
+whose command times more shapes).
 
-One loaded SmolLM2 switched between the two (``bench/hf_kernels.py``, whose command
-times more shapes); ``time_decode`` is 16 siblings decoded as one batch over a 256-token
-state, ``track_decode_speedup`` plain / this mode's time, ``track_identical`` 1 when
-this mode gives plain transformers' tokens.
+``PackedLinear``: its linear layers as transformers runs them vs oneDNN-packed with fused
+MLPs; ``time_decode`` is 16 siblings decoded as one batch over a 256-token state,
+``track_decode_speedup`` plain / this mode's time, ``track_identical`` 1 when this mode
+gives plain transformers' tokens. ``VLLMAttention``: its attention, torch's or vLLM's CPU
+kernel.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class PackedLinear:
     def _switch(self, mode: str) -> None:
         from dask_kvstate.bench.hf_kernels import switch
 
-        switch(self.backend.model, mode)  # packing is setup, never timed
+        switch(self.backend, mode)  # packing is setup, never timed (torch's attention in both)
 
     def _decode(self):
         from dask_kvstate.backends.batch import generate_batch
@@ -80,5 +82,63 @@ class PackedLinear:
         plain = [r.token_ids for r in self._decode()]
         self._switch(mode)
         return float(mine == plain)
+
+    track_identical.unit = "1 = token-identical"
+
+
+class VLLMAttention:
+    """The transformers backend's attention through vLLM's CPU kernel (a prompt over itself,
+    siblings over shared pages; ``bench/hf_kernels.py``'s fourth mode) against torch's, on
+    one loaded SmolLM2: ``track_speedup`` torch / kernel for a 512-token prefill and 8
+    siblings' 8 tokens over it, ``track_identical`` 1 when the kernel gives torch's tokens.
+    Only ratios, measured inside (the whole asv run's time). Skipped where vLLM is not installed."""
+
+    timeout = 300
+    siblings, context_tokens, new_tokens = 8, 512, 8
+
+    def setup(self):
+        import torch
+
+        from dask_kvstate.backends import load_backend
+        from dask_kvstate.backends.batch import Row
+        from dask_kvstate.bench.hf_kernels import switch
+
+        from .common import require_backend
+
+        require_backend("vllm")
+        self.backend = load_backend("smollm2-135m")
+        kernel = self.backend.cpu_attention
+        if kernel is None:
+            raise NotImplementedError(self.backend.cpu_attention_note)  # asv: skipped, saying why
+        self.use = lambda on: switch(self.backend, "fused+vllm-attention" if on else "fused", kernel)
+        gen = torch.Generator().manual_seed(SEED)
+        ids = torch.randint(16, 40000, (self.context_tokens + self.siblings + 8,), generator=gen).tolist()
+        self.prompt = ids[: self.context_tokens]
+        self.kv = self.backend.kv_from_cache(self.backend.prefill(self.prompt)[0])
+        self.rows = [
+            Row(self.prompt + ids[self.context_tokens : self.context_tokens + 4 + i], len(self.prompt))
+            for i in range(self.siblings)
+        ]
+
+    def _run(self, kernel: bool) -> tuple[float, list[list[int]]]:
+        """The best of three prefill + siblings walls, and the siblings' tokens."""
+        from dask_kvstate.backends.batch import generate_batch
+
+        self.use(kernel)
+        walls = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            self.backend.prefill(self.prompt)
+            res = generate_batch(self.backend, self.rows, self.kv, Sampling(self.new_tokens))
+            walls.append(time.perf_counter() - t0)
+        return min(walls), [r.token_ids for r in res]
+
+    def track_speedup(self):
+        return self._run(False)[0] / self._run(True)[0]
+
+    track_speedup.unit = "x"
+
+    def track_identical(self):
+        return float(self._run(True)[1] == self._run(False)[1])
 
     track_identical.unit = "1 = token-identical"
