@@ -82,26 +82,28 @@ class Module:
 def test_it_applies_only_to_a_prompt_attending_over_itself(kernel):
     q, k, v = qkv(1, 40)
     m = Module()
-    assert kernel.applies_to_prompt(m, q, k, None, {"scaling": 0.125})
-    assert kernel.applies_to_prompt(m, q, k, None, {"sliding_window": 40})  # a window the prompt fits in cuts nothing
+    assert kernel.applies_to_prompt(m, q, k, v, None, {"scaling": 0.125})
+    assert kernel.applies_to_prompt(m, q, k, v, None, {"sliding_window": 40})  # a window the prompt fits in
+    assert kernel.applies_to_prompt(m, q, k, v, None, {"position_ids": torch.arange(40), "use_cache": True})
     past_k = torch.cat([k, k], dim=2)
     refused = [
-        (q, k, torch.ones(1, 1, 40, 40, dtype=torch.bool), {}),  # a mask: padding, or a window that cuts
-        (q, past_k, None, {}),  # a past: the keys outnumber the queries
-        (q, k, None, {"sliding_window": 39}),
-        (q, k, None, {"softcap": 30.0}),
-        (q, k, None, {"s_aux": torch.zeros(HEADS)}),
-        (q, k, None, {"dropout": 0.1}),
-        (q, k, None, {"is_causal": False}),  # bidirectional
-        (q.to(torch.bfloat16), k.to(torch.bfloat16), None, {}),  # not the dtype it was loaded for
-        (q[:, :8], k, None, {}),  # other heads
+        (q, k, v, torch.ones(1, 1, 40, 40, dtype=torch.bool), {}),  # a mask: padding, or a window that cuts
+        (q, past_k, past_k, None, {}),  # a past: the keys outnumber the queries
+        (q, k, v, None, {"sliding_window": 39}),
+        (q, k, v, None, {"softcap": 30.0}),
+        (q, k, v, None, {"s_aux": torch.zeros(HEADS)}),
+        (q, k, v, None, {"dropout": 0.1}),
+        (q, k, v, None, {"is_causal": False}),  # bidirectional
+        (q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), None, {}),  # not its dtype
+        (q[:, :8], k, v, None, {}),  # other heads
+        (q, k, v[..., :32], None, {}),  # a value narrower than the key: the kernel would read past its end
+        (q, k, v, None, {"position_bias": torch.zeros(1, HEADS, 40, 40)}),  # a bias the kernel would ignore
+        (q, k, v, None, {"some_new_keyword": 1}),  # unknown: the model's own attention
     ]
-    for query, key, mask, kwargs in refused:
-        assert not kernel.applies_to_prompt(m, query, key, mask, kwargs), kwargs or (
-            query.shape,
-            key.shape,
-            mask is not None,
-        )
+    for query, key, value, mask, kwargs in refused:
+        assert not kernel.applies_to_prompt(m, query, key, value, mask, kwargs), kwargs or (query.shape, value.shape)
+    with torch.enable_grad():  # the kernel has no backward
+        assert not kernel.applies_to_prompt(m, q.clone().requires_grad_(), k, v, None, {})
 
 
 def test_a_thread_of_another_team_size_gets_its_own_plan(kernel):
@@ -277,3 +279,79 @@ def test_what_the_paged_rows_do_not_compute_is_refused(kernel):
         values = torch.cat([prefix[0, 1, :, :kept], v[b]], dim=1).repeat_interleave(g, 0)
         want = F.scaled_dot_product_attention(q[b], keys, values)
         torch.testing.assert_close(out[b, 0], want[:, 0], atol=2e-5, rtol=1e-4)
+
+
+def test_a_reused_scratch_page_holds_nothing_of_an_earlier_prompt(kernel):
+    """The kernel reads a prompt's last page whole: what an earlier, longer prompt left past this
+    one's end (even NaN) must not reach the output."""
+    q, k, v = qkv(1, 200)
+    kernel.prompt(q, k, v, None)  # this thread's scratch now holds 4 pages
+    key_pages, value_pages = kernel._scratch(4)
+    key_pages.fill_(float("nan"))
+    value_pages.fill_(float("nan"))
+    q, k, v = qkv(1, 130, seed=1)
+    torch.testing.assert_close(kernel.prompt(q, k, v, None), sdpa(q, k, v), atol=2e-5, rtol=1e-4)
+
+
+def plain_attention(prefix, keep: int, own_k, own_v, query):
+    """One row's attention computed plainly: its first ``keep`` prefix tokens and its own tokens
+    as keys, its queries (``[heads, n, D]``) the last ``n`` of them, causal; ``[n, heads, D]``."""
+    g = HEADS // KV_HEADS
+    keys, values = own_k, own_v
+    if prefix is not None and keep:
+        keys = torch.cat([prefix[0, 0, :, :keep], own_k], dim=1)
+        values = torch.cat([prefix[0, 1, :, :keep], own_v], dim=1)
+    n, total = query.shape[1], keys.shape[1]
+    visible = torch.arange(total)[None, :] <= torch.arange(total - n, total)[:, None]
+    out = F.scaled_dot_product_attention(
+        query.float(), keys.repeat_interleave(g, 0).float(), values.repeat_interleave(g, 0).float(), attn_mask=visible
+    )
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_prefix", [True, False])
+def test_paged_rows_attend_as_each_row_alone_would(dtype, with_prefix):
+    """Rows keeping 0, 63, 64, 129 and 200 prefix tokens; a right-padded first forward of 3 tokens
+    (the rows keep 3, 1, 2, 3 and 1 of them); decode steps; two rows leave. Each row's output
+    against its own keys and values attended plainly."""
+    from dask_kvstate.backends.paged_rows import PagedRows
+
+    kernel, why = CPUAttention.load(HEADS, KV_HEADS, DIM, dtype)
+    assert kernel is not None, why
+    gen = torch.Generator().manual_seed(3)
+
+    def rand(*shape):
+        return torch.randn(shape, generator=gen).to(dtype)
+
+    prefix = rand(1, 2, KV_HEADS, 200, DIM) if with_prefix else None
+    keeps = [0, 63, 64, 129, 200] if with_prefix else [0] * 5
+    rows = PagedRows(kernel, prefix, keeps, 12, num_layers=1)
+    live = list(range(5))
+    own_k = [torch.zeros(KV_HEADS, 0, DIM, dtype=dtype) for _ in live]
+    own_v = [torch.zeros(KV_HEADS, 0, DIM, dtype=dtype) for _ in live]
+    tol = {"atol": 3e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 4e-2, "rtol": 4e-2}
+    for step, (q, counts) in enumerate([(3, [3, 1, 2, 3, 1]), (1, None), (1, None), (1, None)]):
+        if step == 2:
+            rows.select([0, 2, 4])  # rows 1 and 3 stop
+            live = [live[i] for i in (0, 2, 4)]
+        B = len(live)
+        rows.begin(q)
+        query, key, value = rand(B, HEADS, q, DIM), rand(B, KV_HEADS, q, DIM), rand(B, KV_HEADS, q, DIM)
+        out = rows.attend(0, query, key, value, None)
+        assert out.shape == (B, q, HEADS, DIM) and out.is_contiguous()
+        kept = [q] * B if counts is None else [counts[r] for r in live]
+        for i, r in enumerate(live):
+            own_k[r] = torch.cat([own_k[r], key[i]], dim=1)
+            own_v[r] = torch.cat([own_v[r], value[i]], dim=1)
+            n = kept[i]  # a pad's output is never used, and the real tokens before it never see it
+            want = plain_attention(
+                prefix,
+                keeps[r],
+                own_k[r][:, : own_k[r].shape[1] - (q - n)],
+                own_v[r][:, : own_v[r].shape[1] - (q - n)],
+                query[i][:, :n],
+            )
+            torch.testing.assert_close(out[i, :n].float(), want, **tol)
+            own_k[r], own_v[r] = own_k[r][:, : own_k[r].shape[1] - (q - n)], own_v[r][:, : own_v[r].shape[1] - (q - n)]
+        rows.advance(kept)

@@ -75,7 +75,7 @@ def _dispatch(module, query, key, value, attention_mask, **kwargs):
     if watching is not None:
         watching.append((getattr(module, "layer_idx", None), key, value))
     kernel = getattr(module, CPU_ATTENTION_ATTR, None)
-    if kernel is not None and kernel.applies_to_prompt(module, query, key, attention_mask, kwargs):
+    if kernel is not None and kernel.applies_to_prompt(module, query, key, value, attention_mask, kwargs):
         return kernel.prompt(query, key, value, kwargs.get("scaling")), None
     base = _base_attention(module.config._kvstate_base_attn, type(module).__module__)
     return base(module, query, key, value, attention_mask, **kwargs)

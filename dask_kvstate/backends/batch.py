@@ -116,6 +116,7 @@ def _paged(backend, rows: list[Row], on_prefill) -> bool:
     where the backend loaded the kernel, of a model with no sliding window."""
     return (
         getattr(backend, "cpu_attention", None) is not None
+        and backend.cascade  # else the rows run one by one in the model's own attention
         and len(rows) >= paged_rows.MIN_ROWS
         and on_prefill is None
         and all(w is None for w in backend.layout.windows)

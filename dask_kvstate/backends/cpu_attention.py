@@ -32,6 +32,7 @@ states computed with and without it are never mixed.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -47,6 +48,25 @@ KEEP_SCRATCH_BYTES = 64 << 20
 
 #: Prompt lengths the load-time check compares (one page, several with a partial last one).
 CHECK_LENGTHS = (17, 200)
+
+#: Keywords a layer hands its attention function that change nothing the kernel computes (or
+#: that :meth:`CPUAttention.applies_to_prompt` checks itself). A call carrying any other with a
+#: value (``position_bias``, say) keeps the model's own attention: the kernel would ignore it.
+HARMLESS_KWARGS = frozenset(
+    {
+        "dropout",
+        "scaling",
+        "sliding_window",
+        "softcap",
+        "s_aux",
+        "is_causal",
+        "position_ids",
+        "cache_position",
+        "use_cache",
+        "output_attentions",
+        "output_router_logits",
+    }
+)
 
 
 class CPUAttention:
@@ -64,11 +84,18 @@ class CPUAttention:
         results that differ from sdpa's)."""
         if heads % kv_heads:
             return None, f"{heads} query heads do not group over {kv_heads} kv heads"
+        # vLLM's import sets process-wide variables for its own engines (inductor's compile
+        # threads and cache folder, the library path); kvstate imports it for a kernel only,
+        # so the worker's environment is put back as it was.
+        environ = dict(os.environ)
         try:
             from vllm import _custom_ops as ops
             from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
         except Exception as e:  # not installed, or a build without the CPU kernels
             return None, f"vLLM's CPU attention kernel is not importable ({type(e).__name__}: {e})"
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
         if head_dim not in CPUAttentionBackend.get_supported_head_sizes():
             return None, f"head size {head_dim} is not one vLLM's CPU kernel supports"
         if dtype not in CPUAttentionBackend.supported_dtypes:
@@ -85,8 +112,8 @@ class CPUAttention:
 
     # -- the kernel's pieces ----------------------------------------------------------
     def pages(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``n`` zeroed pages, as the kernel's key and value views of them. Zeroed: slots
-        past a sequence's end are never written, and the kernel must not meet NaN there."""
+        """``n`` zeroed pages, as the kernel's key and value views of them. Zeroed: the kernel
+        reads a sequence's last page whole, and NaN in a slot past its end would reach the output."""
         return self._views(torch.zeros((n, self.kv_heads, 2 * PAGE_TOKENS, self.head_dim), dtype=self.dtype))
 
     @staticmethod
@@ -95,7 +122,16 @@ class CPUAttention:
         return key_pages, value_pages
 
     def write(self, key: torch.Tensor, value: torch.Tensor, key_pages, value_pages, slots: torch.Tensor) -> None:
-        """Tokens' keys and values (``[tokens, kv_heads, D]``) into page slots (``page * PAGE_TOKENS + i``)."""
+        """Tokens' keys and values (``[tokens, kv_heads, D]``) into page slots (``page * PAGE_TOKENS + i``).
+
+        The kernel checks none of this itself: a value narrower than the pages, or of another
+        dtype, would be read past its end or reinterpreted."""
+        want = (int(slots.shape[0]), self.kv_heads, self.head_dim)
+        if tuple(key.shape) != want or tuple(value.shape) != want or {key.dtype, value.dtype} != {self.dtype}:
+            raise ValueError(
+                f"keys {tuple(key.shape)} {key.dtype} and values {tuple(value.shape)} {value.dtype} "
+                f"for pages of {want} {self.dtype}"
+            )
         self._ops.cpu_attn_reshape_and_cache(
             key.contiguous(),
             value.contiguous(),
@@ -156,23 +192,34 @@ class CPUAttention:
 
     # -- a prompt attending over itself ------------------------------------------------
     def applies_to_prompt(
-        self, module, query: torch.Tensor, key: torch.Tensor, attention_mask, kwargs: dict[str, Any]
+        self,
+        module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask,
+        kwargs: dict[str, Any],
     ) -> bool:
         """Whether this layer call is causal attention over exactly its own tokens, as :meth:`prompt` computes it.
 
         transformers hands sdpa no mask exactly when none is needed beyond causality (no
-        padding, no past); a window longer than the prompt cuts nothing.
+        padding, no past); a window longer than the prompt cuts nothing. Not a call that needs
+        gradients: the kernel has no backward.
         """
         T = query.shape[2]
         window = kwargs.get("sliding_window")
         return (
             attention_mask is None
             and query.device.type == "cpu"
-            and query.dtype == self.dtype
+            and query.dtype == key.dtype == value.dtype == self.dtype
+            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
             and key.shape[2] == T
+            and query.shape[0] == key.shape[0]
             and query.shape[1] == self.heads
             and key.shape[1] == self.kv_heads
             and query.shape[-1] == key.shape[-1] == self.head_dim
+            and value.shape == key.shape
+            and all(v is None or k in HARMLESS_KWARGS for k, v in kwargs.items())
             and kwargs.get("is_causal", getattr(module, "is_causal", True))
             and (window is None or window >= T)
             and not kwargs.get("softcap")
@@ -188,6 +235,10 @@ class CPUAttention:
         pages = -(-T // PAGE_TOKENS)
         key_pages, value_pages = self._scratch(B * pages)
         slots = (torch.arange(B)[:, None] * (pages * PAGE_TOKENS) + torch.arange(T)[None, :]).reshape(-1)
+        if T % PAGE_TOKENS:  # a reused page's slots past the prompt's end hold an earlier prompt's
+            last = torch.arange(1, B + 1) * pages - 1
+            key_pages[last] = 0
+            value_pages[last] = 0
         self.write(_tokens_major(key), _tokens_major(value), key_pages, value_pages, slots)
         starts, lengths, table, plan = self._prompt_plan(B, T, pages)
         scale = float(scaling if scaling is not None else D**-0.5)
@@ -196,7 +247,7 @@ class CPUAttention:
 
     def _scratch(self, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This thread's scratch pages, at least ``pages`` of them, kept for the next layer up
-        to :data:`KEEP_SCRATCH_BYTES`."""
+        to :data:`KEEP_SCRATCH_BYTES` (memory no budget counts: a few MiB for most prompts)."""
         have = getattr(self._local, "pages", None)
         if have is None or have.shape[0] < pages:
             have = torch.zeros((pages, self.kv_heads, 2 * PAGE_TOKENS, self.head_dim), dtype=self.dtype)

@@ -10,9 +10,10 @@ step's attention for 16 rows over a 4,074-token prefix (SmolLM2's heads, 2 threa
 so it serves batches of :data:`MIN_ROWS` rows or more; a single resume keeps reading the
 state where it lies.
 
-How: the prefix's full pages are written once and listed first in every row's block
-table, as vLLM's prefix cache shares blocks; each row owns the pages after them, which
-hold the prefix tokens it keeps past the last shared page, then its own tokens. A
+How: the prefix's full pages are written once, and each row's block table lists those its
+kept prefix covers, as vLLM's prefix cache shares blocks; each row owns the pages after
+them, which hold the prefix tokens it keeps past its last full page (fewer than a page),
+then its own tokens. A
 forward writes its new tokens' keys and values into the rows' own pages and runs the
 kernel over each row's table causally (each row's queries are its last tokens; the pads
 of a shorter row come after its real tokens, so causality keeps them out). A row that
@@ -36,9 +37,10 @@ MIN_ROWS = 2
 
 
 def page_count(prefix_lengths: list[int], capacity: int) -> tuple[int, int]:
-    """``(shared, own)``: the prefix's full pages every row keeps, and the pages each row owns."""
-    shared = min(prefix_lengths, default=0) // PAGE_TOKENS
-    tail = max(prefix_lengths, default=0) - shared * PAGE_TOKENS
+    """``(shared, own)``: the prefix's full pages some row keeps, and the pages each row owns
+    (its part of a page of the prefix, then ``capacity`` own tokens)."""
+    shared = max(prefix_lengths, default=0) // PAGE_TOKENS
+    tail = max((p % PAGE_TOKENS for p in prefix_lengths), default=0)
     return shared, -(-(tail + capacity) // PAGE_TOKENS)
 
 
@@ -72,12 +74,16 @@ class PagedRows:
         rows = len(prefix_lengths)
         shared, own = page_count(prefix_lengths, capacity)
         self.keep = torch.tensor(prefix_lengths, dtype=torch.long)
-        self.tail = self.keep - shared * PAGE_TOKENS  # prefix tokens a row holds in its own pages
+        full = self.keep // PAGE_TOKENS  # the shared pages a row's table lists
+        self.tail = self.keep - full * PAGE_TOKENS  # prefix tokens a row holds in its own pages
         self.base = shared + torch.arange(rows) * own  # a row's first own page
         self.offsets = torch.zeros(rows, dtype=torch.long)  # own tokens written per row
-        self.table = torch.cat(
-            [torch.arange(shared).expand(rows, shared), self.base[:, None] + torch.arange(own)[None, :]], dim=1
-        ).to(torch.int32)
+        # Row b: shared pages [0, full_b), then its own; the rest of the row is never read
+        # (the kernel reads a row's pages up to its length).
+        self.table = torch.zeros((rows, shared + own), dtype=torch.int32)
+        for b, f in enumerate(full.tolist()):
+            self.table[b, :f] = torch.arange(f)
+            self.table[b, f : f + own] = self.base[b] + torch.arange(own)
         self.pages = [kernel.pages(shared + rows * own) for _ in range(num_layers)]
         if prefix is not None:
             self._write_prefix(prefix, shared)
@@ -91,17 +97,18 @@ class PagedRows:
     def _write_prefix(self, prefix: torch.Tensor, shared: int) -> None:
         """The shared pages, then each row's tail of the prefix into its own first pages."""
         head = shared * PAGE_TOKENS
-        tails = [(b, int(t)) for b, t in enumerate(self.tail.tolist()) if t]
+        # (row, first prefix token of its tail, tokens in it)
+        tails = [(b, int(k - t), int(t)) for b, (k, t) in enumerate(zip(self.keep, self.tail, strict=True)) if t]
         tail_slots = torch.cat(
-            [self.base[b] * PAGE_TOKENS + torch.arange(t) for b, t in tails] or [torch.zeros(0, dtype=torch.long)]
+            [self.base[b] * PAGE_TOKENS + torch.arange(t) for b, _, t in tails] or [torch.zeros(0, dtype=torch.long)]
         )
         for layer, (key_pages, value_pages) in enumerate(self.pages):
             k, v = prefix[layer, 0].transpose(0, 1), prefix[layer, 1].transpose(0, 1)  # [P, H, D]
             if head:
                 self.kernel.write(k[:head], v[:head], key_pages, value_pages, torch.arange(head))
             if tails:
-                tk = torch.cat([k[head : head + t] for _, t in tails])
-                tv = torch.cat([v[head : head + t] for _, t in tails])
+                tk = torch.cat([k[start : start + t] for _, start, t in tails])
+                tv = torch.cat([v[start : start + t] for _, start, t in tails])
                 self.kernel.write(tk, tv, key_pages, value_pages, tail_slots)
 
     def position_ids(self, q: int) -> torch.Tensor:
@@ -118,7 +125,7 @@ class PagedRows:
         slots = ((self.base[:, None] + at // PAGE_TOKENS) * PAGE_TOKENS + at % PAGE_TOKENS).reshape(-1)
         starts = (torch.arange(self.rows + 1) * q).to(torch.int32)
         lengths = (self.keep + self.offsets + q).to(torch.int32)
-        self._forward = (q, slots, starts, lengths, self.kernel.plan(starts, lengths))
+        self._forward = (q, slots, starts, lengths, torch.get_num_threads(), self.kernel.plan(starts, lengths))
         self._attended = set()
 
     def check_attended(self) -> None:
@@ -135,8 +142,14 @@ class PagedRows:
         B, Hq, q, D = query.shape
         if (Hq, key.shape[1], D, key.shape[-1], value.shape[-1]) != (k.heads, k.kv_heads, k.head_dim, D, D):
             raise CascadeUnsupported(f"layer {layer} attends with other heads than the kernel was loaded for")
-        assert self._forward is not None and self._forward[0] == q, "begin(q) first"
-        _, slots, starts, lengths, plan = self._forward
+        if {query.dtype, key.dtype, value.dtype} != {k.dtype}:
+            raise CascadeUnsupported(f"layer {layer} attends in {query.dtype}, the kernel was loaded for {k.dtype}")
+        if self._forward is None or self._forward[0] != q or self.rows != B:
+            raise RuntimeError(f"a forward of {B} rows x {q} tokens without begin({q}) for {self.rows} rows")
+        _, slots, starts, lengths, threads, plan = self._forward
+        if threads != torch.get_num_threads():  # the kernel refuses a plan made for another team size
+            plan = k.plan(starts, lengths)
+            self._forward = (q, slots, starts, lengths, torch.get_num_threads(), plan)
         self._attended.add(layer)
         key_pages, value_pages = self.pages[layer]
         k.write(_tokens(key), _tokens(value), key_pages, value_pages, slots)
