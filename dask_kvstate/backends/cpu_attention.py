@@ -33,6 +33,7 @@ states computed with and without it are never mixed.
 from __future__ import annotations
 
 import os
+import platform
 import threading
 from typing import Any
 
@@ -48,6 +49,13 @@ KEEP_SCRATCH_BYTES = 64 << 20
 
 #: Prompt lengths the load-time check compares (one page, several with a partial last one).
 CHECK_LENGTHS = (17, 200)
+
+#: What vLLM's CPU attention backend serves (``vllm/v1/attention/backends/cpu_attn.py``,
+#: ``CPUAttentionBackend``): written here because importing that module costs a worker
+#: ~150 MB and 2 s more than the kernels themselves (``vllm._custom_ops``: ~190 MB, 1.8 s).
+#: A build that disagrees fails the load-time check, and the model keeps torch's attention.
+HEAD_SIZES = frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512})
+DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
 #: Keywords a layer hands its attention function that change nothing the kernel computes (or
 #: that :meth:`CPUAttention.applies_to_prompt` checks itself). A call carrying any other with a
@@ -87,21 +95,20 @@ class CPUAttention:
         # vLLM's import sets process-wide variables for its own engines (inductor's compile
         # threads and cache folder, the library path); kvstate imports it for a kernel only,
         # so the worker's environment is put back as it was.
+        if head_dim not in HEAD_SIZES:
+            return None, f"head size {head_dim} is not one vLLM's CPU kernel supports"
+        if dtype not in DTYPES:
+            return None, f"vLLM's CPU kernel does not run {dtype}"
         environ = dict(os.environ)
         try:
             from vllm import _custom_ops as ops
-            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
         except Exception as e:  # not installed, or a build without the CPU kernels
             return None, f"vLLM's CPU attention kernel is not importable ({type(e).__name__}: {e})"
         finally:
             os.environ.clear()
             os.environ.update(environ)
-        if head_dim not in CPUAttentionBackend.get_supported_head_sizes():
-            return None, f"head size {head_dim} is not one vLLM's CPU kernel supports"
-        if dtype not in CPUAttentionBackend.supported_dtypes:
-            return None, f"vLLM's CPU kernel does not run {dtype}"
         try:
-            kernel = cls(heads, kv_heads, head_dim, dtype, _get_attn_isa(dtype, PAGE_TOKENS, head_dim, "auto"), ops)
+            kernel = cls(heads, kv_heads, head_dim, dtype, _isa(dtype, head_dim), ops)
             worst = kernel._check()
         except Exception as e:
             return None, f"vLLM's CPU kernel failed its check ({type(e).__name__}: {e})"
@@ -285,6 +292,18 @@ class CPUAttention:
             ).transpose(1, 2)
             worst = max(worst, float((self.prompt(q, k, v, None).float() - want.float()).abs().max()))
         return worst
+
+
+def _isa(dtype: torch.dtype, head_dim: int) -> str:
+    """The kernel variant vLLM's CPU backend picks for these heads on this CPU with pages of
+    :data:`PAGE_TOKENS` (its ``_get_attn_isa``; see :data:`HEAD_SIZES` for why not imported)."""
+    if head_dim % 32 and head_dim % 16 == 0:
+        return "vec16"
+    if dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported():
+        return "amx"
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return "neon"
+    return "vec"
 
 
 def _tokens_major(t: torch.Tensor) -> torch.Tensor:
