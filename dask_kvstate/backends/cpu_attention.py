@@ -279,18 +279,47 @@ class CPUAttention:
         return plans[key]
 
     def _check(self) -> float:
-        """The largest difference from sdpa over :data:`CHECK_LENGTHS` (two prompts at once)."""
+        """The largest difference from sdpa over both uses: prompts of :data:`CHECK_LENGTHS`
+        (two at once), and two rows decoding one token each over a page they share and a page
+        each (the layout :mod:`.paged_rows` builds)."""
         g = torch.Generator().manual_seed(0)
         group = self.heads // self.kv_heads
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(shape, generator=g).to(self.dtype)
+
+        def plain(q, k, v, mask=None):
+            k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None).transpose(-3, -2)
+
         worst = 0.0
         for T in CHECK_LENGTHS:
-            q = torch.randn((2, self.heads, T, self.head_dim), generator=g).to(self.dtype)
-            k = torch.randn((2, self.kv_heads, T, self.head_dim), generator=g).to(self.dtype)
-            v = torch.randn((2, self.kv_heads, T, self.head_dim), generator=g).to(self.dtype)
-            want = F.scaled_dot_product_attention(
-                q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=True
-            ).transpose(1, 2)
-            worst = max(worst, float((self.prompt(q, k, v, None).float() - want.float()).abs().max()))
+            q = rand(2, self.heads, T, self.head_dim)
+            k, v = rand(2, self.kv_heads, T, self.head_dim), rand(2, self.kv_heads, T, self.head_dim)
+            worst = max(worst, float((self.prompt(q, k, v, None).float() - plain(q, k, v).float()).abs().max()))
+        # Rows 0 and 1: the shared page 0 (64 tokens), then 10 tokens of their own in pages 1 and 2.
+        shared_k, shared_v = (
+            rand(PAGE_TOKENS, self.kv_heads, self.head_dim),
+            rand(PAGE_TOKENS, self.kv_heads, self.head_dim),
+        )
+        own_k, own_v = rand(2, 10, self.kv_heads, self.head_dim), rand(2, 10, self.kv_heads, self.head_dim)
+        key_pages, value_pages = self.pages(3)
+        self.write(shared_k, shared_v, key_pages, value_pages, torch.arange(PAGE_TOKENS))
+        slots = torch.cat([torch.arange(10) + PAGE_TOKENS * (1 + b) for b in range(2)])
+        self.write(
+            own_k.reshape(20, self.kv_heads, -1), own_v.reshape(20, self.kv_heads, -1), key_pages, value_pages, slots
+        )
+        q = rand(2, self.heads, self.head_dim)
+        starts, lengths = torch.arange(3, dtype=torch.int32), torch.full((2,), PAGE_TOKENS + 10, dtype=torch.int32)
+        table = torch.tensor([[0, 1], [0, 2]], dtype=torch.int32)
+        got = self.attend(
+            q, key_pages, value_pages, starts, lengths, table, self.plan(starts, lengths), self.head_dim**-0.5
+        )
+        for b in range(2):
+            keys = torch.cat([shared_k, own_k[b]]).transpose(0, 1)  # [H, 74, D]
+            values = torch.cat([shared_v, own_v[b]]).transpose(0, 1)
+            want = plain(q[b][:, None], keys, values, torch.ones(1, PAGE_TOKENS + 10, dtype=torch.bool))[0]
+            worst = max(worst, float((got[b].float() - want.float()).abs().max()))
         return worst
 
 
