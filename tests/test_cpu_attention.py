@@ -193,14 +193,14 @@ def test_a_model_on_eager_attention_keeps_it():
 def rows_over(backend, context: str, suffixes: list[str], keeps: list[int] | None = None):
     """The context's KV and one row per suffix keeping as much of it as it shares (or ``keeps``)."""
     from dask_kvstate.backends.base import Row
+    from plugins.worker.runtime import common_prefix
 
     cids = backend.tokenize(context)
     prefix = backend.kv_from_cache(backend.prefill(cids)[0])
     rows = []
     for i, s in enumerate(suffixes):
         ids = backend.tokenize(context + s)
-        shared = next((n for n, (a, b) in enumerate(zip(cids, ids, strict=False)) if a != b), min(len(cids), len(ids)))
-        keep = min(shared, len(ids) - 1)
+        keep = min(common_prefix(cids, ids), len(ids) - 1)  # as the runtime's resumes keep
         rows.append(Row(ids, keep if keeps is None else min(keeps[i], keep)))
     return prefix, rows
 

@@ -17,6 +17,21 @@ from dask_kvstate.generation import Sampling
 from .common import SEED
 
 
+def siblings_over_a_state(backend, context_tokens: int, siblings: int):
+    """A seeded random context, its state's KV, and ``siblings`` rows each keeping the whole
+    context and adding 4, 5, ... tokens of their own."""
+    import torch
+
+    from dask_kvstate.backends.batch import Row
+
+    gen = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(16, 40000, (context_tokens + siblings + 8,), generator=gen).tolist()
+    context = ids[:context_tokens]
+    kv = backend.kv_from_cache(backend.prefill(context)[0])
+    rows = [Row(context + ids[context_tokens : context_tokens + 4 + i], context_tokens) for i in range(siblings)]
+    return context, kv, rows
+
+
 class PackedLinear:
     params = (["plain", "fused"],)
     param_names = ["linear_layers"]
@@ -25,22 +40,13 @@ class PackedLinear:
 
     def setup(self, mode):
         import dask
-        import torch
 
         from dask_kvstate.backends import load_backend
-        from dask_kvstate.backends.batch import Row
 
         with dask.config.set({"kvstate.backend": "hf", "kvstate.hf.packed-linear": False}):
             self.backend = load_backend("smollm2-135m")
-        gen = torch.Generator().manual_seed(SEED)
-        ids = torch.randint(16, 40000, (self.context_tokens + self.siblings + 8,), generator=gen).tolist()
-        prefix = ids[: self.context_tokens]
-        self.kv = self.backend.kv_from_cache(self.backend.prefill(prefix)[0])
+        _, self.kv, self.rows = siblings_over_a_state(self.backend, self.context_tokens, self.siblings)
         self._switch(mode)
-        self.rows = [
-            Row(prefix + ids[self.context_tokens : self.context_tokens + 4 + i], len(prefix))
-            for i in range(self.siblings)
-        ]
 
     def _switch(self, mode: str) -> None:
         from dask_kvstate.bench.hf_kernels import switch
@@ -97,10 +103,8 @@ class VLLMAttention:
     siblings, context_tokens, new_tokens = 8, 512, 8
 
     def setup(self):
-        import torch
 
         from dask_kvstate.backends import load_backend
-        from dask_kvstate.backends.batch import Row
         from dask_kvstate.bench.hf_kernels import switch
 
         from .common import require_backend
@@ -111,14 +115,7 @@ class VLLMAttention:
         if kernel is None:
             raise NotImplementedError(self.backend.cpu_attention_note)  # asv: skipped, saying why
         self.use = lambda on: switch(self.backend, "fused+vllm-attention" if on else "fused", kernel)
-        gen = torch.Generator().manual_seed(SEED)
-        ids = torch.randint(16, 40000, (self.context_tokens + self.siblings + 8,), generator=gen).tolist()
-        self.prompt = ids[: self.context_tokens]
-        self.kv = self.backend.kv_from_cache(self.backend.prefill(self.prompt)[0])
-        self.rows = [
-            Row(self.prompt + ids[self.context_tokens : self.context_tokens + 4 + i], len(self.prompt))
-            for i in range(self.siblings)
-        ]
+        self.prompt, self.kv, self.rows = siblings_over_a_state(self.backend, self.context_tokens, self.siblings)
 
     def _run(self, kernel: bool) -> tuple[float, list[list[int]]]:
         """The best of three prefill + siblings walls, and the siblings' tokens."""

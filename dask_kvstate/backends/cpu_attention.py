@@ -92,13 +92,13 @@ class CPUAttention:
         results that differ from sdpa's)."""
         if heads % kv_heads:
             return None, f"{heads} query heads do not group over {kv_heads} kv heads"
-        # vLLM's import sets process-wide variables for its own engines (inductor's compile
-        # threads and cache folder, the library path); kvstate imports it for a kernel only,
-        # so the worker's environment is put back as it was.
         if head_dim not in HEAD_SIZES:
             return None, f"head size {head_dim} is not one vLLM's CPU kernel supports"
         if dtype not in DTYPES:
             return None, f"vLLM's CPU kernel does not run {dtype}"
+        # vLLM's import sets process-wide variables for its own engines (inductor's compile
+        # threads and cache folder, the library path); kvstate imports it for a kernel only,
+        # so the worker's environment is put back as it was.
         environ = dict(os.environ)
         try:
             from vllm import _custom_ops as ops
@@ -170,9 +170,10 @@ class CPUAttention:
             kv_cache_dtype="auto",
         )
 
-    def attend(self, query, key_pages, value_pages, starts, lengths, table, plan, scale: float) -> torch.Tensor:
+    def attend(self, query, key_pages, value_pages, starts, lengths, table, plan, scaling: float | None):
         """Causal attention of ``query`` (``[tokens, heads, D]``, each sequence's queries its last
-        tokens) over the pages ``table`` lists per sequence; ``[tokens, heads, D]``."""
+        tokens) over the pages ``table`` lists per sequence, scaled by the module's ``scaling``
+        (None: ``D ** -0.5``); ``[tokens, heads, D]``."""
         out = torch.empty(query.shape, dtype=query.dtype)
         self._ops.cpu_attention_with_kv_cache(
             query=query.contiguous(),
@@ -181,7 +182,7 @@ class CPUAttention:
             output=out,
             query_start_loc=starts,
             seq_lens=lengths,
-            scale=scale,
+            scale=float(scaling if scaling is not None else self.head_dim**-0.5),
             causal=True,
             alibi_slopes=None,
             sliding_window=-1,
@@ -246,10 +247,9 @@ class CPUAttention:
             last = torch.arange(1, B + 1) * pages - 1
             key_pages[last] = 0
             value_pages[last] = 0
-        self.write(_tokens_major(key), _tokens_major(value), key_pages, value_pages, slots)
+        self.write(tokens_major(key), tokens_major(value), key_pages, value_pages, slots)
         starts, lengths, table, plan = self._prompt_plan(B, T, pages)
-        scale = float(scaling if scaling is not None else D**-0.5)
-        out = self.attend(_tokens_major(query), key_pages, value_pages, starts, lengths, table, plan, scale)
+        out = self.attend(tokens_major(query), key_pages, value_pages, starts, lengths, table, plan, scaling)
         return out.view(B, T, H, D)
 
     def _scratch(self, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,9 +312,7 @@ class CPUAttention:
         q = rand(2, self.heads, self.head_dim)
         starts, lengths = torch.arange(3, dtype=torch.int32), torch.full((2,), PAGE_TOKENS + 10, dtype=torch.int32)
         table = torch.tensor([[0, 1], [0, 2]], dtype=torch.int32)
-        got = self.attend(
-            q, key_pages, value_pages, starts, lengths, table, self.plan(starts, lengths), self.head_dim**-0.5
-        )
+        got = self.attend(q, key_pages, value_pages, starts, lengths, table, self.plan(starts, lengths), None)
         for b in range(2):
             keys = torch.cat([shared_k, own_k[b]]).transpose(0, 1)  # [H, 74, D]
             values = torch.cat([shared_v, own_v[b]]).transpose(0, 1)
@@ -335,8 +333,8 @@ def _isa(dtype: torch.dtype, head_dim: int) -> str:
     return "vec"
 
 
-def _tokens_major(t: torch.Tensor) -> torch.Tensor:
-    """``[B, heads, T, D]`` as the kernel's ``[B * T, heads, D]``."""
+def tokens_major(t: torch.Tensor) -> torch.Tensor:
+    """``[B, heads, T, D]`` (transformers' layout) as the kernel's ``[B * T, heads, D]``."""
     return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
 
 

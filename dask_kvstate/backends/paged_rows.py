@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from dask_kvstate.backends.cascade import CascadeUnsupported
-from dask_kvstate.backends.cpu_attention import PAGE_TOKENS, CPUAttention
+from dask_kvstate.backends.cpu_attention import PAGE_TOKENS, CPUAttention, tokens_major
 
 #: The fewest rows a batch must have to be paged: below, the prefix's copy outweighs the steps it speeds.
 MIN_ROWS = 2
@@ -152,9 +152,8 @@ class PagedRows:
             self._forward = (q, slots, starts, lengths, torch.get_num_threads(), plan)
         self._attended.add(layer)
         key_pages, value_pages = self.pages[layer]
-        k.write(_tokens(key), _tokens(value), key_pages, value_pages, slots)
-        scale = float(scaling if scaling is not None else D**-0.5)
-        out = k.attend(_tokens(query), key_pages, value_pages, starts, lengths, self.table, plan, scale)
+        k.write(tokens_major(key), tokens_major(value), key_pages, value_pages, slots)
+        out = k.attend(tokens_major(query), key_pages, value_pages, starts, lengths, self.table, plan, scaling)
         return out.view(B, q, Hq, D)
 
     def advance(self, counts) -> None:
@@ -166,8 +165,3 @@ class PagedRows:
         idx = torch.tensor(keep, dtype=torch.long)
         self.keep, self.tail, self.base = self.keep[idx], self.tail[idx], self.base[idx]
         self.offsets, self.table = self.offsets[idx], self.table[idx]
-
-
-def _tokens(t: torch.Tensor) -> torch.Tensor:
-    """``[B, heads, q, D]`` as ``[B * q, heads, D]``."""
-    return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
