@@ -10,7 +10,7 @@ from dask_kvstate.backends.batch import Row, generate_batch
 from dask_kvstate.generation import Sampling
 from dask_kvstate.plugins.worker.runtime import common_prefix
 
-from .conftest import CONTEXT, on, stats_of
+from .conftest import CONTEXT, compute_released, on, stats_of
 
 # Suffixes of different token lengths, so rows need left padding.
 SUFFIXES = [f"Question {i}: {'why ' * (i % 5)}is the plan late?" for i in range(6)]
@@ -77,7 +77,7 @@ def test_resume_many_equals_resume_on_the_cluster(client, workers):
 
 def test_compiler_batches_siblings_and_keeps_keys(client):
     prompts = [kvs.generate(CONTEXT, s, max_new_tokens=10) for s in SUFFIXES]
-    replay = dask.compute(*prompts)
+    replay = compute_released(*prompts)
     with dask.config.set({"kvstate.compiler.batch-siblings": 4}):
         graph = dict(kvs.optimize(dask.delayed(list)(prompts).__dask_graph__(), [p.key for p in prompts]))
         batches = [k for k in graph if str(k).startswith("kvs-resume_many-")]

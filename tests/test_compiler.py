@@ -17,7 +17,7 @@ import dask_kvstate as kvs
 from dask_kvstate.graph_opt import RECENT_PLANS, recent_plans
 from dask_kvstate.testing import shapes
 
-from .conftest import TEST_CONFIG
+from .conftest import TEST_CONFIG, compute_released
 
 
 def prefill_tokens(client) -> int:
@@ -123,7 +123,7 @@ def test_two_models_in_one_graph_never_share(other_model):
     with dask.config.set(TEST_CONFIG):
         with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as c:
             kvs.install(c, ["tiny-llama", other_model], torch_threads=1)
-            off = dask.compute(*outs)
+            off = compute_released(*outs)
             with kvs.stateflow():
                 on = dask.compute(*outs)
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
@@ -154,7 +154,7 @@ def test_the_pass_runs_in_a_separate_dask_scheduler_process(tmp_path):
             kvs.install(c, "tiny-llama", torch_threads=1)
             local_before = len(RECENT_PLANS)
             outs = shapes.tree_of_thought(k=3, n=6)
-            off = dask.compute(*outs)
+            off = compute_released(*outs)
             with kvs.stateflow():
                 on = dask.compute(*shapes.tree_of_thought(k=3, n=6))
             remote = c.run_on_scheduler(recent_plans)

@@ -21,12 +21,13 @@ from pathlib import Path
 import dask
 from dask._task_spec import Task
 from dask.highlevelgraph import HighLevelGraph
-from distributed.utils_test import poll_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dask_kvstate as kvs
 from dask_kvstate.testing import shapes
+
+from .conftest import compute_released
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -161,7 +162,7 @@ def value(x):
 def test_random_graphs_rewrite_acyclic_and_compute_the_same(client, recipe):
     outs = build(recipe)
     assert_acyclic(rewritten(outs))
-    off = dask.compute(*outs)
+    off = compute_released(*outs)
     with kvs.stateflow():
         on = dask.compute(*build(recipe))
     assert [value(x) for x in on] == [value(x) for x in off]
@@ -180,11 +181,7 @@ def test_debate_rag_batches_by_round_and_computes_the_same(client):
     )
     # One state, three rounds of three siblings: a batch per round, never across rounds.
     assert sorted(rows.values()) == [3, 3, 3]
-    off = dask.compute(*debate_rag())
-    # The rewrite keeps the output keys: one still in the scheduler's memory from the text
-    # run would be handed back as it is (same tokens, no reuse), so wait until it is gone.
-    keys = {str(o.key) for o in debate_rag()}
-    poll_for(lambda: not client.run_on_scheduler(lambda dask_scheduler: keys & set(map(str, dask_scheduler.tasks))), 10)
+    off = compute_released(*debate_rag())
     with kvs.stateflow():
         on = dask.compute(*debate_rag())
     assert [o.token_ids for o in on] == [o.token_ids for o in off]

@@ -19,7 +19,7 @@ import dask_kvstate as kvs
 from dask_kvstate.graph_opt import recent_plans
 from dask_kvstate.testing import shapes
 
-from .conftest import CONTEXT, on
+from .conftest import CONTEXT, compute_released, on
 
 ENV = {
     "DASK_KVSTATE__MODEL": "tiny-llama",
@@ -101,7 +101,7 @@ def test_cli_cluster_with_the_preload_runs_the_compiler_and_moves_state(tmp_path
             assert kvs.stats(c).placement["installed"]
 
             # The compiler pass, on the scheduler process.
-            off = dask.compute(*shapes.tree_of_thought(k=3, n=6))
+            off = compute_released(*shapes.tree_of_thought(k=3, n=6))
             with kvs.stateflow():
                 on_ = dask.compute(*shapes.tree_of_thought(k=3, n=6))
             assert [o.token_ids for o in on_] == [o.token_ids for o in off]

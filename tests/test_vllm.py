@@ -18,7 +18,7 @@ from dask_kvstate.bench import workload
 from dask_kvstate.generation import Sampling
 from dask_kvstate.plugins.worker.runtime import common_prefix
 
-from .conftest import SPAWNED, VLLM_TESTS, on, transformers_continuation, vllm_prompts
+from .conftest import SPAWNED, VLLM_TESTS, compute_released, on, transformers_continuation, vllm_prompts
 
 pytestmark = VLLM_TESTS
 
@@ -379,7 +379,7 @@ def test_the_compiler_on_vllm_is_token_identical(two_engines):
         return [kvs.generate(PREFIX, suffix, max_new_tokens=8) for _, suffix in PARTS]
 
     _reset_engines(client)
-    off = dask.compute(*graph())
+    off = compute_released(*graph())
     _reset_engines(client)
     before = kvs.stats(client).workers
     with kvs.stateflow():
