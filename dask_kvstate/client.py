@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Literal
 from distributed import Client
 
 from dask_kvstate import extensions as ext
+from dask_kvstate.plugins import housekeeping
 from dask_kvstate.protocol import (
     CAPACITY_EXTENSION,
     HINTS_EXTENSION,
@@ -71,7 +72,10 @@ def install(
     Registers, from the config's ``enabled`` keys (see :mod:`dask_kvstate.extensions`,
     the same list the preload adds): the placement and observe extensions, the session
     tracker and the scheduling policies, the lifecycle, then the ``kvstate`` worker plugin
-    and the extensions' worker halves. Idempotent: a second call with the same settings
+    and the extensions' worker halves. Before them, unless ``kvstate.housekeeping.enabled``
+    is false, a plugin on the scheduler, every nanny and every worker that runs Dask's own
+    periodic checks less often (:mod:`dask_kvstate.plugins.housekeeping`: they preempt the
+    engine's threads). Idempotent: a second call with the same settings
     reloads nothing, and workers that join later get every plugin too. Extensions already
     running stay, whatever the overrides say. Raises ValueError for an unknown model name
     (listing the known ones) or a bad setting or override, before touching the cluster.
@@ -99,10 +103,15 @@ def install(
 
         store = KVStateWorkerPlugin(model, **options)
     plugins = ext.extensions(on)
-    return client.sync(_install, client, plugins, store)
+    quieter = housekeeping.plugins()
+    return client.sync(_install, client, plugins, store, quieter)
 
 
-async def _install(client: Client, plugins: ext.Extensions, store: KVStateWorkerPlugin | None) -> dict:
+async def _install(
+    client: Client, plugins: ext.Extensions, store: KVStateWorkerPlugin | None, quieter: list | None = None
+) -> dict:
+    for plugin in quieter or ():  # first: the model loads below with Dask's timers already slowed
+        await client.register_plugin(plugin)
     for extension in plugins.scheduler:
         await client.register_plugin(extension)  # idempotent: a no-op when one of that name is there
     current: dict = {}

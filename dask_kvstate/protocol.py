@@ -37,6 +37,12 @@ LIFECYCLE_WORKER_PLUGIN = "kvstate-lifecycle-worker"
 #: Runs ready tasks of a ``batchable`` component as one call; registered by the hints extension.
 BATCHING_WORKER_PLUGIN = "kvstate-batching"
 
+#: Runs the worker's own periodic checks less often (``plugins/housekeeping.py``); a nanny's
+#: and the scheduler's plugins of the same job have the names below.
+HOUSEKEEPING_WORKER = "kvstate-housekeeping"
+HOUSEKEEPING_NANNY = "kvstate-housekeeping-nanny"
+HOUSEKEEPING_SCHEDULER = "kvstate-housekeeping-scheduler"
+
 # -- scheduler extensions (Scheduler.plugins) ----------------------------------------------
 PLACEMENT_EXTENSION = "kvstate-placement"
 OBSERVE_EXTENSION = "kvstate-observe"

@@ -4,7 +4,8 @@ Also a Dask preload, for clusters started from the command line (dask-jobqueue,
 Kubernetes, ``dask scheduler`` / ``dask worker`` by hand)::
 
     dask scheduler --preload dask_kvstate.plugins
-    DASK_KVSTATE__MODEL=tiny-llama dask worker tcp://scheduler:8786 --preload dask_kvstate.plugins
+    DASK_KVSTATE__MODEL=tiny-llama dask worker tcp://scheduler:8786 --preload dask_kvstate.plugins \
+        --preload-nanny dask_kvstate.plugins
 
 so that every worker has its model and block store before it takes its first task, and
 no client has to call ``kvs.install``. Settings come from the ``kvstate.*`` Dask config
@@ -25,16 +26,25 @@ async def dask_setup(server) -> None:
     every extension whose ``enabled`` key is on (placement, observe, sessions and the
     scheduling policies, lifecycle). A bad setting fails the preload with the plugin's
     ValueError, which distributed logs (``Failed to start preload``) and the worker then
-    runs without the plugin; ``kvs.install`` from a client still works.
+    runs without the plugin; ``kvs.install`` from a client still works. On each of them,
+    and on a nanny (``--preload-nanny``), the plugin that runs Dask's own periodic checks
+    less often (:mod:`.housekeeping`), unless ``kvstate.housekeeping.enabled`` is false.
     """
-    from distributed import Scheduler, Worker
+    from distributed import Nanny, Scheduler, Worker
 
     from dask_kvstate import config
     from dask_kvstate.extensions import enabled, extensions
+    from dask_kvstate.plugins import housekeeping
 
-    if isinstance(server, Worker):
+    quieter = housekeeping.plugin_for(server)
+    if isinstance(server, Nanny):
+        if quieter is not None:
+            await server.plugin_add(quieter)
+    elif isinstance(server, Worker):
         from dask_kvstate.plugins.worker.plugin import KVStateWorkerPlugin
 
+        if quieter is not None:
+            await server.plugin_add(quieter, catch_errors=False)
         # The plugin reads every setting from the config when it is built, as kvs.install's does.
         plugin = KVStateWorkerPlugin(config.get("model"))
         # catch_errors=False: a model that fails to load must fail the preload loudly.
@@ -45,7 +55,11 @@ async def dask_setup(server) -> None:
         import dask.config
 
         config.check(dask.config.get("kvstate"))
+        if quieter is not None:
+            server.add_plugin(quieter)
         for extension in extensions(enabled()).scheduler:
             server.add_plugin(extension)
     else:
-        raise TypeError(f"dask_kvstate.plugins preloads a Worker or a Scheduler, not a {type(server).__name__}")
+        raise TypeError(
+            f"dask_kvstate.plugins preloads a Worker, a Nanny or a Scheduler, not a {type(server).__name__}"
+        )

@@ -1,0 +1,95 @@
+"""Dask's periodic checks run less often while kvstate is installed, and come back after."""
+
+from __future__ import annotations
+
+import dask
+import pytest
+from distributed import Client, LocalCluster
+
+import dask_kvstate as kvs
+from dask_kvstate.plugins import housekeeping
+from dask_kvstate.protocol import HOUSEKEEPING_NANNY, HOUSEKEEPING_WORKER
+
+#: The callbacks each kind of server has, which the plugins time: the names must still be
+#: distributed's (a renamed one would be silently left at Dask's interval).
+EXPECTED = {
+    "worker": {"tick", "profile", "monitor", "memory_monitor"},
+    "nanny": {"tick", "monitor", "memory_monitor"},
+    "scheduler": {"tick", "monitor"},
+}
+
+
+def _times(dask_worker=None, dask_scheduler=None) -> dict[str, float]:
+    server = dask_worker if dask_scheduler is None else dask_scheduler
+    return {name: pc.callback_time for name, pc in server.periodic_callbacks.items()}
+
+
+def _all_times(client: Client) -> dict[str, dict[str, float]]:
+    (worker,) = client.run(_times).values()
+    (nanny,) = client.run(_times, nanny=True).values()
+    return {"worker": worker, "nanny": nanny, "scheduler": client.run_on_scheduler(_times)}
+
+
+@pytest.fixture
+def one_worker():
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        yield client
+
+
+def test_install_slows_every_process_checks_and_uninstall_restores(one_worker):
+    client = one_worker
+    before = _all_times(client)
+    for kind, names in EXPECTED.items():
+        assert names <= set(before[kind]), f"distributed's {kind} no longer has {names - set(before[kind])}"
+    with dask.config.set({"kvstate.housekeeping.tick": "750ms"}):
+        kvs.install(client, model=False)
+    after = _all_times(client)
+    want = {"tick": 750, "profile": 100, "monitor": 2000, "memory_monitor": 500}
+    for kind, names in EXPECTED.items():
+        assert {n: after[kind][n] for n in names} == {n: want[n] for n in names}, kind
+        # What the plugins do not time keeps Dask's interval.
+        assert {n: t for n, t in after[kind].items() if n not in want} == {
+            n: t for n, t in before[kind].items() if n not in want
+        }
+    kvs.install(client, model=False)  # a second install keeps the plugins there (and what they replaced)
+    assert _all_times(client) == after
+
+    client.unregister_worker_plugin(HOUSEKEEPING_WORKER)
+    client.unregister_worker_plugin(HOUSEKEEPING_NANNY, nanny=True)
+    restored = _all_times(client)
+    assert restored["worker"] == before["worker"]
+    assert restored["nanny"] == before["nanny"]
+
+
+def test_a_slower_dask_setting_stays_and_the_switch_turns_it_off():
+    with dask.config.set({"distributed.admin.tick.interval": "5s", "kvstate.housekeeping.profile": "50ms"}):
+        with (
+            LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+            Client(cluster) as client,
+        ):
+            kvs.install(client, model=False)
+            times = _all_times(client)
+    assert {kind: t["tick"] for kind, t in times.items()} == dict.fromkeys(EXPECTED, 5000)  # never faster than Dask's
+    assert times["worker"]["profile"] == 50
+
+    with dask.config.set({"kvstate.housekeeping.enabled": False}):
+        assert housekeeping.plugins() == []
+        with (
+            LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+            Client(cluster) as client,
+        ):
+            before = _all_times(client)
+            kvs.install(client, model=False)
+            assert _all_times(client) == before
+
+
+def test_bad_intervals_are_refused_before_the_cluster_is_touched():
+    with dask.config.set({"kvstate.housekeeping.tick": "soon"}):
+        with pytest.raises(ValueError, match=r"kvstate\.housekeeping\.tick must be a duration"):
+            kvs.install(None, model=False)
+    with dask.config.set({"kvstate.housekeeping.enabled": "yes"}):
+        with pytest.raises(ValueError, match=r"kvstate\.housekeeping\.enabled must be a bool"):
+            housekeeping.plugins()
