@@ -101,7 +101,7 @@ def test_cli_cluster_with_the_preload_runs_the_compiler_and_moves_state(tmp_path
             )
             assert set(seen.values()) == {(16, True)}
             # And every process's Dask timers slowed (plugins/housekeeping.py): 1 s ticks against 20 ms.
-            ticks = lambda dask_worker=None, dask_scheduler=None: (  # noqa: E731
+            ticks = lambda dask_worker=None, dask_scheduler=None: (
                 (dask_worker or dask_scheduler).periodic_callbacks["tick"].callback_time
             )
             assert set(c.run(ticks).values()) == set(c.run(ticks, nanny=True).values()) == {1000}
