@@ -8,14 +8,15 @@ also wakes up on a timer: each event loop every 20 ms to measure its own latency
 stacks for the dashboard's profile (``distributed.worker.profile.interval``), each
 worker and nanny every 100 ms to read their memory, every 500 ms for the system monitor.
 On a host whose cores all run the team, each wake-up takes a core from one of its
-threads and the rest of the team waits for it: on 2 cores, a ``LocalCluster`` of two
-workers (a scheduler, two nannies, two workers) wakes about 470 times a second, and the
-16 agents of the bench took about 15% longer than with these checks slowed (the
-figures are in the benchmark pages).
+threads and the rest of the team waits for it; a ``LocalCluster`` of a few workers wakes
+hundreds of times a second, and an engine in one of its workers computes measurably
+slower than alone (the benchmark pages have the figures).
 
 What: while kvstate is installed, the scheduler, every nanny and every worker run these
 callbacks at the ``kvstate.housekeeping.*`` intervals, never more often than Dask's own
-config says; uninstalling a plugin puts its process's intervals back. They are Dask's
+config says; unregistering the worker's or the nanny's plugin puts that process's
+intervals back (the scheduler's go back when it closes: distributed tells a scheduler
+plugin nothing when it is removed). They are Dask's
 ``server.periodic_callbacks`` (tornado ``PeriodicCallback``), whose ``callback_time`` takes
 effect from the next call: nothing of distributed is replaced. What slows with them: the
 dashboard's profile (sampled every 100 ms, not 10), its system plots, the "event loop was
