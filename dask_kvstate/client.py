@@ -72,13 +72,14 @@ def install(
     Registers, from the config's ``enabled`` keys (see :mod:`dask_kvstate.extensions`,
     the same list the preload adds): the placement and observe extensions, the session
     tracker and the scheduling policies, the lifecycle, then the ``kvstate`` worker plugin
-    and the extensions' worker halves. Before them, unless ``kvstate.housekeeping.enabled``
-    is false, a plugin on the scheduler, every nanny and every worker that runs Dask's own
-    periodic checks less often (:mod:`dask_kvstate.plugins.housekeeping`: they preempt the
-    engine's threads). Idempotent: a second call with the same settings
-    reloads nothing, and workers that join later get every plugin too. Extensions already
-    running stay, whatever the overrides say. Raises ValueError for an unknown model name
-    (listing the known ones) or a bad setting or override, before touching the cluster.
+    and the extensions' worker halves. After them, with a model and unless
+    ``kvstate.housekeeping.enabled`` is false, a plugin on the scheduler, every nanny and
+    every worker that runs Dask's own periodic checks less often
+    (:mod:`dask_kvstate.plugins.housekeeping`: they preempt the engine's threads).
+    Idempotent: a second call with the same settings reloads nothing, and workers that
+    join later get every plugin too. Extensions already running stay, whatever the
+    overrides say. Raises ValueError for an unknown model name (listing the known ones)
+    or a bad setting or override, before touching the cluster.
 
     Returns ``{worker address: the kvstate plugin's settings}`` (``{}`` with ``model=False``).
     """
@@ -103,15 +104,13 @@ def install(
 
         store = KVStateWorkerPlugin(model, **options)
     plugins = ext.extensions(on)
-    quieter = housekeeping.plugins()
+    quieter = housekeeping.plugins() if store is not None else []  # plain Python tasks compute on no engine
     return client.sync(_install, client, plugins, store, quieter)
 
 
 async def _install(
     client: Client, plugins: ext.Extensions, store: KVStateWorkerPlugin | None, quieter: list | None = None
 ) -> dict:
-    for plugin in quieter or ():  # first: the model loads below with Dask's timers already slowed
-        await client.register_plugin(plugin)
     for extension in plugins.scheduler:
         await client.register_plugin(extension)  # idempotent: a no-op when one of that name is there
     current: dict = {}
@@ -128,6 +127,8 @@ async def _install(
             current = await client.run(_plugin_settings)
     for half in plugins.worker:  # after the kvstate plugin: the lifecycle half times moves on its store
         await client.register_plugin(half)
+    for plugin in quieter or ():  # last: a model that fails to load leaves Dask's timers as they were
+        await client.register_plugin(plugin)
     return current
 
 

@@ -1,4 +1,4 @@
-"""Worker and scheduler plugins (installed as ``dask_kvstate.plugins``).
+"""Worker, nanny and scheduler plugins (installed as ``dask_kvstate.plugins``).
 
 Also a Dask preload, for clusters started from the command line (dask-jobqueue,
 Kubernetes, ``dask scheduler`` / ``dask worker`` by hand)::

@@ -3,31 +3,42 @@
 Why: an engine's forward pass runs on a team of OpenMP threads, one per core of the host
 (vLLM's CPU engine binds its team to them; the transformers backend runs torch's), and
 the team waits at every barrier for its slowest thread. Every process of a Dask cluster
-also wakes up on a timer: each event loop every 20 ms to measure its own latency
-(``distributed.admin.tick.interval``), each worker every 10 ms to sample its task threads'
-stacks for the dashboard's profile (``distributed.worker.profile.interval``), each
-worker and nanny every 100 ms to read their memory, every 500 ms for the system monitor.
-On a host whose cores all run the team, each wake-up takes a core from one of its
-threads and the rest of the team waits for it; a ``LocalCluster`` of a few workers wakes
-hundreds of times a second, and an engine in one of its workers computes measurably
-slower than alone (the benchmark pages have the figures).
+also wakes up on timers: each event loop to measure its own latency
+(``distributed.admin.tick.interval``), each worker to sample its task threads' stacks for
+the dashboard's Profile page (``distributed.worker.profile.interval``), workers and nannies
+to read their memory (``distributed.worker.memory.monitor-interval``), all of them for the
+system monitor (``distributed.admin.system-monitor.interval``). On a host whose cores all
+run the team, each wake-up takes a core from one of its threads and the rest of the team
+waits for it; a ``LocalCluster`` of a few workers wakes hundreds of times a second, and an
+engine in one of its workers computes measurably slower than alone (the benchmark pages
+have the figures).
 
-What: while kvstate is installed, the scheduler, every nanny and every worker run these
+What: once kvstate is installed, the scheduler, every nanny and every worker run these
 callbacks at the ``kvstate.housekeeping.*`` intervals, never more often than Dask's own
-config says; unregistering the worker's or the nanny's plugin puts that process's
-intervals back (the scheduler's go back when it closes: distributed tells a scheduler
-plugin nothing when it is removed). They are Dask's
-``server.periodic_callbacks`` (tornado ``PeriodicCallback``), whose ``callback_time`` takes
-effect from the next call: nothing of distributed is replaced. What slows with them: the
-dashboard's profile (sampled every 100 ms, not 10), its system plots, the "event loop was
-unresponsive" log line (still at 3 s, found within a second), and how soon the memory
-monitors see a worker pass its pause or terminate fraction.
+config says. They are Dask's ``server.periodic_callbacks`` (tornado ``PeriodicCallback``),
+whose ``callback_time`` takes effect from the next call: nothing of distributed is
+replaced. The intervals Dask set are kept per process, so a second plugin on one process
+(a preloaded nanny that ``kvs.install`` reaches too) changes nothing more, and
+unregistering the worker's or nanny's plugin puts them back (the scheduler's go back when
+it closes: distributed tells a scheduler plugin nothing when it is removed).
+
+What slows with them, besides the intervals themselves: the dashboard labels profile
+samples with ``distributed.worker.profile.interval``, so its Profile times read that
+many times too short; the event-loop interval the dashboard and heartbeats report reads
+about the tick's interval; the memory a heartbeat reports is the system monitor's last
+sample; the "event loop was unresponsive" log line may report up to one tick more than
+the loop was blocked; and a memory monitor sees a worker pass its spill, pause or
+terminate fraction up to one of its intervals later. On Python versions other than 3.11
+each process also samples its event loop from a thread every profile interval, which is
+not a periodic callback: set ``distributed.worker.profile.interval`` in each process's
+config to slow it.
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Any
+from weakref import WeakKeyDictionary
 
 from distributed.diagnostics.plugin import NannyPlugin, SchedulerPlugin, WorkerPlugin
 
@@ -58,21 +69,24 @@ def intervals() -> dict[str, float]:
     }
 
 
-def slow(server: Any, wanted: dict[str, float]) -> dict[str, float]:
-    """Run ``server``'s callbacks named in ``wanted`` at most as often as it says; returns the
-    intervals it replaced (ms), for :func:`restore`. A callback already slower keeps its time."""
-    replaced = {}
+#: Each process's callbacks' intervals as Dask set them, kept by the first :func:`slow` there
+#: and given back by :func:`restore`.
+_DASKS: WeakKeyDictionary[Any, dict[str, float]] = WeakKeyDictionary()
+
+
+def slow(server: Any, wanted: dict[str, float]) -> None:
+    """Run ``server``'s callbacks named in ``wanted`` at most as often as it says (ms), and
+    never more often than Dask set them; a callback ``server`` does not have is skipped."""
+    dasks = _DASKS.setdefault(server, {})
     for name, ms in wanted.items():
         callback = server.periodic_callbacks.get(name)
-        if callback is not None and callback.callback_time < ms:
-            replaced[name] = callback.callback_time
-            callback.callback_time = ms
-    return replaced
+        if callback is not None:
+            callback.callback_time = max(dasks.setdefault(name, callback.callback_time), ms)
 
 
-def restore(server: Any, replaced: dict[str, float]) -> None:
-    """Put back the intervals :func:`slow` replaced (callbacks gone since are skipped)."""
-    for name, ms in replaced.items():
+def restore(server: Any) -> None:
+    """Give ``server``'s callbacks back the intervals Dask set (those gone since are skipped)."""
+    for name, ms in _DASKS.pop(server, {}).items():
         callback = server.periodic_callbacks.get(name)
         if callback is not None:
             callback.callback_time = ms
@@ -80,24 +94,17 @@ def restore(server: Any, replaced: dict[str, float]) -> None:
 
 class _Housekeeping:
     """The intervals, read from the config where the plugin is built (the client's, or the
-    preloaded process's), and what they replaced on the process that runs the plugin."""
+    preloaded process's)."""
 
-    #: ``client.register_plugin`` keeps a plugin of this name that is already there, with
-    #: the intervals it replaced (a second one would find them slowed and keep nothing to restore).
+    #: ``client.register_plugin`` keeps a plugin of this name that is already there.
     idempotent = True
 
     def __init__(self) -> None:
         self.wanted = intervals()
-        self.replaced: dict[str, float] = {}
 
     def _slow(self, server: Any) -> None:
-        self.replaced = slow(server, self.wanted)
-        if self.replaced:
-            logger.debug("kvstate: %s runs %s less often", type(server).__name__, sorted(self.replaced))
-
-    def _restore(self, server: Any) -> None:
-        restore(server, self.replaced)
-        self.replaced = {}
+        slow(server, self.wanted)
+        logger.debug("kvstate: %s's periodic callbacks at %s ms at the most often", type(server).__name__, self.wanted)
 
 
 class HousekeepingWorkerPlugin(_Housekeeping, WorkerPlugin):
@@ -109,7 +116,7 @@ class HousekeepingWorkerPlugin(_Housekeeping, WorkerPlugin):
         self._slow(worker)
 
     def teardown(self, worker) -> None:
-        self._restore(worker)
+        restore(worker)
 
 
 class HousekeepingNannyPlugin(_Housekeeping, NannyPlugin):
@@ -121,22 +128,22 @@ class HousekeepingNannyPlugin(_Housekeeping, NannyPlugin):
         self._slow(nanny)
 
     def teardown(self, nanny) -> None:
-        self._restore(nanny)
+        restore(nanny)
 
 
 class HousekeepingSchedulerPlugin(_Housekeeping, SchedulerPlugin):
     """The scheduler's tick and system monitor likewise (in a ``LocalCluster``, the client's process)."""
 
     name = HOUSEKEEPING_SCHEDULER
+    scheduler: Any = None
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
         self._slow(scheduler)
 
     async def close(self) -> None:
-        scheduler = getattr(self, "scheduler", None)
-        if scheduler is not None:
-            self._restore(scheduler)
+        if self.scheduler is not None:
+            restore(self.scheduler)
 
 
 def plugins() -> list[Any]:

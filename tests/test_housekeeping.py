@@ -30,66 +30,76 @@ def _all_times(client: Client) -> dict[str, dict[str, float]]:
     return {"worker": worker, "nanny": nanny, "scheduler": client.run_on_scheduler(_times)}
 
 
-@pytest.fixture
-def one_worker():
-    with (
-        LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
-        Client(cluster) as client,
-    ):
-        yield client
+def _cluster(**kwargs):
+    return LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0", **kwargs)
 
 
-def test_install_slows_every_process_checks_and_uninstall_restores(one_worker):
-    client = one_worker
-    before = _all_times(client)
-    for kind, names in EXPECTED.items():
-        assert names <= set(before[kind]), f"distributed's {kind} no longer has {names - set(before[kind])}"
-    with dask.config.set({"kvstate.housekeeping.tick": "750ms"}):
-        kvs.install(client, model=False)
-    after = _all_times(client)
-    want = {"tick": 750, "profile": 100, "monitor": 2000, "memory_monitor": 500}
-    for kind, names in EXPECTED.items():
-        assert {n: after[kind][n] for n in names} == {n: want[n] for n in names}, kind
-        # What the plugins do not time keeps Dask's interval.
-        assert {n: t for n, t in after[kind].items() if n not in want} == {
-            n: t for n, t in before[kind].items() if n not in want
-        }
-    kvs.install(client, model=False)  # a second install keeps the plugins there (and what they replaced)
-    assert _all_times(client) == after
+def test_install_slows_every_process_checks_and_unregistering_restores():
+    with _cluster() as cluster, Client(cluster) as client:
+        before = _all_times(client)
+        for kind, names in EXPECTED.items():
+            assert names <= set(before[kind]), f"distributed's {kind} no longer has {names - set(before[kind])}"
+        kvs.install(client, model=False)  # plain Python tasks: no engine to spare, Dask's timers stay
+        assert _all_times(client) == before
+        with dask.config.set({"kvstate.housekeeping.tick": "750ms"}):
+            want = housekeeping.intervals()
+            kvs.install(client, "tiny-llama", torch_threads=1)
+        assert want["tick"] == 750
+        after = _all_times(client)
+        for kind, names in EXPECTED.items():
+            assert {n: after[kind][n] for n in names} == {n: max(want[n], before[kind][n]) for n in names}, kind
+            assert any(after[kind][n] > before[kind][n] for n in names), kind
+            # What the plugins do not time keeps Dask's interval.
+            assert {n: t for n, t in after[kind].items() if n not in want} == {
+                n: t for n, t in before[kind].items() if n not in want
+            }
+        # A second install, under the default tick (1 s): the plugins already there stay, 750 ms.
+        kvs.install(client, "tiny-llama", torch_threads=1)
+        assert _all_times(client) == after
 
-    client.unregister_worker_plugin(HOUSEKEEPING_WORKER)
-    client.unregister_worker_plugin(HOUSEKEEPING_NANNY, nanny=True)
-    restored = _all_times(client)
-    assert restored["worker"] == before["worker"]
-    assert restored["nanny"] == before["nanny"]
+        client.unregister_worker_plugin(HOUSEKEEPING_WORKER)
+        client.unregister_worker_plugin(HOUSEKEEPING_NANNY, nanny=True)
+        restored = _all_times(client)
+        assert restored["worker"] == before["worker"]
+        assert restored["nanny"] == before["nanny"]
+        assert restored["scheduler"] == after["scheduler"]  # distributed tells it nothing; back when it closes
+
+
+def test_a_preloaded_nanny_reached_by_install_too_gets_dasks_intervals_back():
+    # The nanny's preload adds its plugin itself; kvs.install then sends the scheduler's copy,
+    # which replaces it on the nanny without a teardown: Dask's intervals must still come back.
+    with _cluster(preload_nanny=["dask_kvstate.plugins"]) as cluster, Client(cluster) as client:
+        (nanny,) = client.run(_times, nanny=True).values()
+        assert nanny["tick"] == housekeeping.intervals()["tick"]  # the preload's plugin
+        kvs.install(client, "tiny-llama", torch_threads=1)
+        client.unregister_worker_plugin(HOUSEKEEPING_NANNY, nanny=True)
+        (restored,) = client.run(_times, nanny=True).values()
+    assert restored["tick"] == 1000 * dask.utils.parse_timedelta(dask.config.get("distributed.admin.tick.interval"))
+    assert restored["memory_monitor"] == 1000 * dask.utils.parse_timedelta(
+        dask.config.get("distributed.worker.memory.monitor-interval")
+    )
 
 
 def test_a_slower_dask_setting_stays_and_the_switch_turns_it_off():
     with dask.config.set({"distributed.admin.tick.interval": "5s", "kvstate.housekeeping.profile": "50ms"}):
-        with (
-            LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
-            Client(cluster) as client,
-        ):
-            kvs.install(client, model=False)
+        with _cluster() as cluster, Client(cluster) as client:
+            kvs.install(client, "tiny-llama", torch_threads=1)
             times = _all_times(client)
     assert {kind: t["tick"] for kind, t in times.items()} == dict.fromkeys(EXPECTED, 5000)  # never faster than Dask's
     assert times["worker"]["profile"] == 50
 
     with dask.config.set({"kvstate.housekeeping.enabled": False}):
         assert housekeeping.plugins() == []
-        with (
-            LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
-            Client(cluster) as client,
-        ):
+        with _cluster() as cluster, Client(cluster) as client:
             before = _all_times(client)
-            kvs.install(client, model=False)
+            kvs.install(client, "tiny-llama", torch_threads=1)
             assert _all_times(client) == before
 
 
 def test_bad_intervals_are_refused_before_the_cluster_is_touched():
     with dask.config.set({"kvstate.housekeeping.tick": "soon"}):
         with pytest.raises(ValueError, match=r"kvstate\.housekeeping\.tick must be a duration"):
-            kvs.install(None, model=False)
+            kvs.install(None, "tiny-llama")
     with dask.config.set({"kvstate.housekeeping.enabled": "yes"}):
         with pytest.raises(ValueError, match=r"kvstate\.housekeeping\.enabled must be a bool"):
             housekeeping.plugins()
