@@ -12,9 +12,9 @@ token for token with the raw engine's:
 
 - ``raw-vllm`` and ``raw-vllm-eager``: one ``vllm.LLM`` in its own process, every core,
   prefix caching on, all ``k`` prompts in one ``generate`` call
-  (:mod:`dask_kvstate.bench.raw_vllm`), compiled (vLLM's default) and eager; the
-  baseline is the faster of the two (or of the three with ``--raw`` naming
-  ``raw-vllm-core-in-process``, vLLM's engine core in that process);
+  (:mod:`dask_kvstate.bench.raw_vllm`), compiled (vLLM's default) and eager, and
+  ``raw-vllm-core-in-process`` (vLLM's engine core in that process); the baseline is
+  the fastest of those run (``--raw`` picks them);
 - ``dask-path/<backend>``: the same requests as plain Dask tasks on one worker whose one
   engine has every core (a thread per request, so the engine batches them): what the
   Dask path alone costs against the raw engine, with nothing of kvstate's KV handling;

@@ -19,7 +19,7 @@ with the raw engine's:
 - ``raw-vllm`` and ``raw-vllm-eager``: one ``vllm.LLM`` in its own process, every core,
   prefix caching on, fed as a server is (:meth:`RawEngine.sessions`): each call added to
   its step loop as it arrives, first come, first served; ``raw-vllm-core-in-process``
-  (run only when named) with vLLM's engine core in that process, as a worker's engine runs;
+  with vLLM's engine core in that process, as a worker's engine runs;
 - ``kvstate``: what a user of this library writes: a ``LocalCluster`` whose worker holds
   the vLLM engine, ``kvs.install`` with every default (workflow-progress priority
   included), each session a ``kvs.session`` of plain
