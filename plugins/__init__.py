@@ -43,14 +43,14 @@ async def dask_setup(server) -> None:
     elif isinstance(server, Worker):
         from dask_kvstate.plugins.worker.plugin import KVStateWorkerPlugin
 
-        if quieter is not None:
-            await server.plugin_add(quieter, catch_errors=False)
         # The plugin reads every setting from the config when it is built, as kvs.install's does.
         plugin = KVStateWorkerPlugin(config.get("model"))
         # catch_errors=False: a model that fails to load must fail the preload loudly.
         await server.plugin_add(plugin, name=KVStateWorkerPlugin.name, catch_errors=False)
         for half in extensions(enabled()).worker:  # after the kvstate plugin: the lifecycle half uses its store
             await server.plugin_add(half, catch_errors=False)
+        if quieter is not None:  # last, as kvs.install: a model that fails to load leaves Dask's timers
+            await server.plugin_add(quieter, catch_errors=False)
     elif isinstance(server, Scheduler):
         import dask.config
 
