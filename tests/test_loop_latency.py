@@ -44,7 +44,13 @@ def long_text(topic: str) -> str:
 
 @pytest.fixture
 def latency_client(tmp_path):
-    config = {**TEST_CONFIG, "kvstate.block-tokens": BLOCK_TOKENS, "distributed.admin.tick.interval": TICK}
+    config = {
+        **TEST_CONFIG,
+        "kvstate.block-tokens": BLOCK_TOKENS,
+        "distributed.admin.tick.interval": TICK,
+        # The tick is this test's instrument: kvstate must leave it at TICK, not slow it.
+        "kvstate.housekeeping.enabled": False,
+    }
     with (
         dask.config.set(config),
         LocalCluster(
@@ -80,6 +86,9 @@ def longest_ticks(client, act, prepare=lambda attempt: None) -> list[float]:
     """The longest tick (s) during each run of ``act(attempt)`` (after an unmeasured
     ``prepare(attempt)``), up to the first run under :data:`LIMIT`."""
     (w,) = client.nthreads()
+    # A slower tick would leave runs shorter than it unmeasured: the instrument is checked first.
+    tick_ms = client.run(lambda dask_worker: dask_worker.periodic_callbacks["tick"].callback_time)[w]
+    assert tick_ms == 1000 * dask.utils.parse_timedelta(TICK), tick_ms
     seen: list[float] = []
     for attempt in range(ATTEMPTS):
         prepare(attempt)
