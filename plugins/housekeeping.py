@@ -99,8 +99,8 @@ class _Housekeeping:
     #: ``client.register_plugin`` keeps a plugin of this name that is already there.
     idempotent = True
 
-    def __init__(self) -> None:
-        self.wanted = intervals()
+    def __init__(self, wanted: dict[str, float] | None = None) -> None:
+        self.wanted = intervals() if wanted is None else wanted
 
     def _slow(self, server: Any) -> None:
         slow(server, self.wanted)
@@ -148,9 +148,10 @@ class HousekeepingSchedulerPlugin(_Housekeeping, SchedulerPlugin):
 
 def plugins() -> list[Any]:
     """The three plugins, or none when ``kvstate.housekeeping.enabled`` is false."""
-    if not intervals():
+    wanted = intervals()
+    if not wanted:
         return []
-    return [HousekeepingSchedulerPlugin(), HousekeepingNannyPlugin(), HousekeepingWorkerPlugin()]
+    return [cls(wanted) for cls in (HousekeepingSchedulerPlugin, HousekeepingNannyPlugin, HousekeepingWorkerPlugin)]
 
 
 def plugin_for(server: Any) -> Any:
@@ -158,7 +159,8 @@ def plugin_for(server: Any) -> Any:
     from distributed import Nanny, Scheduler, Worker
 
     kinds = {Scheduler: HousekeepingSchedulerPlugin, Nanny: HousekeepingNannyPlugin, Worker: HousekeepingWorkerPlugin}
+    wanted = intervals()
     for kind, plugin in kinds.items():
-        if isinstance(server, kind):
-            return plugin() if intervals() else None
+        if isinstance(server, kind) and wanted:
+            return plugin(wanted)
     return None

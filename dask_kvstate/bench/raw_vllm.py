@@ -52,9 +52,8 @@ RAW: dict[str, RawVariant] = {
     "raw-vllm-eager": {"enforce_eager": True},
     "raw-vllm-core-in-process": {"core_in_process": True},
 }
-#: The variants the experiments run unless told which: vLLM as a user starts it, and with
-#: its engine core in process, which on few cores is often the fastest of the three (the
-#: strongest baseline a user would configure is the one to beat).
+#: The variants the experiments run unless told which: vLLM as a user starts it, and with its
+#: engine core in process, often the fastest on few cores (the strongest baseline to beat).
 DEFAULT_RAW = ("raw-vllm", "raw-vllm-eager", "raw-vllm-core-in-process")
 
 
