@@ -170,6 +170,33 @@ def test_a_generation_hands_its_prompt_kv_from_keep_from_on_and_decodes_as_repla
         torch.testing.assert_close(kv, whole[:, :, :, first:], atol=1e-4, rtol=1e-4)
 
 
+def test_a_generation_hands_its_prompt_and_answer_kv_and_decodes_as_replay(backend):
+    """``on_sequence``: once the request has finished, the KV of the prompt and of every
+    generated token but the last (no forward computed the last one's), from
+    ``keep_from``'s block on, with those tokens' ids; equal to a prefill of the same ids,
+    and the tokens those of a generation that hands nothing out."""
+    ids = backend.tokenize(PREFIX + PARTS[0][1])
+    size = backend.block_tokens
+    sampling = Sampling(max_new_tokens=12)
+    backend.reset_engine_cache()
+    want = backend.generate(ids, None, sampling).token_ids
+    for keep_from in (0, 2 * size + 5):
+        backend.reset_engine_cache()
+        handed: list = []
+        got = backend.generate(ids, None, sampling, on_sequence=lambda c, s: handed.append((c, s)), keep_from=keep_from)
+        assert got.token_ids == want, keep_from
+        ((cache, seq),) = handed
+        assert seq == ids + want[:-1]
+        kv = backend.kv_from_cache(cache)
+        first = keep_from // size * size
+        assert kv.shape[3] == len(seq) - first, keep_from
+        backend.reset_engine_cache()
+        whole = backend.kv_from_cache(backend.prefill(seq)[0])
+        torch.testing.assert_close(kv, whole[:, :, :, first:], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="not both"):
+        backend.generate(ids, None, sampling, on_prefill=print, on_sequence=print)
+
+
 def test_every_form_of_a_loaded_state_resumes_token_identical(backend):
     ids = backend.tokenize(PREFIX)
     kv = backend.kv_from_cache(backend.prefill(ids)[0])
@@ -420,3 +447,35 @@ def test_a_prompt_parting_inside_a_block_loads_the_tokens_it_shares(two_engines)
         want = kvs.generate(p, second, max_new_tokens=8).compute()
     assert got.reused_tokens == shared and got.token_ids == want.token_ids
     assert kvs.stats(client).workers[a]["engine"]["loaded_tokens"] - loaded == shared
+
+
+def test_a_conversation_loads_each_answer_it_continues_and_equals_replay(two_engines):
+    """A conversation's next prompt is the last one, its answer and more: the local prefix
+    cache keeps the answer's KV too, so each turn computes only its new text (the engine's
+    own cache emptied before it: what it reuses came from the store), and every answer
+    equals text replay on an engine whose cache was emptied."""
+    client = two_engines
+    _reset_engines(client)
+    a, _ = sorted(client.nthreads())
+    tokenize = workload.tokenizer_of("smollm2-135m")
+
+    def reset(dask_worker):
+        dask_worker.plugins["kvstate"].runtime.backend.reset_engine_cache()
+
+    context, turns = PREFIX, []
+    for question in (" Summarize it in one line.", " Name one risk.", " And one fix?"):
+        client.run(reset, workers=[a])
+        with on(a):
+            g = kvs.generate(context, question, max_new_tokens=8, prefix_cache=True).compute()
+        turns.append((context + question, g))
+        context += question + g
+    for i, (prompt, got) in enumerate(turns):
+        client.run(reset, workers=[a])
+        with on(a):
+            want = kvs.generate(prompt, max_new_tokens=8).compute()
+        assert got.token_ids == want.token_ids, i
+        if i:
+            before, answer = turns[i - 1]
+            kept = tokenize(before) + answer.token_ids[:-1]
+            assert got.reused_tokens == common_prefix(tokenize(prompt), kept), i
+            assert got.reused_tokens > len(tokenize(before)), i  # the answer's tokens among them

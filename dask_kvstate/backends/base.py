@@ -92,6 +92,9 @@ class Backend(Protocol):
         What every block hash folds in, from the two fingerprints.
     reads_blocks : bool
         A resume would rather be handed the state unjoined (:class:`~dask_kvstate.blocks.BlockKV`).
+    sequence_kv : bool
+        :meth:`generate` takes ``on_sequence``: it can hand out the KV of the tokens it
+        generated, not only the prompt's (a backend without it: False, the default).
     elastic_threads : bool
         torch's intra-op thread count is this backend's: a worker may lend it idle threads
         for a long prefill (False for an engine that binds its own threads at start).
@@ -115,6 +118,7 @@ class Backend(Protocol):
     config_fingerprint: str
     kv_identity: bytes
     reads_blocks: bool
+    sequence_kv: bool = False
     elastic_threads: bool
     cascade_fallbacks: Counter[str]
 
@@ -175,7 +179,10 @@ class Backend(Protocol):
         Greedy output must equal text replay (``past_kv=None``) token for token.
         ``started`` is when the caller began (for TTFT); ``on_prefill`` is called with the
         prompt's cache (see :meth:`kv_from_cache`) before decoding, holding the KV from the
-        block of token ``keep_from`` on at least (as :meth:`prefill`'s).
+        block of token ``keep_from`` on at least (as :meth:`prefill`'s). A backend with
+        :attr:`sequence_kv` also takes ``on_sequence(cache, ids)`` instead: called after
+        decoding with the cache of the prompt and the generated tokens but the last (the
+        last has no KV yet), from the same block on, and the ids of those tokens.
         """
         ...
 

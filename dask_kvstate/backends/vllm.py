@@ -79,6 +79,8 @@ class VLLMBackend(Backend):
     #: a resume is handed the state's blocks unjoined: the connector copies them into the
     #: engine's pages, and a join first would be one more copy, into fresh memory
     reads_blocks = True
+    #: ``generate`` can hand out the generated tokens' KV too (``on_sequence``)
+    sequence_kv = True
     model = None  # no transformers model object here
 
     def __init__(self, name: str, options: EngineOptions):
@@ -233,6 +235,7 @@ class VLLMBackend(Backend):
         *,
         started: float | None = None,
         on_prefill: Callable[[Any], None] | None = None,
+        on_sequence: Callable[[Any, list[int]], None] | None = None,
         keep_from: int = 0,
         namespace: str | None = None,
     ) -> GenerationResult:
@@ -242,16 +245,25 @@ class VLLMBackend(Backend):
         ``on_prefill`` gets the prompt's KV from ``keep_from``'s block on only: the local
         prefix cache stores the blocks after those it already holds, and copying every
         token out of the engine for each call of a growing conversation cost more than
-        the blocks it kept.
+        the blocks it kept. ``on_sequence`` gets, once the request has finished, the KV of
+        the prompt and of the generated tokens but the last from ``keep_from``'s block on,
+        with the token ids it covers (from the first): the connector copies it out of the
+        engine's blocks before vLLM frees them (:mod:`.vllm_connector`).
         """
         if not ids:
             raise ValueError("cannot generate from an empty prompt: give at least one token of text")
+        if on_prefill is not None and on_sequence is not None:
+            raise ValueError("give on_prefill or on_sequence, not both: the sequence holds the prompt")
         capture = len(ids) if on_prefill is not None else 0
         start = min(max(keep_from, 0), len(ids) - 1) // self.block_tokens * self.block_tokens
-        order = vllm_connector.Order(load=self._load(ids, past_kv), capture=capture, capture_from=start)
+        order = vllm_connector.Order(
+            load=self._load(ids, past_kv), capture=capture, capture_from=start, capture_sequence=on_sequence is not None
+        )
         (done,) = self._run([Job(list(ids), self._params(sampling, order.load), order, salt(namespace))])
         if on_prefill is not None and order.captured is not None:
             on_prefill(order.captured)
+        if on_sequence is not None and order.captured is not None and order.sequence_ids is not None:
+            on_sequence(order.captured, order.sequence_ids)
         return self._result(done, order, len(ids), started)
 
     def generate_batch(

@@ -17,7 +17,12 @@ process's :class:`Exchange`:
   holds; the worker half writes them into the request's paged blocks before the
   forward that needs them;
 - a **capture**: the number of leading prompt tokens whose KV to copy out, in the same
-  layout, once the forward that computes the last of them has run.
+  layout, once the forward that computes the last of them has run;
+- a **sequence capture**: the KV of the prompt *and* the tokens the request generated
+  (all but the last, whose KV no forward computed), copied out when the request
+  finishes, before vLLM frees its blocks. The next turn of a conversation starts with
+  this answer: kept, it is loaded instead of prefilled again (SGLang's radix cache keeps
+  generated tokens too; vLLM's own prefix cache keeps only their whole blocks).
 
 The copies themselves, and the paged layout they read and write, are in
 :mod:`.vllm_pages`.
@@ -38,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.request import RequestStatus
 
 from dask_kvstate.backends.vllm_pages import PAGED_ISAS, capture_arena, load_chunks, write_blocks
 from dask_kvstate.blocks import BlockKV
@@ -63,13 +69,15 @@ class Order:
     load: BlockKV | None = None  # KV of the prompt's leading tokens, as blocks of the engine's size
     capture: int = 0  # leading prompt tokens whose KV to copy out...
     capture_from: int = 0  # ...from this one on (a block boundary)
-    captured: BlockKV | None = None  # set by the worker half: the KV from capture_from on, as blocks
+    capture_sequence: bool = False  # at the finish, copy out prompt and generated KV from capture_from on
+    captured: BlockKV | None = None  # set by the connector: the KV from capture_from on, as blocks
+    sequence_ids: list[int] | None = None  # a sequence capture's token ids (from the first on)
     loaded_tokens: int = 0  # tokens written into the engine from ``load``
     engine_hit_tokens: int = 0  # tokens vLLM's own prefix cache already held
 
     def reset(self) -> None:
         """Forget what the connector did for an attempt of this order (before it is submitted again)."""
-        self.captured, self.loaded_tokens, self.engine_hit_tokens = None, 0, 0
+        self.captured, self.sequence_ids, self.loaded_tokens, self.engine_hit_tokens = None, None, 0, 0
 
 
 class Exchange:
@@ -79,6 +87,9 @@ class Exchange:
         self.orders: dict[str, Order] = {}
         self.lock = threading.Lock()
         self.counters: defaultdict[str, float] = defaultdict(float)  # tokens, and seconds copying (load_s, capture_s)
+        #: the engine's paged KV per layer, in layer order (set by the worker half): the scheduler
+        #: half copies a finished request's sequence out of it, in this same process
+        self.layers: list[torch.Tensor] = []
 
     def put(self, key: str, order: Order) -> None:
         with self.lock:
@@ -94,6 +105,11 @@ class Exchange:
         with self.lock:
             return self.orders.pop(key, None)
 
+
+#: How a request ends with every token's KV written (not aborted, not cut off by an error).
+_COMPLETED = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_REPETITION}
+)
 
 # One exchange per engine in this process, found by the name in the connector's config.
 _EXCHANGES: dict[str, Exchange] = {}
@@ -223,11 +239,36 @@ class KVStateConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._tracked.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
+        order = self.exchange.get(_order_key(request))
+        if order is not None and order.capture_sequence and request.status in _COMPLETED:
+            self._capture_sequence(order, request, block_ids)
         return False, None
+
+    def _capture_sequence(self, order: Order, request: Request, block_ids: list[int]) -> None:
+        """Copy the finished request's KV out of ``block_ids`` from ``order.capture_from`` on.
+
+        Called by vLLM's scheduler after the request's last forward and before it frees
+        the blocks; the engine runs in this process with synchronous scheduling (vLLM's
+        CPU platform turns async scheduling off), so no forward overwrites them meanwhile.
+        The tokens covered are those the engine computed KV for: every prompt token and
+        every generated one but the last.
+        """
+        t0 = time.perf_counter()
+        bs = self.block_size
+        tokens = min(request.num_computed_tokens, len(block_ids) * bs)
+        first = order.capture_from // bs
+        if tokens <= first * bs:
+            return
+        order.captured = capture_arena(self.exchange.layers, block_ids[first : -(-tokens // bs)], tokens - first * bs)
+        order.sequence_ids = list(request.all_token_ids[:tokens])
+        self.exchange.counters["captured_tokens"] += tokens - first * bs
+        self.exchange.counters["captured_output_tokens"] += max(0, tokens - request.num_prompt_tokens)
+        self.exchange.counters["capture_s"] += time.perf_counter() - t0
 
     # -- worker half ---------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_index)]
+        self.exchange.layers = self._layers
         for name, layer in kv_caches.items():
             if layer.device.type != "cpu" or layer.dim() != 4 or layer.shape[3] % 2:
                 raise RuntimeError(

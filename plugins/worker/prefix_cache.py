@@ -5,9 +5,10 @@ a text-prompt generation looks up the leading blocks of its prompt in this worke
 block store by their chained hash, and the leading tokens of a stored block where its
 prompt parts from the chain (:mod:`.partial_match`, as SGLang's radix cache matches
 tokens), prefills only the rest, and leaves its own prompt blocks behind for later
-calls. Nothing is pulled from other workers, no compiler rewrites the graph, no
-placement steers tasks: a later call with the same prefix profits only if Dask's
-default scheduling happens to run it on the same worker.
+calls, with its answer's where the backend can hand them out (the next turn of a
+conversation starts with them). Nothing is pulled from other workers, no compiler
+rewrites the graph, no placement steers tasks: a later call with the same prefix
+profits only if Dask's default scheduling happens to run it on the same worker.
 
 The block store and the hash chain (``dask_kvstate/blocks.py``) already do the work;
 this module is the lookup-prefill-store loop around them. Cached blocks are not held by
@@ -43,19 +44,26 @@ def generate(rt, text: str, namespace: str, sampling: Sampling) -> Generation:
     rt.counters["prefix_cache_misses"] += len(hashes) - whole
     stored = whole * rt.block_tokens  # the prompt's tokens the store already holds
 
-    def keep_prompt(cache) -> None:  # before decoding: the cache holds the prompt from `stored` on
+    def keep(cache, seq: list[int], chain: tuple[bytes, ...]) -> None:  # the cache holds `seq` from `stored` on
         kv = backend.kv_to_store(cache, stored, rt.block_tokens)
-        rt.store_kv(kv, hashes, whole, first_token=len(ids) - kv_tokens(kv), ids=ids, namespace=namespace)
+        rt.store_kv(kv, chain, whole, first_token=len(seq) - kv_tokens(kv), ids=seq, namespace=namespace)
 
+    if backend.sequence_kv:
+        # The answer too: a conversation's next prompt is this one, the answer and more, so
+        # its next call loads the answer's KV instead of prefilling it again.
+        hooks = {"on_sequence": lambda cache, seq: keep(cache, seq, rt.hashes(seq, namespace))}
+    elif whole < len(hashes):  # only the blocks the store lacks are asked of the backend
+        hooks = {"on_prefill": lambda cache: keep(cache, ids, hashes)}
+    else:
+        hooks = {}
     return rt.generate_from(
         ids,
         rt.as_past(past),
         sampling,
         t0,
         namespace=namespace,
-        # Only the blocks the store lacks are asked of the backend, and none when it has them all.
-        on_prefill=keep_prompt if whole < len(hashes) else None,
         keep_from=stored,
         # Its reuse path, as a materialize's or a resume's (text replay, the baseline, never borrows).
         borrow=True,
+        **hooks,
     )
