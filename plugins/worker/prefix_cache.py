@@ -18,6 +18,7 @@ any ref, so the store's scored eviction may drop them, as an engine's LRU would.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from dask_kvstate.blocks import kv_tokens
 from dask_kvstate.generation import Generation, Sampling
@@ -48,14 +49,19 @@ def generate(rt, text: str, namespace: str, sampling: Sampling) -> Generation:
         kv = backend.kv_to_store(cache, stored, rt.block_tokens)
         rt.store_kv(kv, chain, whole, first_token=len(seq) - kv_tokens(kv), ids=seq, namespace=namespace)
 
+    def keep_sequence(cache, seq: list[int]) -> None:
+        keep(cache, seq, rt.hashes(seq, namespace))
+
+    def keep_prompt(cache) -> None:
+        keep(cache, ids, hashes)
+
+    hooks: dict[str, Callable] = {}
     if backend.sequence_kv:
         # The answer too: a conversation's next prompt is this one, the answer and more, so
         # its next call loads the answer's KV instead of prefilling it again.
-        hooks = {"on_sequence": lambda cache, seq: keep(cache, seq, rt.hashes(seq, namespace))}
+        hooks["on_sequence"] = keep_sequence
     elif whole < len(hashes):  # only the blocks the store lacks are asked of the backend
-        hooks = {"on_prefill": lambda cache: keep(cache, ids, hashes)}
-    else:
-        hooks = {}
+        hooks["on_prefill"] = keep_prompt
     return rt.generate_from(
         ids,
         rt.as_past(past),
