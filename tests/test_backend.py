@@ -60,6 +60,33 @@ def test_a_reuse_hands_on_the_prompts_kv_as_transformers_cache_holds_it(backend)
         assert torch.allclose(got.joined(), want.joined(), atol=1e-5), f"from {start}"
 
 
+def test_a_generation_hands_on_its_prompt_and_answer_kv_on_both_paths(backend):
+    """``on_sequence``, after decoding: the KV of the prompt and of every generated token but
+    the last (no forward computed its KV), with those tokens' ids; text replay through
+    transformers' cache and a reuse read in place hand the same, equal to a prefill of the
+    same ids, and decode the same tokens."""
+    ids = backend.tokenize(CONTEXT + "Question: who tries again?")
+    sampling = Sampling(max_new_tokens=12)
+
+    def keep(into: list):
+        return lambda cache, seq: into.append((seq, backend.kv_to_store(cache, 16, 16).joined()))
+
+    replayed: list = []
+    replay = backend.generate(ids, None, sampling, on_sequence=keep(replayed))
+    state = backend.kv_from_cache(backend.prefill(ids[:32])[0])
+    reused: list = []
+    out = backend.generate(ids, state, sampling, on_sequence=keep(reused))
+    assert out.token_ids == replay.token_ids and len(replay.token_ids) > 1
+    seq = ids + replay.token_ids[:-1]
+    whole = backend.kv_from_cache(backend.prefill(seq)[0])[:, :, :, 16:]
+    for handed in (replayed, reused):
+        ((got_seq, kv),) = handed
+        assert got_seq == seq
+        torch.testing.assert_close(kv, whole, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="not both"):
+        backend.generate(ids, None, sampling, on_prefill=print, on_sequence=print)
+
+
 def test_blocks_round_trip_and_are_never_mutated_by_a_forward_pass(backend):
     ids = backend.tokenize(CONTEXT)
     kv = backend.kv_from_cache(backend.prefill(ids)[0])

@@ -61,6 +61,18 @@ def test_a_conversations_next_turn_reuses_the_last_prompt_whole(client, workers,
     assert first.token_ids == replay(FIRST) and again.token_ids == replay(FIRST + turn)
 
 
+def test_a_conversations_next_turn_reuses_the_last_answer_too(client, workers, backend):
+    """The next turn's prompt is the last one, its answer and more: the answer's KV was kept
+    (``on_sequence``), so the turn computes only its new text, and equals text replay."""
+    w, turn = workers[0], " The tester reports two failures."
+    first = visit(w, FIRST, "partial-answers").compute()
+    again = visit(w, FIRST + first + turn, "partial-answers").compute()
+    ids = backend.tokenize(DOC + FIRST)
+    kept = ids + first.token_ids[:-1]
+    assert again.reused_tokens == common_prefix(backend.tokenize(DOC + FIRST + first + turn), kept) > len(ids)
+    assert again.token_ids == replay(FIRST + first + turn)
+
+
 def test_another_namespace_reuses_nothing_inside_a_block(client, workers):
     w = workers[1]
     visit(w, FIRST, "partial-owner").compute()

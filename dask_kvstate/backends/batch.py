@@ -54,7 +54,7 @@ def kv_bytes(backend, rows: list[Row], max_new_tokens: int) -> int:
     """KV bytes :func:`generate_batch` allocates for ``rows``: their own tokens (the prefix is
     borrowed), or, paged, the pages (the prefix copied into them)."""
     capacity = _capacity(rows, max_new_tokens)
-    if _paged(backend, rows, None):
+    if _paged(backend, rows):
         return paged_rows.kv_bytes(backend.cpu_attention, backend.num_layers, [r.keep for r in rows], capacity)
     return len(rows) * capacity * backend.kv_bytes_per_token
 
@@ -68,6 +68,7 @@ def generate_batch(
     *,
     started: float | None = None,
     on_prefill: Callable[[Any], None] | None = None,
+    on_sequence: Callable[[Any, list[int]], None] | None = None,
 ) -> list[GenerationResult]:
     """Generate for every row over the shared ``prefix`` KV ([L, 2, H, P, D]); one result per row.
 
@@ -76,12 +77,14 @@ def generate_batch(
     suffixes are prefilled by one forward, so they share it. ``on_prefill`` (one row only)
     gets the prompt's KV once its first token is picked, as a
     :class:`~dask_kvstate.backends.layout.PromptKV` (or the fallback's cache), which the
-    backend's ``kv_to_store`` reads. Raises ValueError for an empty row or a ``keep`` the
-    prefix can't cover.
+    backend's ``kv_to_store`` reads; ``on_sequence`` (one row only) gets it once decoding is
+    done, holding the generated tokens but the last too, with the ids it covers. Raises
+    ValueError for an empty row or a ``keep`` the prefix can't cover.
     """
     t0 = time.perf_counter() if started is None else started
-    if on_prefill is not None and len(rows) != 1:
-        raise ValueError(f"on_prefill takes the KV of one prompt, not of {len(rows)} rows")
+    hooks = {"on_prefill": on_prefill, "on_sequence": on_sequence}
+    if (on_prefill is not None or on_sequence is not None) and len(rows) != 1:
+        raise ValueError(f"on_prefill and on_sequence take the KV of one prompt, not of {len(rows)} rows")
     for n, row in enumerate(rows):
         if not row.ids:
             raise ValueError(f"row {n} has an empty prompt: give at least one token of text")
@@ -93,7 +96,7 @@ def generate_batch(
     why = "attention not routable" if not backend.cascade else unsupported_layout(backend.layout.kinds)
     if why is None:
         try:
-            return _cascade(backend, rows, prefix, sampling, t0, on_prefill)
+            return _cascade(backend, rows, prefix, sampling, t0, **hooks)
         except CascadeUnsupported as e:
             why = str(e)
     # The model's own attention, one stock resume per row; counted, so that a model the
@@ -105,34 +108,32 @@ def generate_batch(
             prefix[:, :, :, : r.keep] if prefix is not None and r.keep else None,
             _row_sampling(sampling, r),
             started=t0,
-            on_prefill=on_prefill,
+            **hooks,
         )
         for r in rows
     ]
 
 
-def _paged(backend, rows: list[Row], on_prefill) -> bool:
-    """Whether the rows go to vLLM's CPU kernel over shared pages (:mod:`.paged_rows`): a batch,
-    where the backend loaded the kernel, of a model with no sliding window."""
+def _paged(backend, rows: list[Row]) -> bool:
+    """Whether the rows go to vLLM's CPU kernel over shared pages (:mod:`.paged_rows`): a batch
+    (never one prompt, so no hook), where the backend loaded the kernel, of a model with no
+    sliding window."""
     return (
         getattr(backend, "cpu_attention", None) is not None
         and backend.cascade  # else the rows run one by one in the model's own attention
         and len(rows) >= paged_rows.MIN_ROWS
-        and on_prefill is None
         and all(w is None for w in backend.layout.windows)
     )
 
 
-def _cascade(
-    backend, rows: list[Row], prefix, sampling: Sampling, t0: float, on_prefill: Callable[[Any], None] | None
-) -> list[GenerationResult]:
+def _cascade(backend, rows: list[Row], prefix, sampling: Sampling, t0: float, **hooks) -> list[GenerationResult]:
     if prefix is not None:
         prefix = prefix.to(backend.device, non_blocking=True)
     keep, capacity = [r.keep for r in rows], _capacity(rows, sampling.max_new_tokens)
     kv: SharedPrefixKV | PagedRows
-    if _paged(backend, rows, on_prefill):
+    if _paged(backend, rows):
         kv = PagedRows(backend.cpu_attention, prefix, keep, capacity, num_layers=backend.num_layers)
-        return _run(backend, kv, rows, prefix, sampling, t0, on_prefill)
+        return _run(backend, kv, rows, prefix, sampling, t0)
     kv = SharedPrefixKV(
         prefix,
         keep,
@@ -144,7 +145,7 @@ def _cascade(
         device=backend.device,
         windows=backend.layout.windows,
     )
-    return _run(backend, kv, rows, prefix, sampling, t0, on_prefill)
+    return _run(backend, kv, rows, prefix, sampling, t0, **hooks)
 
 
 def _run(
@@ -154,7 +155,8 @@ def _run(
     prefix,
     sampling: Sampling,
     t0: float,
-    on_prefill: Callable[[Any], None] | None,
+    on_prefill: Callable[[Any], None] | None = None,
+    on_sequence: Callable[[Any, list[int]], None] | None = None,
 ) -> list[GenerationResult]:
     device = backend.device
     own = [len(r.ids) - r.keep for r in rows]
@@ -221,6 +223,13 @@ def _run(
                 kv.select(keep)
             live = [live[i] for i in keep]
     decode_s = time.perf_counter() - first
+    if on_sequence is not None:  # one row, never dropped from the batch: its buffers hold every token
+        assert isinstance(kv, SharedPrefixKV), "paged rows are batches, never one prompt"
+        computed = own[0] + max(len(outs[0]) - 1, 0)  # the last token's KV is not computed
+        on_sequence(
+            layout.PromptKV(prefix, rows[0].keep, kv.own_k[:, 0], kv.own_v[:, 0], computed),
+            list(rows[0].ids) + outs[0][:-1],
+        )
     return [
         GenerationResult(
             token_ids=outs[b],

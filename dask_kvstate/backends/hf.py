@@ -51,6 +51,8 @@ class HFBackend(Backend):
 
     #: torch's intra-op threads are this backend's threads: a worker may lend it idle ones
     elastic_threads = True
+    #: ``generate`` hands out the generated tokens' KV too (``on_sequence``)
+    sequence_kv = True
     #: a resume reads the state as one joined tensor, in place (shared-prefix attention)
     reads_blocks = False
 
@@ -244,6 +246,7 @@ class HFBackend(Backend):
         *,
         started: float | None = None,
         on_prefill: Callable[[Any], None] | None = None,
+        on_sequence: Callable[[Any, list[int]], None] | None = None,
         keep_from: int = 0,
         namespace: str | None = None,
     ) -> GenerationResult:
@@ -253,7 +256,11 @@ class HFBackend(Backend):
         ``started`` is when the caller began (for TTFT); defaults to now. ``on_prefill``
         is called with the prompt's KV (a cache :meth:`kv_to_store` reads) before decoding
         goes on (the local prefix cache keeps the prompt's blocks there); its time counts
-        as decode time. It holds every token, whatever ``keep_from`` says.
+        as decode time. It holds every token, whatever ``keep_from`` says. ``on_sequence``
+        instead gets the cache after decoding, holding the generated tokens' KV too (all
+        but the last), with the ids it covers; where a sliding-window layer of
+        transformers' own cache has dropped tokens (text replay of such a model), it gets
+        the prompt's before decoding, with the prompt's ids.
 
         With ``past_kv``, the state is read where it lies (shared-prefix attention, as a
         resume reads it: :func:`batch.generate_batch` with one row), not copied into a
@@ -265,11 +272,14 @@ class HFBackend(Backend):
         t0 = time.perf_counter() if started is None else started
         if not ids:
             raise ValueError("cannot generate from an empty prompt: give at least one token of text")
+        if on_prefill is not None and on_sequence is not None:
+            raise ValueError("give on_prefill or on_sequence, not both: the sequence holds the prompt")
+        hooks = {"on_prefill": on_prefill, "on_sequence": on_sequence}
         past_kv = _joined(past_kv)
         if past_kv is None:
-            return self.generate_in_cache(ids, None, sampling, started=t0, on_prefill=on_prefill)
+            return self.generate_in_cache(ids, None, sampling, started=t0, **hooks)
         row = Row(list(ids), int(past_kv.shape[3]))
-        return batch.generate_batch(self, [row], past_kv, sampling, started=t0, on_prefill=on_prefill)[0]
+        return batch.generate_batch(self, [row], past_kv, sampling, started=t0, **hooks)[0]
 
     def generate_in_cache(
         self,
@@ -279,6 +289,7 @@ class HFBackend(Backend):
         *,
         started: float | None = None,
         on_prefill: Callable[[Any], None] | None = None,
+        on_sequence: Callable[[Any, list[int]], None] | None = None,
     ) -> GenerationResult:
         """:meth:`generate` through transformers' own cache, ``past_kv`` (joined) copied into it:
         text replay, and the per-row fallback of a model the shared-prefix path cannot serve
@@ -287,9 +298,17 @@ class HFBackend(Backend):
         p0 = time.perf_counter()
         cache, logits = self.prefill(ids, past_kv)
         p1 = time.perf_counter()
+        # Decoding appends to the cache in place; a sliding-window layer drops what leaves its window.
+        whole = all(w is None for w in self.layout.windows)
         if on_prefill is not None:
             on_prefill(cache)
+        elif on_sequence is not None and not whole:
+            on_sequence(cache, list(ids))
         out, first_at = self.decode(cache, logits, sampling)
+        seq = list(ids) + out[:-1]
+        # The decode steps' KV went into this cache object (transformers appends in place): checked, not assumed.
+        if on_sequence is not None and whole and cache.get_seq_length() == len(seq):
+            on_sequence(cache, seq)
         reused = 0 if past_kv is None else int(past_kv.shape[3])
         return GenerationResult(
             token_ids=out,
