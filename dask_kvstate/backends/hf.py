@@ -274,12 +274,15 @@ class HFBackend(Backend):
             raise ValueError("cannot generate from an empty prompt: give at least one token of text")
         if on_prefill is not None and on_sequence is not None:
             raise ValueError("give on_prefill or on_sequence, not both: the sequence holds the prompt")
-        hooks = {"on_prefill": on_prefill, "on_sequence": on_sequence}
         past_kv = _joined(past_kv)
         if past_kv is None:
-            return self.generate_in_cache(ids, None, sampling, started=t0, **hooks)
+            return self.generate_in_cache(
+                ids, None, sampling, started=t0, on_prefill=on_prefill, on_sequence=on_sequence
+            )
         row = Row(list(ids), int(past_kv.shape[3]))
-        return batch.generate_batch(self, [row], past_kv, sampling, started=t0, **hooks)[0]
+        return batch.generate_batch(
+            self, [row], past_kv, sampling, started=t0, on_prefill=on_prefill, on_sequence=on_sequence
+        )[0]
 
     def generate_in_cache(
         self,
