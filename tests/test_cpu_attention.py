@@ -220,7 +220,7 @@ def test_sibling_rows_on_shared_pages_equal_text_replay(smollm2):
     prefix, rows = rows_over(smollm2, context_text(6), suffixes, [full, full, full - 1, full - 70, 20])
     assert len({r.keep for r in rows}) == 4
     sampling = Sampling(max_new_tokens=40)
-    assert batch._paged(smollm2, rows, None)
+    assert batch._paged(smollm2, rows)
     before = smollm2.cpu_attention.calls
     paged = batch.generate_batch(smollm2, rows, prefix, sampling)
     assert smollm2.cpu_attention.calls > before  # the kernel served the rows
@@ -237,7 +237,7 @@ def test_a_single_row_reads_its_state_in_place(smollm2):
     from dask_kvstate.bench.workload import context_text, suffix
 
     _, rows = rows_over(smollm2, context_text(3), [suffix(0)])
-    assert not batch._paged(smollm2, rows, None)
+    assert not batch._paged(smollm2, rows)
     own = len(rows[0].ids) - rows[0].keep
     assert batch.kv_bytes(smollm2, rows, 8) == (own + 8) * smollm2.kv_bytes_per_token
 
