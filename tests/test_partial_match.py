@@ -73,6 +73,18 @@ def test_a_conversations_next_turn_reuses_the_last_answer_too(client, workers, b
     assert again.token_ids == replay(FIRST + first + turn)
 
 
+def test_a_whole_block_prompt_stored_whole_is_served_again_with_one_new_token(client, workers, backend):
+    """A prompt of whole blocks the store holds every one of, asked again for one token: the
+    call has nothing to store (its answer's only token has no KV) and still reuses it all."""
+    w = workers[0]
+    text = next(DOC + " x" * n for n in range(2 * BLOCK) if len(backend.tokenize(DOC + " x" * n)) % BLOCK == 0)
+    ids = backend.tokenize(text)
+    with on(w):
+        first = kvs.generate(text, max_new_tokens=4, prefix_cache=True, namespace="whole").compute()
+        again = kvs.generate(text, max_new_tokens=1, prefix_cache=True, namespace="whole").compute()
+    assert again.reused_tokens == len(ids) - 1 and again.token_ids == first.token_ids[:1]
+
+
 def test_another_namespace_reuses_nothing_inside_a_block(client, workers):
     w = workers[1]
     visit(w, FIRST, "partial-owner").compute()

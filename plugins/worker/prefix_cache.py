@@ -46,6 +46,8 @@ def generate(rt, text: str, namespace: str, sampling: Sampling) -> Generation:
     stored = whole * rt.block_tokens  # the prompt's tokens the store already holds
 
     def keep(cache, seq: list[int], chain: tuple[bytes, ...]) -> None:  # the cache holds `seq` from `stored` on
+        if len(seq) <= stored:  # the store holds them all (a whole-block prompt again, one token out)
+            return
         kv = backend.kv_to_store(cache, stored, rt.block_tokens)
         rt.store_kv(kv, chain, whole, first_token=len(seq) - kv_tokens(kv), ids=seq, namespace=namespace)
 
