@@ -302,16 +302,17 @@ class HFBackend(Backend):
         cache, logits = self.prefill(ids, past_kv)
         p1 = time.perf_counter()
         # Decoding appends to the cache in place; a sliding-window layer drops what leaves its window.
-        whole = all(w is None for w in self.layout.windows)
+        keeps_every_token = all(w is None for w in self.layout.windows)
         if on_prefill is not None:
             on_prefill(cache)
-        elif on_sequence is not None and not whole:
+        elif on_sequence is not None and not keeps_every_token:
             on_sequence(cache, list(ids))
         out, first_at = self.decode(cache, logits, sampling)
-        seq = list(ids) + out[:-1]
-        # The decode steps' KV went into this cache object (transformers appends in place): checked, not assumed.
-        if on_sequence is not None and whole and cache.get_seq_length() == len(seq):
-            on_sequence(cache, seq)
+        if on_sequence is not None and keeps_every_token:
+            seq = list(ids) + out[:-1]
+            # The decode steps' KV went into this cache object (transformers appends in place): checked, not assumed.
+            if cache.get_seq_length() == len(seq):
+                on_sequence(cache, seq)
         reused = 0 if past_kv is None else int(past_kv.shape[3])
         return GenerationResult(
             token_ids=out,

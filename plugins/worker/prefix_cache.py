@@ -45,25 +45,21 @@ def generate(rt, text: str, namespace: str, sampling: Sampling) -> Generation:
     rt.counters["prefix_cache_misses"] += len(hashes) - whole
     stored = whole * rt.block_tokens  # the prompt's tokens the store already holds
 
-    def keep(cache, seq: list[int], chain: tuple[bytes, ...]) -> None:  # the cache holds `seq` from `stored` on
+    def keep(cache, seq: list[int] | None = None) -> None:  # the cache holds `seq` (the prompt) from `stored` on
+        seq = ids if seq is None else seq
         if len(seq) <= stored:  # the store holds them all (a whole-block prompt again, one token out)
             return
+        chain = hashes if seq is ids else rt.hashes(seq, namespace)
         kv = backend.kv_to_store(cache, stored, rt.block_tokens)
         rt.store_kv(kv, chain, whole, first_token=len(seq) - kv_tokens(kv), ids=seq, namespace=namespace)
-
-    def keep_sequence(cache, seq: list[int]) -> None:
-        keep(cache, seq, rt.hashes(seq, namespace))
-
-    def keep_prompt(cache) -> None:
-        keep(cache, ids, hashes)
 
     hooks: dict[str, Callable] = {}
     if backend.sequence_kv:
         # The answer too: a conversation's next prompt is this one, the answer and more, so
         # its next call loads the answer's KV instead of prefilling it again.
-        hooks["on_sequence"] = keep_sequence
+        hooks["on_sequence"] = keep
     elif whole < len(hashes):  # only the blocks the store lacks are asked of the backend
-        hooks["on_prefill"] = keep_prompt
+        hooks["on_prefill"] = keep
     return rt.generate_from(
         ids,
         rt.as_past(past),
