@@ -130,6 +130,33 @@ def test_check_model_name_takes_known_names_folders_and_gguf_files_without_openi
         models.load("gpt-17")
 
 
+def test_what_the_vllm_backend_cannot_serve_is_refused_on_the_client_naming_why(tmp_path):
+    from dask_kvstate.backends import check_supported
+    from dask_kvstate.backends.layout import UnsupportedModel
+    from dask_kvstate.testing import architectures
+
+    for name in ("smollm2-135m", "gemma3-270m", "tiny-llama"):
+        assert check_supported(name) == check_supported(name, "hf") == name
+    assert check_supported("smollm2-135m", "vllm") == "smollm2-135m"
+    with pytest.raises(UnsupportedModel, match=r"'gemma3-270m' has sliding-window layers; .*transformers backend"):
+        check_supported("gemma3-270m", "vllm")
+    with pytest.raises(UnsupportedModel, match=r"'tiny-llama' is built in memory .*model folder"):
+        check_supported("tiny-llama", "vllm")
+    # A folder: its config.json says which layers slide (no weights read).
+    sliding = architectures.build("mistral", tmp_path)
+    assert check_supported(str(sliding), "hf") == str(sliding)
+    with pytest.raises(UnsupportedModel, match=r"model type 'mistral' has .*sliding_attention.*; the vLLM backend"):
+        check_supported(str(sliding), "vllm")
+    full = architectures.build("llama", tmp_path)
+    assert check_supported(str(full), "vllm") == str(full)
+    # On the client, before any worker loads it; the backend from the config as from the argument.
+    with pytest.raises(UnsupportedModel, match="gemma3-270m"):
+        KVStateWorkerPlugin("gemma3-270m", backend="vllm")
+    with dask.config.set({"kvstate.backend": "vllm"}), pytest.raises(UnsupportedModel, match="gemma3-270m"):
+        KVStateWorkerPlugin(["smollm2-135m", "gemma3-270m"])
+    assert KVStateWorkerPlugin("gemma3-270m", backend="hf").models == ("gemma3-270m",)
+
+
 # -- dtype -------------------------------------------------------------------------------
 
 

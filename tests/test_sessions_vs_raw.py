@@ -77,6 +77,13 @@ def test_an_unknown_variant_is_refused_before_anything_starts():
         svr.command(svr.Options(variants=["kvstate-fast"]))
 
 
+def test_a_model_kvstates_vllm_backend_refuses_is_refused_before_anything_starts():
+    from dask_kvstate.backends.layout import UnsupportedModel
+
+    with pytest.raises(UnsupportedModel, match=r"sessions-vs-raw runs kvstate over vLLM: model 'gemma3-270m' has"):
+        svr.command(svr.Options(model="gemma3-270m"))
+
+
 @vllm_test
 def test_sessions_on_kvstate_answer_as_the_raw_engine_fed_as_a_server(tmp_path):
     # Three sessions of one round arriving together: the raw engine's step loop and

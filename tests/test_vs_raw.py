@@ -134,3 +134,18 @@ def test_the_command_line_runs_each_experiment_at_its_published_settings_or_its_
     assert (agents.agents, agents.repeats, agents.raw, agents.backends) == (8, 1, ["raw-vllm-eager"], ["vllm", "hf"])
     with pytest.raises(SystemExit):
         registry.parse(["vs-raw", "--parts", "ttft"])  # not a raw-engine experiment
+
+
+def test_a_model_kvstates_vllm_backend_refuses_leaves_out_its_rows_and_experiments_saying_why(tmp_path):
+    # Gemma3 slides: raw vLLM serves it, kvstate's vLLM backend does not (the transformers backend does).
+    opts = beyond_memory.Options(model="gemma3-270m", backends=["vllm", "hf"])
+    assert beyond_memory.row_names(opts) == [
+        *(v for v in opts.variants if v.startswith("raw-")),
+        *(f"{v}/hf" for v in opts.variants if v.startswith("kvstate")),
+    ]
+    assert set(beyond_memory.left_out(opts)) == {f"{v}/vllm" for v in opts.variants if v.startswith("kvstate")}
+    # An experiment with no row left to compare (sessions run kvstate over vLLM only) is left
+    # out before any engine starts; the run goes on and its table says why.
+    res = vs_raw.command(vs_raw.Options(model="gemma3-270m", parts=["sessions-vs-raw"], out=str(tmp_path)))
+    assert res["bars"] == [] and list(res["left_out"]) == ["sessions-vs-raw"]
+    assert "sliding-window layers" in (tmp_path / "vs_raw.md").read_text()

@@ -27,6 +27,14 @@ SMOLLM2 = packaged.SMOLLM2
 GEMMA3 = packaged.GEMMA3
 TINY_LLAMA = "tiny-llama"
 KNOWN_MODELS = (SMOLLM2, TINY_LLAMA, GEMMA3)
+#: Known models with sliding-window layers, which the vLLM backend refuses (a folder's
+#: config.json says it for the rest); listed so a client need not convert one to know.
+SLIDING_WINDOW_MODELS = frozenset({GEMMA3})
+#: Why the vLLM backend refuses a model whose layers are not all full attention.
+VLLM_FULL_ATTENTION_ONLY = (
+    "the vLLM backend serves full-attention models only (vLLM frees a sliding layer's out-of-window "
+    "blocks, which a state must keep): use the transformers backend for it"
+)
 #: the values of ``kvstate.dtype``, named as torch names them
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -60,24 +68,57 @@ def check_model_name(name: str) -> str:
     raise ValueError(f"unknown model {name!r}; known: {describe_known()}")
 
 
-def check_supported(name: str) -> str:
-    """Return ``name`` if its model keeps per-token KV, else raise ValueError naming what it lacks.
+def check_supported(name: str, backend: str | None = None) -> str:
+    """Return ``name`` if its model keeps per-token KV (and ``backend`` serves it), else raise
+    :class:`~.layout.UnsupportedModel` (a ValueError) naming what it lacks.
 
     Reads a folder's ``config.json`` only (no weights); known names are supported, and a
-    ``.gguf`` file is checked when a worker converts it.
+    ``.gguf`` file is checked when a worker converts it. ``backend="vllm"`` also refuses
+    what the vLLM backend cannot serve: ``tiny-llama`` (built in memory, no folder for an
+    engine to load) and models with sliding-window layers. So a client refuses a model
+    before a cluster loads it, and a benchmark can leave out the rows it cannot run.
+
+    >>> check_supported("smollm2-135m", "vllm")
+    'smollm2-135m'
+    >>> check_supported("gemma3-270m", "vllm")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    dask_kvstate.backends.layout.UnsupportedModel: model 'gemma3-270m' has sliding-window layers; the vLLM backend ...
     """
     path = Path(check_model_name(name)).expanduser()
-    if name not in KNOWN_MODELS and path.is_dir():
-        _check_folder(path)
+    found = _check_folder(path) if name not in KNOWN_MODELS and path.is_dir() else None
+    if backend != "vllm":
+        return name
+    from dask_kvstate.backends.layout import UnsupportedModel
+
+    if name == TINY_LLAMA:
+        raise UnsupportedModel(
+            f"{TINY_LLAMA!r} is built in memory and the vLLM backend loads a model folder: "
+            f"give {SMOLLM2!r} or a folder, or use the transformers backend"
+        )
+    if name in SLIDING_WINDOW_MODELS:
+        raise UnsupportedModel(f"model {name!r} has sliding-window layers; {VLLM_FULL_ATTENTION_ONLY}")
+    if found is not None:
+        require_full_attention(found)
     return name
 
 
-def _check_folder(folder: Path) -> None:
+def require_full_attention(found) -> None:
+    """Raise :class:`~.layout.UnsupportedModel` for a :class:`~.layout.Layout` whose layers
+    are not all full attention: what the vLLM backend cannot serve."""
+    if not found.uniform:
+        from dask_kvstate.backends.layout import UnsupportedModel
+
+        layers = found.describe()
+        raise UnsupportedModel(f"model type {found.model_type!r} has {layers} layers; {VLLM_FULL_ATTENTION_ONLY}")
+
+
+def _check_folder(folder: Path):
     from transformers import AutoConfig
 
     from dask_kvstate.backends import layout
 
-    layout.describe(AutoConfig.from_pretrained(folder, local_files_only=True))
+    return layout.describe(AutoConfig.from_pretrained(folder, local_files_only=True))
 
 
 def check_dtype(dtype: str) -> str:

@@ -93,12 +93,7 @@ class VLLMBackend(Backend):
         full_config = AutoConfig.from_pretrained(options.folder)
         self.config = full_config.get_text_config(decoder=True)
         self.layout = layout.describe(full_config)
-        if not self.layout.uniform:
-            raise layout.UnsupportedModel(
-                f"model type {self.layout.model_type!r} has {self.layout.describe()} layers; the vLLM backend "
-                "serves full-attention models only (vLLM frees a sliding layer's out-of-window blocks, which a "
-                "state must keep): use the transformers backend for it"
-            )
+        models.require_full_attention(self.layout)
         self.tokenizer = AutoTokenizer.from_pretrained(options.folder)
         self.vocab_size = int(getattr(self.config, "vocab_size", None) or len(self.tokenizer))
         self.block_tokens = options.block_tokens  # the engine's block size, and the connector's

@@ -127,8 +127,17 @@ def _kind(key) -> str:
 
 
 def rows(args: Options) -> list[str]:
-    """The rows, in the order every round runs them."""
-    return [*args.raw, *(f"dask-path/{b}" for b in args.dask_path), *(f"kvstate/{b}" for b in args.backends)]
+    """The rows, in the order every round runs them: those whose backend serves the model
+    (:func:`left_out` names the others)."""
+    every = [*args.raw, *(f"dask-path/{b}" for b in args.dask_path), *(f"kvstate/{b}" for b in args.backends)]
+    skip = workload.left_out(every, args.model)
+    return [name for name in every if name not in skip]
+
+
+def left_out(args: Options) -> dict[str, str]:
+    """The rows asked for whose backend refuses the model, and why."""
+    asked = [*(f"dask-path/{b}" for b in args.dask_path), *(f"kvstate/{b}" for b in args.backends)]
+    return workload.left_out(asked, args.model)
 
 
 @contextlib.contextmanager
@@ -173,6 +182,9 @@ def command(args: Options) -> dict:
     print(f"agents-vs-raw: {args.agents} agents over a {len(tokenize(context))}-token context, Y = {args.new_tokens}")
     parts = prompts(context, args.agents)
     warm = prompts(workload.context_text(8), args.agents)  # no row times its warm-up
+    skipped = left_out(args)
+    for name, why in skipped.items():
+        print(f"  {name} left out: {why}", flush=True)
     runs: dict[str, list[dict]] = {}
     for rep in range(args.repeats):
         for name in rows(args):
@@ -181,6 +193,7 @@ def command(args: Options) -> dict:
                 runs.setdefault(name, []).append({**run(parts), "start_s": start_s})
             print(f"  round {rep}: {name} {runs[name][-1]['wall_s']:.2f} s (started in {start_s:.1f} s)", flush=True)
     res = report(runs, args)
+    res["left_out"] = skipped
     res["context_tokens"] = len(tokenize(context))
     res["cpu"] = cpu_model()
     if args.out:
@@ -259,4 +272,4 @@ def markdown(res: dict) -> str:
     if spans:
         lines += ["", "Where the rows' time went (first start to last end of each kind of task, medians):", ""]
         lines += [f"- {line}" for line in spans]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + workload.left_out_lines(res.get("left_out", {}))) + "\n"

@@ -278,7 +278,19 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
 
 
 def row_names(args: Options) -> list[str]:
-    """The rows, in the order every repeat runs them."""
+    """The rows, in the order every repeat runs them: those whose backend serves the model
+    (:func:`left_out` names the others)."""
+    every = _rows_asked(args)
+    skip = workload.left_out(every, args.model)
+    return [name for name in every if name not in skip]
+
+
+def left_out(args: Options) -> dict[str, str]:
+    """The rows asked for whose backend refuses the model, and why."""
+    return workload.left_out(_rows_asked(args), args.model)
+
+
+def _rows_asked(args: Options) -> list[str]:
     names = [name for name in RAW if name in args.variants]
     for backend in args.backends:
         names += [f"{v}/{backend}" for v in args.variants if v.startswith("kvstate")]
@@ -324,6 +336,9 @@ def command(args: Options) -> dict:
         f"engine KV {format_bytes(parse_bytes(args.engine_kv))}",
         flush=True,
     )
+    skipped = left_out(args)
+    for name, why in skipped.items():
+        print(f"  {name} left out: {why}", flush=True)
     rows: dict[str, list[list[dict]]] = {}
     for rep in range(args.repeats):
         for name in row_names(args):
@@ -331,6 +346,7 @@ def command(args: Options) -> dict:
                 rows.setdefault(name, []).append(run(docs, order))
             print(f"  repeat {rep}: {name} {summarize(rows[name][-1])}", flush=True)
     res = report(rows, args)
+    res["left_out"] = skipped
     res["cpu"] = cpu_model()
     if args.out:
         write(res, Path(args.out))
@@ -382,7 +398,7 @@ def markdown(res: dict) -> str:
             f"{(m['returning_ttft_s'] or 0):.3f} s | {m.get('returning_speedup', 1):.1f}x | "
             f"{(m['returning_latency_s'] or 0):.3f} s | {tiers} | {res['identical'].get(name, '-')} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + workload.left_out_lines(res.get("left_out", {}))) + "\n"
 
 
 def write(res: dict, out: Path) -> None:

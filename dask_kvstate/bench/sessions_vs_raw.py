@@ -247,6 +247,11 @@ def command(args: Options) -> dict:
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}; known: {list(VARIANTS)}")
+    refused = workload.left_out(row_names(args), args.model)
+    if refused:  # every kvstate row runs over vLLM, so none can: say so before any engine starts
+        from dask_kvstate.backends.layout import UnsupportedModel
+
+        raise UnsupportedModel(f"sessions-vs-raw runs kvstate over vLLM: {next(iter(refused.values()))}")
     sessions = sessions_of(args)
     # Warm-up: two sessions of one round on tickets no measured session has, so nothing of
     # them is reused (a first round runs every kind of call a row makes).

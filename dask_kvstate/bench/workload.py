@@ -86,6 +86,32 @@ def tokenizer_of(model: str):
     return lambda text: tok(text)["input_ids"]
 
 
+def left_out(rows: list[str], model: str) -> dict[str, str]:
+    """The kvstate rows (``<kind>/<backend>``, or a bare name on vLLM) whose backend refuses
+    ``model``, and why: an experiment runs the rest and reports these, so a model one backend
+    cannot serve (a sliding-window model on vLLM) still gets its other rows measured.
+    ``raw`` rows are never left out here: vLLM alone serves what it serves."""
+    from dask_kvstate.backends import check_supported
+    from dask_kvstate.backends.layout import UnsupportedModel
+
+    why: dict[str, str] = {}
+    for row in rows:
+        if row.startswith("raw-"):
+            continue
+        try:
+            check_supported(model, row.rpartition("/")[2] if "/" in row else "vllm")
+        except UnsupportedModel as e:
+            why[row] = str(e)
+    return why
+
+
+def left_out_lines(why: dict[str, str]) -> list[str]:
+    """Markdown lines saying which rows were left out and why (none: no lines)."""
+    if not why:
+        return []
+    return ["", "Left out, their backend refusing the model:", "", *(f"- {row}: {w}" for row, w in why.items())]
+
+
 def contexts(client, lengths) -> dict[int, str]:
     """A context of at most ``L`` tokens for every ``L``, measured with the cluster's tokenizer."""
     w = sorted(client.nthreads())[0]

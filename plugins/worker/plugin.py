@@ -100,7 +100,9 @@ class KVStateWorkerPlugin(WorkerPlugin):
         # A bad key fails here, on the client (or in the preload), not later in a task.
         config.check(dask.config.get("kvstate"))
         names = [model] if isinstance(model, str) or model is None else list(model)
-        self.models = tuple(dict.fromkeys(check_supported(m or config.get("model")) for m in names or [None]))
+        kind = check_backend(backend if backend is not None else config.get("backend"))
+        # What the backend refuses (a sliding-window model on vLLM) fails here too, before any worker loads it.
+        self.models = tuple(dict.fromkeys(check_supported(m or config.get("model"), kind) for m in names or [None]))
         torch_threads = torch_threads if torch_threads is not None else config.get("worker.torch-threads")
         if torch_threads is not None and (not isinstance(torch_threads, int) or torch_threads < 1):
             raise ValueError(f"torch_threads must be a positive int or None, got {torch_threads!r}")
