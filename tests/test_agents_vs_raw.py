@@ -24,15 +24,19 @@ def test_rows_run_raw_engines_then_the_dask_path_then_kvstate():
     assert agents_vs_raw.rows(opts) == ["raw-vllm-eager", "raw-vllm", "dask-path/vllm", "kvstate/vllm", "kvstate/hf"]
 
 
-def test_rows_whose_backend_refuses_the_model_are_left_out_saying_why():
-    opts = agents_vs_raw.Options(model="gemma3-270m", backends=["vllm", "hf"], dask_path=["vllm"], raw=["raw-vllm"])
-    assert agents_vs_raw.rows(opts) == ["raw-vllm", "kvstate/hf"]  # raw vLLM serves it; kvstate's vLLM backend not
+def test_rows_whose_backend_refuses_the_model_are_left_out_saying_why(tmp_path):
+    from dask_kvstate.testing import architectures
+
+    slides = str(architectures.build("mistral", tmp_path))  # every layer slides: kvstate's vLLM backend refuses it
+    opts = agents_vs_raw.Options(model=slides, backends=["vllm", "hf"], dask_path=["vllm"], raw=["raw-vllm"])
+    assert agents_vs_raw.rows(opts) == ["raw-vllm", "kvstate/hf"]  # raw vLLM runs what it serves
     why = agents_vs_raw.left_out(opts)
     assert list(why) == ["dask-path/vllm", "kvstate/vllm"]
-    assert all("sliding-window layers" in w for w in why.values())
+    assert all("model type 'mistral' has 3 x sliding_attention" in w for w in why.values())
     text = agents_vs_raw.markdown({"options": {**vars(opts), "length": 64}, "table": {}, "left_out": why})
-    assert "Left out, their backend refusing the model:" in text and "- kvstate/vllm: model 'gemma3-270m'" in text
+    assert "Left out, their backend refusing the model:" in text and "- kvstate/vllm: model type 'mistral'" in text
     assert agents_vs_raw.left_out(agents_vs_raw.Options()) == {}
+    assert agents_vs_raw.left_out(agents_vs_raw.Options(model="gemma3-270m")) == {}
 
 
 def test_ratios_are_against_the_faster_raw_engine_and_outputs_against_its_first_round():

@@ -137,24 +137,25 @@ def test_what_the_vllm_backend_cannot_serve_is_refused_on_the_client_naming_why(
 
     for name in ("smollm2-135m", "gemma3-270m", "tiny-llama"):
         assert check_supported(name) == check_supported(name, "hf") == name
-    assert check_supported("smollm2-135m", "vllm") == "smollm2-135m"
-    with pytest.raises(UnsupportedModel, match=r"'gemma3-270m' has sliding-window layers; .*transformers backend"):
-        check_supported("gemma3-270m", "vllm")
+    # Gemma 3 mixes sliding and full layers: vLLM allocates all as full attention under kvstate's connector.
+    for name in ("smollm2-135m", "gemma3-270m"):
+        assert check_supported(name, "vllm") == name
     with pytest.raises(UnsupportedModel, match=r"'tiny-llama' is built in memory .*model folder"):
         check_supported("tiny-llama", "vllm")
     # A folder: its config.json says which layers slide (no weights read).
-    sliding = architectures.build("mistral", tmp_path)
-    assert check_supported(str(sliding), "hf") == str(sliding)
-    with pytest.raises(UnsupportedModel, match=r"model type 'mistral' has .*sliding_attention.*; the vLLM backend"):
-        check_supported(str(sliding), "vllm")
-    full = architectures.build("llama", tmp_path)
-    assert check_supported(str(full), "vllm") == str(full)
+    for family in ("llama", "gemma3", "qwen2"):
+        folder = str(architectures.build(family, tmp_path))
+        assert check_supported(folder, "vllm") == folder, family
+    every_layer_slides = str(architectures.build("mistral", tmp_path))
+    assert check_supported(every_layer_slides, "hf") == every_layer_slides
+    with pytest.raises(UnsupportedModel, match=r"'mistral' has 3 x sliding_attention.*full-attention layer only"):
+        check_supported(every_layer_slides, "vllm")
     # On the client, before any worker loads it; the backend from the config as from the argument.
-    with pytest.raises(UnsupportedModel, match="gemma3-270m"):
-        KVStateWorkerPlugin("gemma3-270m", backend="vllm")
-    with dask.config.set({"kvstate.backend": "vllm"}), pytest.raises(UnsupportedModel, match="gemma3-270m"):
-        KVStateWorkerPlugin(["smollm2-135m", "gemma3-270m"])
-    assert KVStateWorkerPlugin("gemma3-270m", backend="hf").models == ("gemma3-270m",)
+    with pytest.raises(UnsupportedModel, match="mistral"):
+        KVStateWorkerPlugin(every_layer_slides, backend="vllm")
+    with dask.config.set({"kvstate.backend": "vllm"}), pytest.raises(UnsupportedModel, match="tiny-llama"):
+        KVStateWorkerPlugin(["smollm2-135m", "tiny-llama"])
+    assert KVStateWorkerPlugin(every_layer_slides, backend="hf").models == (every_layer_slides,)
 
 
 # -- dtype -------------------------------------------------------------------------------

@@ -77,11 +77,13 @@ def test_an_unknown_variant_is_refused_before_anything_starts():
         svr.command(svr.Options(variants=["kvstate-fast"]))
 
 
-def test_a_model_kvstates_vllm_backend_refuses_is_refused_before_anything_starts():
+def test_a_model_kvstates_vllm_backend_refuses_is_refused_before_anything_starts(tmp_path):
     from dask_kvstate.backends.layout import UnsupportedModel
+    from dask_kvstate.testing import architectures
 
-    with pytest.raises(UnsupportedModel, match=r"sessions-vs-raw runs kvstate over vLLM: model 'gemma3-270m' has"):
-        svr.command(svr.Options(model="gemma3-270m"))
+    slides = str(architectures.build("mistral", tmp_path))  # every layer slides
+    with pytest.raises(UnsupportedModel, match=r"sessions-vs-raw runs kvstate over vLLM: model type 'mistral' has"):
+        svr.command(svr.Options(model=slides))
 
 
 @vllm_test

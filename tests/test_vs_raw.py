@@ -137,8 +137,11 @@ def test_the_command_line_runs_each_experiment_at_its_published_settings_or_its_
 
 
 def test_a_model_kvstates_vllm_backend_refuses_leaves_out_its_rows_and_experiments_saying_why(tmp_path):
-    # Gemma3 slides: raw vLLM serves it, kvstate's vLLM backend does not (the transformers backend does).
-    opts = beyond_memory.Options(model="gemma3-270m", backends=["vllm", "hf"])
+    from dask_kvstate.testing import architectures
+
+    # Every layer slides: raw vLLM serves it, kvstate's vLLM backend does not (the transformers backend does).
+    slides = str(architectures.build("mistral", tmp_path / "models"))
+    opts = beyond_memory.Options(model=slides, backends=["vllm", "hf"])
     assert beyond_memory.row_names(opts) == [
         *(v for v in opts.variants if v.startswith("raw-")),
         *(f"{v}/hf" for v in opts.variants if v.startswith("kvstate")),
@@ -146,6 +149,6 @@ def test_a_model_kvstates_vllm_backend_refuses_leaves_out_its_rows_and_experimen
     assert set(beyond_memory.left_out(opts)) == {f"{v}/vllm" for v in opts.variants if v.startswith("kvstate")}
     # An experiment with no row left to compare (sessions run kvstate over vLLM only) is left
     # out before any engine starts; the run goes on and its table says why.
-    res = vs_raw.command(vs_raw.Options(model="gemma3-270m", parts=["sessions-vs-raw"], out=str(tmp_path)))
+    res = vs_raw.command(vs_raw.Options(model=slides, parts=["sessions-vs-raw"], out=str(tmp_path / "out")))
     assert res["bars"] == [] and list(res["left_out"]) == ["sessions-vs-raw"]
-    assert "sliding-window layers" in (tmp_path / "vs_raw.md").read_text()
+    assert "model type 'mistral' has 3 x sliding_attention" in (tmp_path / "out" / "vs_raw.md").read_text()

@@ -27,16 +27,14 @@ SMOLLM2 = packaged.SMOLLM2
 GEMMA3 = packaged.GEMMA3
 TINY_LLAMA = "tiny-llama"
 KNOWN_MODELS = (SMOLLM2, TINY_LLAMA, GEMMA3)
-#: Known models with sliding-window layers, which the vLLM backend refuses (a folder's
-#: config.json says it for the rest); listed so a client need not convert one to know.
-SLIDING_WINDOW_MODELS = frozenset({GEMMA3})
-#: Why the vLLM backend refuses a model whose layers are not all full attention.
-VLLM_FULL_ATTENTION_ONLY = (
-    "the vLLM backend serves full-attention models only (vLLM frees a sliding layer's out-of-window "
-    "blocks, which a state must keep): use the transformers backend for it"
-)
 #: the values of ``kvstate.dtype``, named as torch names them
 DTYPES = ("float32", "bfloat16", "float16")
+#: Why the vLLM backend refuses a model none of whose layers is full attention.
+VLLM_NEEDS_A_FULL_LAYER = (
+    "the vLLM backend serves models with a full-attention layer only (beside one, vLLM allocates "
+    "sliding-window layers as full attention under kvstate's connector, so they keep every token; "
+    "alone, vLLM frees their out-of-window blocks, which a state must keep): use the transformers backend for it"
+)
 
 
 def describe_known() -> str:
@@ -75,42 +73,49 @@ def check_supported(name: str, backend: str | None = None) -> str:
     Reads a folder's ``config.json`` only (no weights); known names are supported, and a
     ``.gguf`` file is checked when a worker converts it. ``backend="vllm"`` also refuses
     what the vLLM backend cannot serve: ``tiny-llama`` (built in memory, no folder for an
-    engine to load) and models with sliding-window layers. So a client refuses a model
-    before a cluster loads it, and a benchmark can leave out the rows it cannot run.
+    engine to load) and a model without a full-attention layer
+    (:func:`require_full_attention_layer`). So a client refuses a model before a cluster
+    loads it, and a benchmark can leave out the rows it cannot run.
 
-    >>> check_supported("smollm2-135m", "vllm")
-    'smollm2-135m'
-    >>> check_supported("gemma3-270m", "vllm")  # doctest: +ELLIPSIS
+    >>> check_supported("gemma3-270m", "vllm")
+    'gemma3-270m'
+    >>> check_supported("tiny-llama", "vllm")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    dask_kvstate.backends.layout.UnsupportedModel: model 'gemma3-270m' has sliding-window layers; the vLLM backend ...
+    dask_kvstate.backends.layout.UnsupportedModel: 'tiny-llama' is built in memory and the vLLM backend loads ...
     """
     path = Path(check_model_name(name)).expanduser()
     found = _check_folder(path) if name not in KNOWN_MODELS and path.is_dir() else None
     if backend != "vllm":
         return name
-    from dask_kvstate.backends.layout import UnsupportedModel
-
     if name == TINY_LLAMA:
+        from dask_kvstate.backends.layout import UnsupportedModel
+
         raise UnsupportedModel(
             f"{TINY_LLAMA!r} is built in memory and the vLLM backend loads a model folder: "
             f"give {SMOLLM2!r} or a folder, or use the transformers backend"
         )
-    if name in SLIDING_WINDOW_MODELS:
-        raise UnsupportedModel(f"model {name!r} has sliding-window layers; {VLLM_FULL_ATTENTION_ONLY}")
     if found is not None:
-        require_full_attention(found)
+        require_full_attention_layer(found)
     return name
 
 
-def require_full_attention(found) -> None:
-    """Raise :class:`~.layout.UnsupportedModel` for a :class:`~.layout.Layout` whose layers
-    are not all full attention: what the vLLM backend cannot serve."""
-    if not found.uniform:
-        from dask_kvstate.backends.layout import UnsupportedModel
+def require_full_attention_layer(found) -> None:
+    """Raise :class:`~.layout.UnsupportedModel` for a :class:`~.layout.Layout` without a
+    full-attention layer: what the vLLM backend cannot serve.
 
+    Why a full layer is enough: kvstate's connector does not take vLLM's hybrid KV cache
+    manager, so vLLM allocates a model that mixes full and sliding (or chunked) layers as
+    full attention throughout and never frees a sliding layer's blocks below its window
+    (``unify_hybrid_kv_cache_specs``); the layers still attend within their windows. A model
+    whose every layer slides keeps its sliding allocation, whose out-of-window blocks vLLM
+    frees while a state must keep them.
+    """
+    from dask_kvstate.backends.layout import FULL, UnsupportedModel
+
+    if FULL not in found.kinds:
         layers = found.describe()
-        raise UnsupportedModel(f"model type {found.model_type!r} has {layers} layers; {VLLM_FULL_ATTENTION_ONLY}")
+        raise UnsupportedModel(f"model type {found.model_type!r} has {layers} layers; {VLLM_NEEDS_A_FULL_LAYER}")
 
 
 def _check_folder(folder: Path):

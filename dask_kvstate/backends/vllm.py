@@ -93,7 +93,7 @@ class VLLMBackend(Backend):
         full_config = AutoConfig.from_pretrained(options.folder)
         self.config = full_config.get_text_config(decoder=True)
         self.layout = layout.describe(full_config)
-        models.require_full_attention(self.layout)
+        models.require_full_attention_layer(self.layout)
         self.tokenizer = AutoTokenizer.from_pretrained(options.folder)
         self.vocab_size = int(getattr(self.config, "vocab_size", None) or len(self.tokenizer))
         self.block_tokens = options.block_tokens  # the engine's block size, and the connector's

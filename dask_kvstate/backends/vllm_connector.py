@@ -164,11 +164,33 @@ def _layer_index(name: str) -> int:
     return int(found[0])
 
 
+def _windowed_layers(kv_cache_config) -> list[str]:
+    """The layers vLLM's cache manager keeps only a window (or chunk) of blocks for."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+
+    if kv_cache_config is None:
+        return []
+    found: list[str] = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        specs = getattr(spec, "kv_cache_specs", None) or dict.fromkeys(group.layer_names, spec)
+        found += [name for name, s in specs.items() if isinstance(s, (SlidingWindowSpec, ChunkedLocalAttentionSpec))]
+    return found
+
+
 class KVStateConnector(KVConnectorBase_V1):
     """Loads our blocks into vLLM's paged cache and captures a prompt's KV out of it."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        windowed = _windowed_layers(kv_cache_config)
+        if windowed:  # vLLM would free their blocks below the window: a state there would be wrong
+            raise RuntimeError(
+                f"vLLM keeps only a window of KV blocks for layers {', '.join(windowed[:3])}"
+                f"{' and more' if len(windowed) > 3 else ''}, while a state keeps every token: kvstate's "
+                "connector serves models vLLM allocates as full attention throughout (any with a "
+                "full-attention layer, its hybrid KV cache manager off); use the transformers backend"
+            )
         self.block_size = int(vllm_config.cache_config.block_size)
         name = self._kv_transfer_config.get_from_extra_config(EXCHANGE_KEY, "default")
         self.exchange = exchange(str(name))
