@@ -98,3 +98,21 @@ def test_gemma3_270m_past_its_window_resumes_as_replay_and_hands_its_answers_kv(
         torch.testing.assert_close(backend.kv_from_cache(cache), whole, atol=2e-3, rtol=1e-3)
     finally:
         backend.close()
+
+
+def test_the_connector_finds_layers_vllm_keeps_a_window_of_blocks_for():
+    """What the connector refuses to start on (defence behind the backend's own check): a
+    layer vLLM allocates with a window, whose blocks below it vLLM frees."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    from dask_kvstate.backends.vllm_connector import _windowed_layers
+
+    shape = {"block_size": 64, "num_kv_heads": 1, "head_size": 32, "dtype": torch.float32}
+    full, sliding = FullAttentionSpec(**shape), SlidingWindowSpec(**shape, sliding_window=24)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+
+    def config(*groups):
+        return KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(*g) for g in groups])
+
+    assert _windowed_layers(config((names, full))) == [] and _windowed_layers(None) == []
+    assert _windowed_layers(config((names[:1], full), (names[1:], sliding))) == names[1:]

@@ -101,7 +101,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
         config.check(dask.config.get("kvstate"))
         names = [model] if isinstance(model, str) or model is None else list(model)
         kind = check_backend(backend if backend is not None else config.get("backend"))
-        # What the backend refuses (a sliding-window model on vLLM) fails here too, before any worker loads it.
+        # What the backend refuses (on vLLM, a model whose every layer slides) fails here, before any worker loads it.
         self.models = tuple(dict.fromkeys(check_supported(m or config.get("model"), kind) for m in names or [None]))
         torch_threads = torch_threads if torch_threads is not None else config.get("worker.torch-threads")
         if torch_threads is not None and (not isinstance(torch_threads, int) or torch_threads < 1):
