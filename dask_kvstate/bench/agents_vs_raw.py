@@ -129,15 +129,17 @@ def _kind(key) -> str:
 def rows(args: Options) -> list[str]:
     """The rows, in the order every round runs them: those whose backend serves the model
     (:func:`left_out` names the others)."""
-    every = [*args.raw, *(f"dask-path/{b}" for b in args.dask_path), *(f"kvstate/{b}" for b in args.backends)]
-    skip = workload.left_out(every, args.model)
-    return [name for name in every if name not in skip]
+    skip = left_out(args)
+    return [name for name in (*args.raw, *_kvstate_rows(args)) if name not in skip]
 
 
 def left_out(args: Options) -> dict[str, str]:
     """The rows asked for whose backend refuses the model, and why."""
-    asked = [*(f"dask-path/{b}" for b in args.dask_path), *(f"kvstate/{b}" for b in args.backends)]
-    return workload.left_out(asked, args.model)
+    return workload.left_out(_kvstate_rows(args), args.model)
+
+
+def _kvstate_rows(args: Options) -> list[str]:
+    return [*(f"dask-path/{b}" for b in args.dask_path), *(f"kvstate/{b}" for b in args.backends)]
 
 
 @contextlib.contextmanager

@@ -280,9 +280,8 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
 def row_names(args: Options) -> list[str]:
     """The rows, in the order every repeat runs them: those whose backend serves the model
     (:func:`left_out` names the others)."""
-    every = _rows_asked(args)
-    skip = workload.left_out(every, args.model)
-    return [name for name in every if name not in skip]
+    skip = left_out(args)
+    return [name for name in _rows_asked(args) if name not in skip]
 
 
 def left_out(args: Options) -> dict[str, str]:

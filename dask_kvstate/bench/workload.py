@@ -89,7 +89,7 @@ def tokenizer_of(model: str):
 def left_out(rows: list[str], model: str) -> dict[str, str]:
     """The kvstate rows (``<kind>/<backend>``, or a bare name on vLLM) whose backend refuses
     ``model``, and why: an experiment runs the rest and reports these, so a model one backend
-    cannot serve (a sliding-window model on vLLM) still gets its other rows measured.
+    cannot serve (on vLLM, one whose every layer slides) still gets its other rows measured.
     ``raw`` rows are never left out here: vLLM alone serves what it serves."""
     from dask_kvstate.backends import check_supported
     from dask_kvstate.backends.layout import UnsupportedModel
