@@ -129,17 +129,21 @@ def _kind(key) -> str:
 def rows(args: Options) -> list[str]:
     """The rows, in the order every round runs them: those whose backend serves the model
     (:func:`left_out` names the others)."""
-    skip = left_out(args)
-    return [name for name in (*args.raw, *_kvstate_rows(args)) if name not in skip]
+    return _runnable(args)[0]
 
 
 def left_out(args: Options) -> dict[str, str]:
     """The rows asked for whose backend refuses the model, and why."""
-    return workload.left_out(_kvstate_rows(args), args.model)
+    return _runnable(args)[1]
 
 
-def _kvstate_rows(args: Options) -> list[str]:
-    return [*(f"dask-path/{b}" for b in args.dask_path), *(f"kvstate/{b}" for b in args.backends)]
+def _runnable(args: Options) -> tuple[list[str], dict[str, str]]:
+    asked = {
+        **dict.fromkeys(args.raw),
+        **{f"dask-path/{b}": b for b in args.dask_path},
+        **{f"kvstate/{b}": b for b in args.backends},
+    }
+    return workload.runnable(asked, args.model)
 
 
 @contextlib.contextmanager
@@ -184,12 +188,12 @@ def command(args: Options) -> dict:
     print(f"agents-vs-raw: {args.agents} agents over a {len(tokenize(context))}-token context, Y = {args.new_tokens}")
     parts = prompts(context, args.agents)
     warm = prompts(workload.context_text(8), args.agents)  # no row times its warm-up
-    skipped = left_out(args)
+    names, skipped = _runnable(args)
     for name, why in skipped.items():
         print(f"  {name} left out: {why}", flush=True)
     runs: dict[str, list[dict]] = {}
     for rep in range(args.repeats):
-        for name in rows(args):
+        for name in names:
             with started(name, args) as (start_s, run):
                 run(warm)
                 runs.setdefault(name, []).append({**run(parts), "start_s": start_s})

@@ -280,20 +280,19 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
 def row_names(args: Options) -> list[str]:
     """The rows, in the order every repeat runs them: those whose backend serves the model
     (:func:`left_out` names the others)."""
-    skip = left_out(args)
-    return [name for name in _rows_asked(args) if name not in skip]
+    return _runnable(args)[0]
 
 
 def left_out(args: Options) -> dict[str, str]:
     """The rows asked for whose backend refuses the model, and why."""
-    return workload.left_out(_rows_asked(args), args.model)
+    return _runnable(args)[1]
 
 
-def _rows_asked(args: Options) -> list[str]:
-    names = [name for name in RAW if name in args.variants]
+def _runnable(args: Options) -> tuple[list[str], dict[str, str]]:
+    asked: dict[str, str | None] = {name: None for name in RAW if name in args.variants}
     for backend in args.backends:
-        names += [f"{v}/{backend}" for v in args.variants if v.startswith("kvstate")]
-    return names
+        asked |= {f"{v}/{backend}": backend for v in args.variants if v.startswith("kvstate")}
+    return workload.runnable(asked, args.model)
 
 
 @contextlib.contextmanager
@@ -335,12 +334,12 @@ def command(args: Options) -> dict:
         f"engine KV {format_bytes(parse_bytes(args.engine_kv))}",
         flush=True,
     )
-    skipped = left_out(args)
+    names, skipped = _runnable(args)
     for name, why in skipped.items():
         print(f"  {name} left out: {why}", flush=True)
     rows: dict[str, list[list[dict]]] = {}
     for rep in range(args.repeats):
-        for name in row_names(args):
+        for name in names:
             with started(name, args, spare) as run:
                 rows.setdefault(name, []).append(run(docs, order))
             print(f"  repeat {rep}: {name} {summarize(rows[name][-1])}", flush=True)

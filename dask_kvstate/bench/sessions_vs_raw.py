@@ -247,7 +247,7 @@ def command(args: Options) -> dict:
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}; known: {list(VARIANTS)}")
-    refused = workload.left_out(row_names(args), args.model)
+    _, refused = workload.runnable({n: None if n in RAW else "vllm" for n in row_names(args)}, args.model)
     if refused:  # every kvstate row runs over vLLM, so none can: say so before any engine starts
         from dask_kvstate.backends.layout import UnsupportedModel
 

@@ -86,23 +86,23 @@ def tokenizer_of(model: str):
     return lambda text: tok(text)["input_ids"]
 
 
-def left_out(rows: list[str], model: str) -> dict[str, str]:
-    """The kvstate rows (``<kind>/<backend>``, or a bare name on vLLM) whose backend refuses
-    ``model``, and why: an experiment runs the rest and reports these, so a model one backend
-    cannot serve (on vLLM, one whose every layer slides) still gets its other rows measured.
-    ``raw`` rows are never left out here: vLLM alone serves what it serves."""
+def runnable(rows: dict[str, str | None], model: str) -> tuple[list[str], dict[str, str]]:
+    """The rows (name -> the kvstate backend it runs, None for a raw engine) that can run
+    ``model``, in order, and the others with why their backend refuses it: an experiment
+    runs the first and reports the second, so a model one backend cannot serve (on vLLM,
+    one whose every layer slides) still gets its other rows measured. vLLM alone serves
+    what it serves: a raw row is never left out here."""
     from dask_kvstate.backends import check_supported
     from dask_kvstate.backends.layout import UnsupportedModel
 
-    why: dict[str, str] = {}
-    for row in rows:
-        if row.startswith("raw-"):
-            continue
+    refused: dict[str, str] = {}
+    for backend in dict.fromkeys(b for b in rows.values() if b is not None):
         try:
-            check_supported(model, row.rpartition("/")[2] if "/" in row else "vllm")
+            check_supported(model, backend)
         except UnsupportedModel as e:
-            why[row] = str(e)
-    return why
+            refused[backend] = str(e)
+    kept = [row for row, b in rows.items() if b not in refused]
+    return kept, {row: refused[b] for row, b in rows.items() if b in refused}
 
 
 def left_out_lines(why: dict[str, str]) -> list[str]:

@@ -115,7 +115,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
         # task results holding refs up to this size ride with their ref report (ref_copies.py)
         self.ref_copy_bytes = config.get_bytes("placement.ref-copy-bytes")
         if backend is not None:
-            self.config["kvstate"] = {**self.config["kvstate"], "backend": check_backend(backend)}
+            self.config["kvstate"] = {**self.config["kvstate"], "backend": kind}
         self.placement = False  # whether the scheduler runs the placement extension
         self.runtime: StateRuntime | None = None  # of the default (first) model
         self.runtimes: dict[str, StateRuntime] = {}  # model name -> its runtime, all sharing one block store
