@@ -17,10 +17,16 @@ from dask_kvstate.testing.chaos import SoakOptions, soak, summary
 
 pytestmark = pytest.mark.slow
 
+#: The SWE workflows' emulated test runs (the soak's default 0.3 s): long enough that the
+#: chaos outlasts the killer's pacing (a victim up 3 s, kills 1 s apart) for five kills even
+#: where the model computes fast; at 0.3 s a faster machine ran the 120 workflows in 9.3 s
+#: and the killer made 4.
+TOOL_SECONDS = 1.0
+
 
 @pytest.mark.timeout(600)
 def test_chaos_soak_every_output_identical_and_nothing_left(tmp_path):
-    opts = SoakOptions(workflows=120, kill_per=6, out=str(tmp_path / "soak.json"))
+    opts = SoakOptions(workflows=120, kill_per=6, tool_seconds=TOOL_SECONDS, out=str(tmp_path / "soak.json"))
     report = asyncio.run(soak(opts))
     print(summary(report))
     assert report["outcomes"] == {"identical": opts.workflows}, report["problems"]  # none different, failed or hung
