@@ -7,6 +7,7 @@ The end-to-end case skips, saying why, where vLLM is not installed (the ``vllm``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import dask
@@ -46,6 +47,35 @@ def test_the_report_takes_the_better_raw_engine_per_figure_and_counts_answers_ag
     assert table["kvstate"]["p99_change"] == pytest.approx(table["kvstate"]["p99_s"] / best_p99 - 1)
     assert table["kvstate"]["identical"] == "3/4" and table["raw-vllm-eager"]["identical"] == "4/4"
     assert table["kvstate"]["computed_tokens"] == 400 and table["kvstate"]["makespan_s"] == 13
+
+
+def test_raw_rows_run_again_with_more_engine_memory_and_the_best_raw_row_is_the_reference():
+    # kvstate's store keeps evicted states in host memory beside its engine: the raw engine
+    # given more KV memory is a baseline of its own, and the ratios take the best raw row.
+    opts = svr.Options(variants=["raw-vllm-core-in-process", "kvstate"], raw_engine_kv=["2GiB", "3GiB"])
+    assert svr.rows(opts) == {
+        "raw-vllm-core-in-process": ("raw-vllm-core-in-process", "1GiB"),
+        "raw-vllm-core-in-process (2GiB KV)": ("raw-vllm-core-in-process", "2GiB"),
+        "raw-vllm-core-in-process (3GiB KV)": ("raw-vllm-core-in-process", "3GiB"),
+        "kvstate": ("kvstate", "1GiB"),
+    }
+    assert svr.Options().raw_engine_kv == ["3GiB"] and svr.small().raw_engine_kv == []
+    want = [[1, 2]]
+    runs = {
+        "raw-vllm-core-in-process": [[_session(0, 40, want)]],  # thrashing at the same engine memory
+        "raw-vllm-core-in-process (3GiB KV)": [[_session(0, 12, want)]],
+        "kvstate": [[_session(0, 10, want)]],
+    }
+    table = svr.report(runs, opts)["table"]
+    assert table["kvstate"]["mean_speedup"] == pytest.approx(1.2)
+    assert table["raw-vllm-core-in-process (3GiB KV)"]["identical"] == "1/1"
+    md = svr.markdown({"options": dataclasses.asdict(opts), "table": table})
+    assert "engine KV 1GiB (raw rows also with 2GiB, 3GiB)" in md
+
+
+def test_a_memory_size_that_does_not_parse_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match=r"--raw-engine-kv 'lots' is not a memory size"):
+        svr.command(svr.Options(raw_engine_kv=["lots"]))
 
 
 def test_the_report_files_hold_every_row(tmp_path):
@@ -90,13 +120,20 @@ def test_a_model_kvstates_vllm_backend_refuses_is_refused_before_anything_starts
 def test_sessions_on_kvstate_answer_as_the_raw_engine_fed_as_a_server(tmp_path):
     # Three sessions of one round arriving together: the raw engine's step loop and
     # kvstate's defaults grow the same contexts, so every answer must be the same.
+    # The raw engine runs a second time with more KV memory, as the published runs do.
     opts = svr.small(
-        sessions=3, rounds=1, new_tokens=4, threads=2, variants=["raw-vllm-eager", "kvstate"], out=str(tmp_path)
+        sessions=3,
+        rounds=1,
+        new_tokens=4,
+        threads=2,
+        variants=["raw-vllm-eager", "kvstate"],
+        raw_engine_kv=["96MiB"],
+        out=str(tmp_path),
     )
     with dask.config.set({"kvstate.block-tokens": 64, **SPAWNED}):
         res = svr.command(opts)
     table = res["table"]
-    assert table["kvstate"]["identical"] == "9/9"
+    assert table["kvstate"]["identical"] == "9/9" and table["raw-vllm-eager (96MiB KV)"]["identical"] == "9/9"
     raw = res["runs"]["raw-vllm-eager"][0]
     # The raw engine's prefix cache served each session's later calls from its earlier ones.
     assert all(s["calls"][-1]["cached_tokens"] > 0 for s in raw)

@@ -78,6 +78,23 @@ def test_every_kvstate_row_is_held_to_its_bar_against_the_better_raw_engine():
     assert not any(row in ("raw-vllm", "raw-vllm-eager", "kvstate-fcfs") for _, row, _ in bars)  # no bar, no line
 
 
+def test_a_raw_engine_given_more_memory_is_a_raw_engine_the_bars_are_held_against():
+    def session(end: float) -> dict:
+        return {"calls": [{"token_ids": [9], "computed_tokens": 10}], "arrival_s": 0, "end_s": end}
+
+    runs = {
+        "raw-vllm": [[session(140), session(150)]],  # evicting every session's context at 1 GiB
+        "raw-vllm (3GiB KV)": [[session(40), session(40)]],
+        "kvstate": [[session(24), session(37)]],
+    }
+    res = svr.report(runs, svr.Options(repeats=1, raw_engine_kv=["3GiB"]))
+    bars = {b["measure"]: b for b in vs_raw.summary({"sessions-vs-raw": res})}
+    assert bars["mean session latency"]["raw_s"] == 40 and bars["mean session latency"]["met"]  # 40 / 30.5
+    assert bars["P99 session latency"]["ratio"] == pytest.approx(40 / res["table"]["kvstate"]["p99_s"])
+    assert not bars["P99 session latency"]["met"]
+    assert {b["row"] for b in bars.values()} == {"kvstate"}
+
+
 def test_the_table_says_each_ratio_as_its_bar_does():
     lines = {b["measure"]: b for b in _bars().values() if b["row"] in ("kvstate/vllm", "kvstate")}
     assert vs_raw._ratio(lines["first visit TTFT"]) == "1.05x raw's"

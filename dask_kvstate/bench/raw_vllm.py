@@ -57,6 +57,17 @@ RAW: dict[str, RawVariant] = {
 DEFAULT_RAW = ("raw-vllm", "raw-vllm-eager", "raw-vllm-core-in-process")
 
 
+def raw_variant(row: str) -> str | None:
+    """The raw engine variant a row of an experiment's table runs, or None for a kvstate row.
+    A raw row may carry what it runs with in brackets (``sessions_vs_raw``'s more memory).
+
+    >>> raw_variant("raw-vllm-eager"), raw_variant("raw-vllm (3GiB KV)"), raw_variant("kvstate")
+    ('raw-vllm-eager', 'raw-vllm', None)
+    """
+    variant = row.split(" (", 1)[0]
+    return variant if variant in RAW else None
+
+
 def cpu_model() -> str:
     """The CPU's model name, which every figure is given with (machines differ between runs)."""
     try:

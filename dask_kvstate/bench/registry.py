@@ -144,7 +144,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         ),
         Experiment(
             "sessions-vs-raw",
-            "many multi-round SWE-loop sessions arriving over time: raw vLLM fed as a server vs kvstate's defaults",
+            "many multi-round SWE-loop sessions at once: raw vLLM fed as a server vs kvstate's defaults",
             "dask_kvstate.bench.sessions_vs_raw",
         ),
         Experiment(

@@ -8,9 +8,9 @@
 ``S`` sessions of the SWE-loop shape, each on its own ticket: round after round a
 *planner*, a *developer* and a *tester* answer in turn on one growing shared context
 (the ticket, then every earlier prompt and answer of the session), so each call's
-prompt is the last one's plus a few dozen tokens. Sessions arrive open-loop (Poisson,
-``--rate``; 0: all at once), and every call goes in the moment the session's previous
-answer is out.
+prompt is the last one's plus a few dozen tokens. The sessions start together, all
+running at once (``--rate`` spreads their arrivals open-loop, Poisson: at 0.5/s about six
+of 32 overlap), and every call goes in the moment the session's previous answer is out.
 
 Side by side, in one run, each row alone on the host (started, warmed up on a spare
 session, measured, closed; repeats interleaved), every answer compared token for token
@@ -26,10 +26,14 @@ with the raw engine's:
   ``kvs.generate(context, prompt, prefix_cache=True)`` calls;
 - ``kvstate-fcfs``: the same with ``scheduling=False``: what the scheduling gives.
 
-Both sides get the same engine KV memory (``--engine-kv``). Reported per row: mean,
+Both sides get the same engine KV memory (``--engine-kv``). kvstate's store keeps what
+its engine evicts in host memory beside it, so the raw rows run again with more engine
+memory (``--raw-engine-kv``, named in the row: ``raw-vllm (3GiB KV)``): the raw engine
+given that memory as its KV cache, which is what a user of vLLM on a CPU host can do
+(vLLM's own KV offloading to host memory runs on GPUs only). Reported per row: mean,
 P50 and P99 end-to-end session latency (arrival to last answer), the makespan, prompt
-tokens the engine computed, and their ratios to the raw engine's (the better raw
-variant per figure).
+tokens the engine computed, and their ratios to the raw engine's (the best raw row per
+figure, whatever its memory).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from distributed import Client, LocalCluster
 
 import dask_kvstate as kvs
 from dask_kvstate.bench import workload
-from dask_kvstate.bench.raw_vllm import DEFAULT_RAW, RAW, RawEngine, cpu_model
+from dask_kvstate.bench.raw_vllm import DEFAULT_RAW, RAW, RawEngine, cpu_model, raw_variant
 from dask_kvstate.bench.report import saved
 
 #: ``kvs.install`` overrides of the kvstate rows.
@@ -76,11 +80,20 @@ class Options:
     rounds: int = dataclasses.field(default=3, metadata={"help": "planner, developer, tester rounds per session"})
     new_tokens: int = dataclasses.field(default=16, metadata={"help": "tokens each call generates at most"})
     rate: float = dataclasses.field(
-        default=0.5, metadata={"help": "sessions arriving per second (Poisson); 0: all at once"}
+        default=0.0, metadata={"help": "sessions arriving per second (Poisson); 0: all at once"}
     )
     seed: int = dataclasses.field(default=0, metadata={"help": "the arrivals' seed"})
     engine_kv: str = dataclasses.field(
         default="1GiB", metadata={"help": "every engine's KV memory, raw and kvstate alike"}
+    )
+    raw_engine_kv: list[str] = dataclasses.field(
+        # kvstate's store held at most 1 GiB beside its 1 GiB engine in the 32 sessions
+        default_factory=lambda: ["3GiB"],
+        metadata={
+            "help": "raw rows run again with each of these engine KV memories (a raw engine given what "
+            "kvstate's store holds beside its engine); the ratios are against the best raw row",
+            "nargs": "*",
+        },
     )
     max_model_len: int | None = dataclasses.field(
         default=None, metadata={"help": "the engines' longest request (tokens); default: the model's own"}
@@ -104,7 +117,7 @@ def small(**settings) -> Options:
     rounds on ~300-token tickets, all arriving at once, in an engine holding about two
     thirds of what they grow to (SmolLM2-135M: 45 KiB of KV a token)."""
     defaults = {"sessions": 4, "doc_tokens": 300, "rounds": 2, "new_tokens": 8, "rate": 0.0, "repeats": 1}
-    return Options(**{**defaults, "engine_kv": "64MiB", "max_model_len": 1024, **settings})
+    return Options(**{**defaults, "engine_kv": "64MiB", "raw_engine_kv": [], "max_model_len": 1024, **settings})
 
 
 # -- the workload ---------------------------------------------------------------------
@@ -205,9 +218,22 @@ def summarize(result: list[dict]) -> dict[str, float]:
     }
 
 
-def row_names(args: Options) -> list[str]:
-    """The rows, in the order every repeat runs them."""
-    return [v for v in VARIANTS if v in args.variants]
+def rows(args: Options) -> dict[str, tuple[str, str]]:
+    """The rows, in the order every repeat runs them: name -> (variant, engine KV memory).
+
+    A raw variant runs with ``args.engine_kv`` under its own name and once more per size of
+    ``args.raw_engine_kv``, named with it:
+
+    >>> list(rows(Options(variants=["raw-vllm", "kvstate"], raw_engine_kv=["3GiB"])).items())
+    [('raw-vllm', ('raw-vllm', '1GiB')), ('raw-vllm (3GiB KV)', ('raw-vllm', '3GiB')), ('kvstate', ('kvstate', '1GiB'))]
+    """
+    out: dict[str, tuple[str, str]] = {}
+    for v in VARIANTS:
+        if v in args.variants:
+            out[v] = (v, args.engine_kv)
+            if v in RAW:
+                out.update({f"{v} ({kv} KV)": (v, kv) for kv in args.raw_engine_kv})
+    return out
 
 
 @contextlib.contextmanager
@@ -215,13 +241,14 @@ def started(name: str, args: Options, spare: list[dict]) -> Iterator[Callable[[l
     """Row ``name`` started alone on the host and warmed up on the ``spare`` sessions
     (untimed): how to run the sessions on it; closed on leaving, before the next row
     starts (rows resident side by side slow each other, ``agents_vs_raw.started``)."""
-    kv = parse_bytes(args.engine_kv)
-    if name in RAW:
+    variant, engine_kv = rows(args)[name]
+    kv = parse_bytes(engine_kv)
+    if variant in RAW:
         with RawEngine(
             args.model,
             kv_cache_bytes=kv,
             max_model_len=args.max_model_len,
-            **RAW[name],
+            **RAW[variant],
             max_num_seqs=args.raw_max_seqs,
         ) as e:
             print(f"  {name}: engine started in {e.start_s:.1f} s", flush=True)
@@ -233,7 +260,7 @@ def started(name: str, args: Options, spare: list[dict]) -> Iterator[Callable[[l
         cluster = LocalCluster(n_workers=1, threads_per_worker=args.threads, dashboard_address=":0")
     try:
         with Client(cluster) as client:
-            kvs.install(client, args.model, backend="vllm", **KVSTATE[name])
+            kvs.install(client, args.model, backend="vllm", **KVSTATE[variant])
             client.run(workload.warm_up)
             with client.as_current():
                 run_kvstate(client, spare, args.new_tokens)
@@ -247,7 +274,12 @@ def command(args: Options) -> dict:
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}; known: {list(VARIANTS)}")
-    _, refused = workload.runnable({n: None if n in RAW else "vllm" for n in row_names(args)}, args.model)
+    for flag, size in [("--engine-kv", args.engine_kv)] + [("--raw-engine-kv", kv) for kv in args.raw_engine_kv]:
+        try:
+            parse_bytes(size)
+        except (ValueError, TypeError):
+            raise ValueError(f"{flag} {size!r} is not a memory size (write it as 1GiB, 512MiB, ...)") from None
+    _, refused = workload.runnable({n: None if raw_variant(n) else "vllm" for n in rows(args)}, args.model)
     if refused:  # every kvstate row runs over vLLM, so none can: say so before any engine starts
         from dask_kvstate.backends.layout import UnsupportedModel
 
@@ -263,7 +295,7 @@ def command(args: Options) -> dict:
     )
     runs: dict[str, list[list[dict]]] = {}
     for rep in range(args.repeats):
-        for name in row_names(args):
+        for name in rows(args):
             with started(name, args, spare) as run:
                 runs.setdefault(name, []).append(run(sessions))
             print(f"  repeat {rep}: {name} {summarize(runs[name][-1])}", flush=True)
@@ -282,7 +314,7 @@ def report(runs: dict[str, list[list[dict]]], args: Options) -> dict:
     for name, reps in runs.items():
         sums = [summarize(r) for r in reps]
         table[name] = {k: statistics.median(s[k] for s in sums) for k in sums[0]}
-    raw_names = [n for n in RAW if n in table]
+    raw_names = [n for n in table if raw_variant(n)]
     if raw_names:
         best_mean = min(table[n]["mean_s"] for n in raw_names)
         best_p99 = min(table[n]["p99_s"] for n in raw_names)
@@ -306,7 +338,9 @@ def markdown(res: dict) -> str:
         "",
         f"{o['sessions']} sessions x {calls} calls (planner, developer, tester x {o['rounds']} rounds) on a growing "
         f"context from a <= {o['doc_tokens']}-token ticket, <= {o['new_tokens']} new tokens a call, arrivals "
-        f"{o['rate']}/s (Poisson, seed {o['seed']}), engine KV {o['engine_kv']}, kvstate worker threads "
+        f"{o['rate']}/s (Poisson, seed {o['seed']}), engine KV {o['engine_kv']}"
+        + (f" (raw rows also with {', '.join(o['raw_engine_kv'])})" if o.get("raw_engine_kv") else "")
+        + f", kvstate worker threads "
         f"{o['threads']}, raw engine max_num_seqs {o.get('raw_max_seqs') or 'vLLM default'}; "
         f"medians of {o['repeats']} interleaved repeat(s).",
         "",
@@ -332,8 +366,9 @@ def write(res: dict, out: Path) -> None:
     for name, reps in res["runs"].items():
         e2e = sorted(s["end_s"] - s["arrival_s"] for s in reps[0])
         raw: dict[str, str] = {}
-        if name in RAW:  # raw rows grey: eager dashed, engine core in process dotted
-            variant = RAW[name]
+        variant_name = raw_variant(name)
+        if variant_name:  # raw rows grey: eager dashed, engine core in process dotted
+            variant = RAW[variant_name]
             style = "--" if variant.get("enforce_eager") else ":" if variant.get("core_in_process") else "-"
             raw = {"color": "0.5", "linestyle": style}
         ax.plot(np.arange(1, len(e2e) + 1) / len(e2e), e2e, label=name, **raw)
