@@ -367,10 +367,10 @@ def write(res: dict, out: Path) -> None:
         e2e = sorted(s["end_s"] - s["arrival_s"] for s in reps[0])
         raw: dict[str, str] = {}
         variant_name = raw_variant(name)
-        if variant_name:  # raw rows grey: eager dashed, engine core in process dotted
+        if variant_name:  # raw rows grey, lighter with more memory: eager dashed, core in process dotted
             variant = RAW[variant_name]
             style = "--" if variant.get("enforce_eager") else ":" if variant.get("core_in_process") else "-"
-            raw = {"color": "0.5", "linestyle": style}
+            raw = {"color": "0.5" if name == variant_name else "0.75", "linestyle": style}
         ax.plot(np.arange(1, len(e2e) + 1) / len(e2e), e2e, label=name, **raw)
     ax.set_xlabel("fraction of sessions done within (first repeat)")
     ax.set_ylabel("end-to-end session latency (s)")
