@@ -60,6 +60,8 @@ def test_raw_rows_run_again_with_more_engine_memory_and_the_best_raw_row_is_the_
         "kvstate": ("kvstate", "1GiB"),
     }
     assert svr.Options().raw_engine_kv == ["3GiB"] and svr.small().raw_engine_kv == []
+    again = dataclasses.replace(opts, raw_engine_kv=["3GiB", "1GiB", "3GiB"])  # the same engine is run once
+    assert list(svr.rows(again)) == ["raw-vllm-core-in-process", "raw-vllm-core-in-process (3GiB KV)", "kvstate"]
     want = [[1, 2]]
     runs = {
         "raw-vllm-core-in-process": [[_session(0, 40, want)]],  # thrashing at the same engine memory

@@ -227,12 +227,13 @@ def rows(args: Options) -> dict[str, tuple[str, str]]:
     >>> list(rows(Options(variants=["raw-vllm", "kvstate"], raw_engine_kv=["3GiB"])).items())
     [('raw-vllm', ('raw-vllm', '1GiB')), ('raw-vllm (3GiB KV)', ('raw-vllm', '3GiB')), ('kvstate', ('kvstate', '1GiB'))]
     """
+    more = [kv for kv in dict.fromkeys(args.raw_engine_kv) if kv != args.engine_kv]  # each size once
     out: dict[str, tuple[str, str]] = {}
     for v in VARIANTS:
         if v in args.variants:
             out[v] = (v, args.engine_kv)
             if v in RAW:
-                out.update({f"{v} ({kv} KV)": (v, kv) for kv in args.raw_engine_kv})
+                out.update({f"{v} ({kv} KV)": (v, kv) for kv in more})
     return out
 
 
