@@ -21,7 +21,8 @@ def _rounds(walls: list[float], outputs: list[list[int]]) -> list[dict]:
 
 def test_rows_run_raw_engines_then_the_dask_path_then_kvstate():
     opts = agents_vs_raw.Options(backends=["vllm", "hf"], dask_path=["vllm"], raw=["raw-vllm-eager", "raw-vllm"])
-    assert agents_vs_raw.rows(opts) == ["raw-vllm-eager", "raw-vllm", "dask-path/vllm", "kvstate/vllm", "kvstate/hf"]
+    rows, _ = agents_vs_raw.runnable(opts)
+    assert rows == ["raw-vllm-eager", "raw-vllm", "dask-path/vllm", "kvstate/vllm", "kvstate/hf"]
 
 
 def test_rows_whose_backend_refuses_the_model_are_left_out_saying_why(tmp_path):
@@ -29,14 +30,14 @@ def test_rows_whose_backend_refuses_the_model_are_left_out_saying_why(tmp_path):
 
     slides = str(architectures.build("mistral", tmp_path))  # every layer slides: kvstate's vLLM backend refuses it
     opts = agents_vs_raw.Options(model=slides, backends=["vllm", "hf"], dask_path=["vllm"], raw=["raw-vllm"])
-    assert agents_vs_raw.rows(opts) == ["raw-vllm", "kvstate/hf"]  # raw vLLM runs what it serves
-    why = agents_vs_raw.left_out(opts)
+    rows, why = agents_vs_raw.runnable(opts)
+    assert rows == ["raw-vllm", "kvstate/hf"]  # raw vLLM runs what it serves
     assert list(why) == ["dask-path/vllm", "kvstate/vllm"]
     assert all("model type 'mistral' has 3 x sliding_attention" in w for w in why.values())
     text = agents_vs_raw.markdown({"options": {**vars(opts), "length": 64}, "table": {}, "left_out": why})
     assert "Left out, their backend refusing the model:" in text and "- kvstate/vllm: model type 'mistral'" in text
-    assert agents_vs_raw.left_out(agents_vs_raw.Options()) == {}
-    assert agents_vs_raw.left_out(agents_vs_raw.Options(model="gemma3-270m")) == {}
+    assert agents_vs_raw.runnable(agents_vs_raw.Options())[1] == {}
+    assert agents_vs_raw.runnable(agents_vs_raw.Options(model="gemma3-270m"))[1] == {}
 
 
 def test_ratios_are_against_the_faster_raw_engine_and_outputs_against_its_first_round():

@@ -159,11 +159,12 @@ def test_a_model_kvstates_vllm_backend_refuses_leaves_out_its_rows_and_experimen
     # Every layer slides: raw vLLM serves it, kvstate's vLLM backend does not (the transformers backend does).
     slides = str(architectures.build("mistral", tmp_path / "models"))
     opts = beyond_memory.Options(model=slides, backends=["vllm", "hf"])
-    assert beyond_memory.row_names(opts) == [
+    rows, why = beyond_memory.runnable(opts)
+    assert rows == [
         *(v for v in opts.variants if v.startswith("raw-")),
         *(f"{v}/hf" for v in opts.variants if v.startswith("kvstate")),
     ]
-    assert set(beyond_memory.left_out(opts)) == {f"{v}/vllm" for v in opts.variants if v.startswith("kvstate")}
+    assert set(why) == {f"{v}/vllm" for v in opts.variants if v.startswith("kvstate")}
     # An experiment with no row left to compare (sessions run kvstate over vLLM only) is left
     # out before any engine starts; the run goes on and its table says why.
     res = vs_raw.command(vs_raw.Options(model=slides, parts=["sessions-vs-raw"], out=str(tmp_path / "out")))

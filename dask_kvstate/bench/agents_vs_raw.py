@@ -126,18 +126,9 @@ def _kind(key) -> str:
     return head if head and len(token) >= 8 and all(c in "0123456789abcdef" for c in token) else name
 
 
-def rows(args: Options) -> list[str]:
-    """The rows, in the order every round runs them: those whose backend serves the model
-    (:func:`left_out` names the others)."""
-    return _runnable(args)[0]
-
-
-def left_out(args: Options) -> dict[str, str]:
-    """The rows asked for whose backend refuses the model, and why."""
-    return _runnable(args)[1]
-
-
-def _runnable(args: Options) -> tuple[list[str], dict[str, str]]:
+def runnable(args: Options) -> tuple[list[str], dict[str, str]]:
+    """The rows, in the order every round runs them, that can run the model, and the rows
+    asked for whose backend refuses it with why (:func:`workload.runnable`)."""
     asked = {
         **dict.fromkeys(args.raw),
         **{f"dask-path/{b}": b for b in args.dask_path},
@@ -188,7 +179,7 @@ def command(args: Options) -> dict:
     print(f"agents-vs-raw: {args.agents} agents over a {len(tokenize(context))}-token context, Y = {args.new_tokens}")
     parts = prompts(context, args.agents)
     warm = prompts(workload.context_text(8), args.agents)  # no row times its warm-up
-    names, skipped = _runnable(args)
+    names, skipped = runnable(args)
     for name, why in skipped.items():
         print(f"  {name} left out: {why}", flush=True)
     runs: dict[str, list[dict]] = {}

@@ -277,18 +277,9 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
     }
 
 
-def row_names(args: Options) -> list[str]:
-    """The rows, in the order every repeat runs them: those whose backend serves the model
-    (:func:`left_out` names the others)."""
-    return _runnable(args)[0]
-
-
-def left_out(args: Options) -> dict[str, str]:
-    """The rows asked for whose backend refuses the model, and why."""
-    return _runnable(args)[1]
-
-
-def _runnable(args: Options) -> tuple[list[str], dict[str, str]]:
+def runnable(args: Options) -> tuple[list[str], dict[str, str]]:
+    """The rows, in the order every repeat runs them, that can run the model, and the rows
+    asked for whose backend refuses it with why (:func:`workload.runnable`)."""
     asked: dict[str, str | None] = {name: None for name in RAW if name in args.variants}
     for backend in args.backends:
         asked |= {f"{v}/{backend}": backend for v in args.variants if v.startswith("kvstate")}
@@ -334,7 +325,7 @@ def command(args: Options) -> dict:
         f"engine KV {format_bytes(parse_bytes(args.engine_kv))}",
         flush=True,
     )
-    names, skipped = _runnable(args)
+    names, skipped = runnable(args)
     for name, why in skipped.items():
         print(f"  {name} left out: {why}", flush=True)
     rows: dict[str, list[list[dict]]] = {}
