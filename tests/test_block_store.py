@@ -326,3 +326,27 @@ def test_the_event_loop_only_asks_for_spills_and_producers_wait_for_them(tmp_pat
     assert s.device.total_weight <= 2 * B and s.host.total_weight <= 2 * B and len(s.disk) == 5
     assert s.nbytes == 9 * B == s.device.total_weight + s.host.total_weight + s.disk.total
     s.close()
+
+
+def test_a_store_removes_the_folder_it_made_and_keeps_the_one_it_was_given(tmp_path):
+    """Without a folder the store spills to one of its own: gone at close, and when an
+    unclosed store is collected; a folder it was given (the worker's) stays its owner's."""
+    import gc
+
+    made = TieredBlockStore(device_bytes=B, host_bytes=B, disk_bytes=100 * B)
+    for h in (b"a", b"b", b"c"):
+        made.put(h, block())
+    assert made.where(b"a") == "disk" and os.listdir(made.directory)
+    made.close()
+    assert not os.path.exists(made.directory)
+
+    unclosed = TieredBlockStore(device_bytes=B, host_bytes=B, disk_bytes=100 * B)
+    folder = unclosed.directory
+    unclosed.mover.close()  # its thread holds the store; what stays is the store itself
+    del unclosed
+    gc.collect()
+    assert not os.path.exists(folder)
+
+    given = TieredBlockStore(str(tmp_path / "given"), device_bytes=B, host_bytes=B, disk_bytes=100 * B)
+    given.close()
+    assert os.path.isdir(tmp_path / "given")

@@ -36,8 +36,10 @@ dropped to be recomputed later.
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
@@ -60,8 +62,9 @@ class TieredBlockStore:
 
     Parameters
     ----------
-    directory : str
-        Folder for the disk tier (made 0700; its old contents are removed).
+    directory : str, optional
+        Folder for the disk tier (made 0700; its old contents are removed). Without one
+        the store makes its own temporary folder and removes it when closed, collected, or at exit.
     device_bytes, host_bytes, disk_bytes : int
         Budgets of the tiers. A memory tier may pass its budget by blocks that are
         pinned in use, and until the mover has moved what passed it (module docstring).
@@ -102,6 +105,12 @@ class TieredBlockStore:
         self.pins, self.holds = self.ledger.pins, self.ledger.holds
         self.device_type = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.directory = directory or tempfile.mkdtemp(prefix="kvstate-blocks-")
+        # A folder it made is the store's to remove: at close, or when the store is collected
+        # unclosed (a test's, a bench's) or at the interpreter's exit; a folder it was given (the
+        # worker's) is its owner's.
+        self._remove_own_folder = (
+            None if directory else weakref.finalize(self, shutil.rmtree, self.directory, ignore_errors=True)
+        )
         self.counters: dict[str, Counter[str]] = {t: Counter() for t in TIERS}
         self.counters["store"] = Counter()
         self.device_peak = 0
@@ -368,3 +377,5 @@ class TieredBlockStore:
 
     def close(self) -> None:
         self.mover.close()
+        if self._remove_own_folder is not None:
+            self._remove_own_folder()
