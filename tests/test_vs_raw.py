@@ -170,3 +170,13 @@ def test_a_model_kvstates_vllm_backend_refuses_leaves_out_its_rows_and_experimen
     res = vs_raw.command(vs_raw.Options(model=slides, parts=["sessions-vs-raw"], out=str(tmp_path / "out")))
     assert res["bars"] == [] and list(res["left_out"]) == ["sessions-vs-raw"]
     assert "model type 'mistral' has 3 x sliding_attention" in (tmp_path / "out" / "vs_raw.md").read_text()
+
+
+def test_every_figure_names_the_cpu_and_the_vector_instructions_torch_runs_there():
+    """One model name has meant AVX-512 on one machine and AVX2 only on another."""
+    import torch
+
+    from dask_kvstate.bench.raw_vllm import cpu_model
+
+    name, isa = cpu_model().split(", ", 1)
+    assert name and isa.startswith(torch.backends.cpu.get_cpu_capability())

@@ -68,14 +68,24 @@ def raw_variant(row: str) -> str | None:
 
 
 def cpu_model() -> str:
-    """The CPU's model name, which every figure is given with (machines differ between runs)."""
+    """The CPU's model name and the vector instructions torch runs on it, which every figure
+    is given with: machines differ between runs, and one name ("AMD EPYC") has come with
+    AVX-512 one time and with AVX2 only another, several times slower.
+    """
+    import torch
+
+    name = "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+                name = line.split(":", 1)[1].strip()
+                break
     except OSError:
         pass
-    return "unknown"
+    isa = torch.backends.cpu.get_cpu_capability()
+    if torch.cpu._is_amx_tile_supported():
+        isa += " + AMX"
+    return f"{name}, {isa}"
 
 
 @dataclass(frozen=True)
