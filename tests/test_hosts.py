@@ -36,7 +36,11 @@ pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reaso
 SLOW, FAST = "10 Mbit/s", "1 Gbit/s"
 SLOW_BPS, FAST_BPS = 10e6 / 8, 1e9 / 8
 CONNECT = 2.0  # Dask's and the KV pull's connect timeout on every host
-TTL = 3.0  # the scheduler's worker-ttl: a host silent this long is gone
+# The scheduler's worker-ttl: a host silent this long is gone. Not shorter: on a slow
+# 2-core machine busy with the other pytest worker's engine, a worker's heartbeats have
+# stalled for 7 s while it prefilled (AVX2-only EPYC, 2026-12-06), and at 3 s the scheduler
+# dropped a live worker that later tests had pinned tasks to.
+TTL = 10.0
 PROCESS_CONFIG = {
     "distributed.comm.timeouts.connect": f"{CONNECT}s",
     "distributed.scheduler.worker-ttl": f"{TTL}s",
