@@ -33,8 +33,8 @@ def test_a_users_own_choice_of_aot_compilation_is_kept(monkeypatch):
 def test_an_engine_whose_compile_fails_starts_eager_and_answers_as_transformers():
     """A worker without a working C++ compiler (``CXX`` pointing nowhere, every compile cache
     off, so inductor must build its kernels): the default, compiled start fails for real,
-    the engine starts eager instead, says so in ``kvs.stats``, and answers as transformers'
-    own ``generate`` does."""
+    on inductor's own compiler lookup before a minute of tracing, the engine starts eager
+    instead, says so in ``kvs.stats``, and answers as transformers' own ``generate`` does."""
     import dask
     from distributed import Client, LocalCluster
 

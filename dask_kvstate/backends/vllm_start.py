@@ -105,6 +105,8 @@ def start_engine(options: EngineOptions):
     )
     t0 = time.perf_counter()
     try:
+        if options.compile:
+            _check_cpp_compiler()
         engine = _built(args, options)
     except (ValueError, TypeError):  # the settings themselves: an eager start would refuse them too
         raise
@@ -123,6 +125,20 @@ def start_engine(options: EngineOptions):
         engine = _built(EngineArgs(**{**settings, "enforce_eager": True}), options)
     logger.info("kvstate: vLLM engine ready in %.1f s", time.perf_counter() - t0)
     return engine
+
+
+def _check_cpp_compiler() -> None:
+    """Raise inductor's own ``InvalidCxxCompiler`` now where it has no working C++ compiler.
+
+    Inductor looks for one only when it builds its first kernel, after tracing and lowering
+    the whole model: on a 2-core machine a start that was always going to fall back to eager
+    spent 72 s finding out. Its lookup is torch's private API: where it moved, the compile
+    attempt finds out as before."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:
+        return
+    get_cpp_compiler()
 
 
 def _built(args, options: EngineOptions):
