@@ -25,11 +25,8 @@ pytestmark = VLLM_TESTS
 PARTS = vllm_prompts()
 PREFIX = PARTS[0][0]
 GREEDY = Sampling(max_new_tokens=8, temperature=0.0, top_p=1.0, seed=None)
-#: The engine users get by default: this module's in-process engine compiles, and every
-#: test of it checks that build (the conformance suite, replay against transformers'
-#: ``generate``, each kind of load). The two workers' engines below, and the rest of the
-#: suite, run eager: one cold compile here, not three (on a 2-core machine with an empty
-#: inductor cache the two workers compiling at once took 304 s to start).
+#: The engine users get by default: the two workers' engines below compile (the in-process
+#: engine, and the rest of the suite, run eager, to start sooner).
 COMPILED = {"kvstate.vllm.compile": True}
 
 
@@ -37,9 +34,8 @@ COMPILED = {"kvstate.vllm.compile": True}
 def backend():
     from dask_kvstate.backends import load_backend
 
-    with dask.config.set({"kvstate.backend": "vllm", "kvstate.block-tokens": 64, **COMPILED}):
+    with dask.config.set({"kvstate.backend": "vllm", "kvstate.block-tokens": 64}):
         b = load_backend("smollm2-135m")
-    assert b.compiled
     yield b
     b.close()
 
@@ -353,7 +349,7 @@ def test_a_failed_step_leaves_no_unwritten_block_in_the_engine_cache(backend):
 def two_engines():
     """A client of two worker processes with a vLLM engine each (64-token blocks, whatever an
     earlier test left set; the pull rule: short prompts could make the rule recompute)."""
-    settings = dask.config.set({"kvstate.placement.rule": "pull", "kvstate.block-tokens": 64, **SPAWNED})
+    settings = dask.config.set({"kvstate.placement.rule": "pull", "kvstate.block-tokens": 64, **SPAWNED, **COMPILED})
     with settings, LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0") as cluster:
         with Client(cluster) as client:
             kvs.install(client, "smollm2-135m", backend="vllm")
@@ -368,8 +364,7 @@ def _reset_engines(client) -> None:
 
 def test_every_path_on_two_engines_is_token_identical_to_replay(two_engines, hf_model):
     """Worker A's engine makes the state; worker B's engine, which never saw it, resumes it.
-    Both engines eager (the compiled build is the in-process engine's, above), their replay
-    equal to transformers' ``generate``."""
+    Both engines compiled (the default), their replay equal to transformers' ``generate``."""
     client = two_engines
     _reset_engines(client)
     a, b = sorted(client.nthreads())
@@ -396,7 +391,7 @@ def test_every_path_on_two_engines_is_token_identical_to_replay(two_engines, hf_
     assert stats[b]["transfer_bytes"] >= ref.nbytes // 2  # B pulled A's blocks over the comm
     assert stats[b]["engine"]["loaded_tokens"] > 0  # and its engine got them through our connector
     assert stats[a]["engine"]["engine"] == "vllm"
-    assert not stats[a]["engine"]["compiled"] and not stats[b]["engine"]["compiled"]
+    assert stats[a]["engine"]["compiled"] and stats[b]["engine"]["compiled"]
     tokenize = workload.tokenizer_of("smollm2-135m")
     for (prefix, suffix), replayed in zip(PARTS, want):
         ids = tokenize(prefix + suffix)
