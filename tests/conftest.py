@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -121,29 +120,13 @@ def other_model(backend, tmp_path_factory):
     return str(folder)
 
 
-@functools.cache
 def vllm_missing() -> str | None:
-    """Why the vLLM tests skip here, or None where vLLM is usable (the ``vllm`` extra).
-
-    Asked once, when this file is imported (below): every pytest worker imports vLLM
-    before any test runs, as it always has. Asking only at the first vLLM test's setup
-    changed that order, and in two of three full runs the in-process Gemma 3 engine of
-    tests/test_vllm_kit.py then decoded token 0 after its first token (not understood;
-    never seen with vLLM imported first)."""
+    """Why the vLLM tests skip here, or None where vLLM is usable (the ``vllm`` extra)."""
     try:
         import vllm  # noqa: F401
     except Exception as e:  # a CUDA-linked torchvision next to the CPU torch breaks the import itself
         return f"vLLM is not usable here ({type(e).__name__}: {e}); pip install 'dask-kvstate[vllm]'"
     return None
-
-
-def pytest_runtest_setup(item):
-    """Skip, saying why, a test marked ``needs_vllm`` where vLLM is not usable."""
-    if item.get_closest_marker("needs_vllm") is not None and (why := vllm_missing()) is not None:
-        pytest.skip(why)
-
-
-vllm_missing()
 
 
 #: The marks of every vLLM test module: slow (an engine starts in about a minute), skipped,
@@ -152,7 +135,7 @@ vllm_missing()
 VLLM_TESTS = [
     pytest.mark.slow,
     pytest.mark.timeout(900),
-    pytest.mark.needs_vllm,
+    pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or ""),
     pytest.mark.xdist_group("vllm"),
 ]
 

@@ -27,6 +27,8 @@ from hypothesis import strategies as st
 import dask_kvstate as kvs
 from dask_kvstate.testing import shapes
 
+from .conftest import compute_released
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: Literal prompt segments: two long enough to share (``compiler.min-shared-chars``), the rest per call.
@@ -160,8 +162,6 @@ def value(x):
 def test_random_graphs_rewrite_acyclic_and_compute_the_same(client, recipe):
     outs = build(recipe)
     assert_acyclic(rewritten(outs))
-    from .conftest import compute_released  # not at import: the seed processes import this module
-
     off = compute_released(*outs)
     with kvs.stateflow():
         on = dask.compute(*build(recipe))
@@ -181,8 +181,6 @@ def test_debate_rag_batches_by_round_and_computes_the_same(client):
     )
     # One state, three rounds of three siblings: a batch per round, never across rounds.
     assert sorted(rows.values()) == [3, 3, 3]
-    from .conftest import compute_released
-
     off = compute_released(*debate_rag())
     with kvs.stateflow():
         on = dask.compute(*debate_rag())
