@@ -59,7 +59,9 @@ def test_gemma3_270m_past_its_window_resumes_as_replay_and_hands_its_answers_kv(
     """The real Gemma 3 270M (15 sliding layers, window 512, 3 full): a state of ~1,500
     tokens, three times the window, loaded into the engine resumes token for token as text
     replay, which equals transformers' ``generate``; the KV of a prompt and its answer
-    handed out equals a prefill of the same ids: every layer keeps every token."""
+    handed out equals a prefill of the same ids: every layer keeps every token. Each
+    generation follows NaN left in the attention kernel's scratch memory, which a decode
+    past the window split across threads used to merge (``plan_mixed_windows_unsplit``)."""
     from dask_kvstate.backends import load_backend, models
 
     from .conftest import vllm_prompts
@@ -80,8 +82,10 @@ def test_gemma3_270m_past_its_window_resumes_as_replay_and_hands_its_answers_kv(
             keep = len(ids) - 1
             assert full[:keep] == ids[:keep]
             backend.reset_engine_cache()
+            _leave_nan_in_the_kernels_scratch(backend, len(full))
             replay = backend.generate(full, None, sampling)
             backend.reset_engine_cache()  # nothing left in the engine: the state's blocks are loaded
+            _leave_nan_in_the_kernels_scratch(backend, len(full))
             resumed = backend.generate(full, kv[:, :, :, :keep], sampling)
             assert resumed.token_ids == replay.token_ids and resumed.reused_tokens == keep
             with torch.inference_mode():
@@ -90,6 +94,7 @@ def test_gemma3_270m_past_its_window_resumes_as_replay_and_hands_its_answers_kv(
         backend.reset_engine_cache()
         handed: list = []
         full = backend.tokenize(prefix + parts[0][1])
+        _leave_nan_in_the_kernels_scratch(backend, len(full))
         got = backend.generate(full, None, sampling, on_sequence=lambda c, s: handed.append((c, s)))
         ((cache, seq),) = handed
         assert seq == full + got.token_ids[:-1]
@@ -98,6 +103,38 @@ def test_gemma3_270m_past_its_window_resumes_as_replay_and_hands_its_answers_kv(
         torch.testing.assert_close(backend.kv_from_cache(cache), whole, atol=2e-3, rtol=1e-3)
     finally:
         backend.close()
+
+
+def _leave_nan_in_the_kernels_scratch(backend, tokens: int) -> None:
+    """NaN in vLLM's CPU attention scratch memory, as an earlier computation of a long-lived
+    process may leave it: a decode over NaN queries and ``tokens`` keys, planned and split as
+    the engine's threads would split one (run on the engine's own thread, so with its team)."""
+    from vllm import _custom_ops as ops
+
+    from dask_kvstate.backends.cpu_attention import PAGE_TOKENS, _isa
+
+    heads, kv_heads, dim = backend.config.num_attention_heads, backend.kv_heads, backend.head_dim
+    pages = -(-tokens // PAGE_TOKENS)
+    key_pages, value_pages = torch.zeros((pages, kv_heads, 2 * PAGE_TOKENS, dim)).chunk(2, dim=2)
+    starts, lengths = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
+    isa = _isa(torch.float32, dim)
+
+    def decode(_engine) -> bool:
+        plan = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, seq_lens=lengths,
+            dtype=torch.float32, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa,
+            enable_kv_split=True,
+        )  # fmt: skip
+        out = torch.zeros((1, heads, dim))
+        ops.cpu_attention_with_kv_cache(
+            query=torch.full((1, heads, dim), float("nan")), key_cache=key_pages, value_cache=value_pages,
+            output=out, query_start_loc=starts, seq_lens=lengths, scale=dim**-0.5, causal=True,
+            alibi_slopes=None, sliding_window=-1, block_table=torch.arange(pages, dtype=torch.int32)[None],
+            softcap=0.0, scheduler_metadata=plan, s_aux=None,
+        )  # fmt: skip
+        return bool(out.isnan().all())
+
+    assert backend.loop.call(decode)
 
 
 def test_the_connector_finds_layers_vllm_keeps_a_window_of_blocks_for():

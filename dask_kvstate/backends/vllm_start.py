@@ -123,8 +123,41 @@ def start_engine(options: EngineOptions):
             e,
         )
         engine = _built(EngineArgs(**{**settings, "enforce_eager": True}), options)
+    plan_mixed_windows_unsplit(engine)
     logger.info("kvstate: vLLM engine ready in %.1f s", time.perf_counter() - t0)
     return engine
+
+
+def plan_mixed_windows_unsplit(engine) -> bool:
+    """Have vLLM's CPU attention plan without KV splits where the engine's layers mix windows;
+    whether they do.
+
+    Why: our connector needs vLLM's hybrid KV cache manager off, so every layer of a model
+    such as Gemma 3 (sliding-window layers beside full ones) shares one KV cache group, and
+    vLLM 0.32 plans that group's attention with no window (its
+    ``CPUAttentionMetadataBuilder._group_sliding_window`` gives -1 where layers disagree). A
+    decode step past the window is then split across the threads by position, and in a
+    windowed layer a split lying wholly before the window computes nothing: the kernel
+    merges that split's partial output, left as its scratch memory held it, scaled by zero,
+    which is NaN where that memory held NaN from an earlier computation of the process.
+    Every token after the first then came out as token 0, depending on what ran in the
+    process before (``tests/test_vllm_kit.py`` leaves NaN there on purpose). Unsplit, each
+    thread's work covers whole sequences and the kernel's own window mask applies: the same
+    tokens, at the cost of attention parallelism for a decode of fewer sequences than threads.
+
+    vLLM reads the switch at every step (``envs.VLLM_CPU_ATTN_SPLIT_KV``); set as a module
+    attribute it is found before vLLM's environment lookup and its cache, for every CPU engine
+    of this process from now on (a worker runs one).
+    """
+    from vllm import envs
+    from vllm.model_executor.layers.attention import Attention
+
+    layers = engine.vllm_config.compilation_config.static_forward_context.values()
+    windows = {layer.impl.sliding_window for layer in layers if isinstance(layer, Attention)}
+    if len(windows) < 2:
+        return False
+    envs.VLLM_CPU_ATTN_SPLIT_KV = False
+    return True
 
 
 def _check_cpp_compiler() -> None:
