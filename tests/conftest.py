@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -120,13 +121,25 @@ def other_model(backend, tmp_path_factory):
     return str(folder)
 
 
+@functools.cache
 def vllm_missing() -> str | None:
-    """Why the vLLM tests skip here, or None where vLLM is usable (the ``vllm`` extra)."""
+    """Why the vLLM tests skip here, or None where vLLM is usable (the ``vllm`` extra).
+
+    Asked when the first test marked ``needs_vllm`` is set up, not when this file is imported:
+    importing vLLM takes 6 s of CPU, which every process importing a test module (the ten of
+    tests/test_compiler_acyclic.py's hash-seed check, the pytest worker running no vLLM test)
+    would otherwise pay."""
     try:
         import vllm  # noqa: F401
     except Exception as e:  # a CUDA-linked torchvision next to the CPU torch breaks the import itself
         return f"vLLM is not usable here ({type(e).__name__}: {e}); pip install 'dask-kvstate[vllm]'"
     return None
+
+
+def pytest_runtest_setup(item):
+    """Skip, saying why, a test marked ``needs_vllm`` where vLLM is not usable."""
+    if item.get_closest_marker("needs_vllm") is not None and (why := vllm_missing()) is not None:
+        pytest.skip(why)
 
 
 #: The marks of every vLLM test module: slow (an engine starts in about a minute), skipped,
@@ -135,7 +148,7 @@ def vllm_missing() -> str | None:
 VLLM_TESTS = [
     pytest.mark.slow,
     pytest.mark.timeout(900),
-    pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or ""),
+    pytest.mark.needs_vllm,
     pytest.mark.xdist_group("vllm"),
 ]
 

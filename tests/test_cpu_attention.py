@@ -18,9 +18,9 @@ from dask_kvstate.backends.cpu_attention import CPUAttention
 from dask_kvstate.backends.hf import HFBackend
 from dask_kvstate.generation import Sampling
 
-from .conftest import transformers_continuation, vllm_missing
+from .conftest import transformers_continuation
 
-pytestmark = pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or "")
+pytestmark = pytest.mark.needs_vllm  # vLLM's CPU attention kernel: skipped, saying why, without vLLM
 
 HEADS, KV_HEADS, DIM = 9, 3, 64  # SmolLM2-135M's
 

@@ -9,9 +9,7 @@ import pytest
 
 from dask_kvstate.bench import hf_kernels, registry
 
-from .conftest import vllm_missing
-
-vllm_test_marks = pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or "")
+vllm_test_marks = pytest.mark.needs_vllm  # vLLM's CPU attention kernel: skipped, saying why, without vLLM
 
 
 def test_hf_kernels_times_every_mode_with_equal_tokens(tmp_path, capsys):

@@ -121,21 +121,16 @@ def test_a_model_kvstates_vllm_backend_refuses_is_refused_before_anything_starts
 @vllm_test
 def test_sessions_on_kvstate_answer_as_the_raw_engine_fed_as_a_server(tmp_path):
     # Three sessions of one round arriving together: the raw engine's step loop and
-    # kvstate's defaults grow the same contexts, so every answer must be the same.
-    # The raw engine runs a second time with more KV memory, as the published runs do.
+    # kvstate's defaults grow the same contexts, so every answer must be the same. (The
+    # published runs' second raw row, more KV memory, is the same engine started with
+    # another size: its row and report are checked above, without a third engine here.)
     opts = svr.small(
-        sessions=3,
-        rounds=1,
-        new_tokens=4,
-        threads=2,
-        variants=["raw-vllm-eager", "kvstate"],
-        raw_engine_kv=["96MiB"],
-        out=str(tmp_path),
+        sessions=3, rounds=1, new_tokens=4, threads=2, variants=["raw-vllm-eager", "kvstate"], out=str(tmp_path)
     )
     with dask.config.set({"kvstate.block-tokens": 64, **SPAWNED}):
         res = svr.command(opts)
     table = res["table"]
-    assert table["kvstate"]["identical"] == "9/9" and table["raw-vllm-eager (96MiB KV)"]["identical"] == "9/9"
+    assert table["kvstate"]["identical"] == "9/9" and table["raw-vllm-eager"]["identical"] == "9/9"
     raw = res["runs"]["raw-vllm-eager"][0]
     # The raw engine's prefix cache served each session's later calls from its earlier ones.
     assert all(s["calls"][-1]["cached_tokens"] > 0 for s in raw)

@@ -77,7 +77,7 @@ def test_gemma3_270m_past_its_window_resumes_as_replay_and_hands_its_answers_kv(
         assert len(ids) > 2 * 512
         kv = backend.kv_from_cache(backend.prefill(ids)[0])
         assert kv.shape[0] == 18 and kv.shape[3] == len(ids)  # every layer, every token
-        for _, suffix in parts[:2]:
+        for i, (_, suffix) in enumerate(parts[:2]):
             full = backend.tokenize(prefix + suffix)
             keep = len(ids) - 1
             assert full[:keep] == ids[:keep]
@@ -88,9 +88,10 @@ def test_gemma3_270m_past_its_window_resumes_as_replay_and_hands_its_answers_kv(
             _leave_nan_in_the_kernels_scratch(backend, len(full))
             resumed = backend.generate(full, kv[:, :, :, :keep], sampling)
             assert resumed.token_ids == replay.token_ids and resumed.reused_tokens == keep
-            with torch.inference_mode():
-                want = model.generate(torch.tensor([full]), max_new_tokens=12, do_sample=False)[0, len(full) :]
-            assert replay.token_ids == want.tolist()[: len(replay.token_ids)]
+            if i == 0:  # the engine's replay is transformers' own: once (a 1,500-token generate is slow here)
+                with torch.inference_mode():
+                    want = model.generate(torch.tensor([full]), max_new_tokens=12, do_sample=False)[0, len(full) :]
+                assert replay.token_ids == want.tolist()[: len(replay.token_ids)]
         backend.reset_engine_cache()
         handed: list = []
         full = backend.tokenize(prefix + parts[0][1])
