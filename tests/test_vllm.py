@@ -66,6 +66,13 @@ def test_the_engine_gets_exactly_the_kv_memory_configured(backend):
     assert 0 < cache.num_gpu_blocks <= cache.kv_cache_memory_bytes // page
 
 
+def test_a_model_whose_layers_agree_on_their_window_keeps_its_attention_split(backend):
+    """Only engines mixing windows plan without KV splits (tests/test_vllm_kit.py's Gemma 3)."""
+    from dask_kvstate.backends.vllm_start import plan_mixed_windows_unsplit
+
+    assert plan_mixed_windows_unsplit(backend.loop.engine) is False
+
+
 def test_captured_kv_is_transformers_kv_of_the_same_prompt(backend, hf_model):
     ids = backend.tokenize(PREFIX)
     kv = backend.kv_from_cache(backend.prefill(ids)[0])
