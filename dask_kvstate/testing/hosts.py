@@ -92,7 +92,9 @@ class Hosts:
         passed to each process as ``--tls-ca-file``, ``--tls-cert`` and ``--tls-key`` and
         to :meth:`client` as its ``security``; deleted on :meth:`close`.
     start_timeout
-        Seconds for the scheduler to listen and every worker to register.
+        Seconds for the scheduler to listen and every worker to register. A worker's
+        kvstate plugin loads its model before it registers: on two cores busy with another
+        test's vLLM engine, one took over 60 s (a deadline only; a start takes 5-40 s).
     """
 
     n_workers: int = 2
@@ -101,7 +103,7 @@ class Hosts:
     worker_args: tuple[str, ...] = ()
     scheduler_args: tuple[str, ...] = ()
     tls: bool = False
-    start_timeout: float = 60.0
+    start_timeout: float = 180.0
     hosts: dict[str, Host] = field(default_factory=dict, init=False)
     tls_files: TLSFiles | None = field(default=None, init=False)
 
