@@ -16,11 +16,13 @@ Runs as root where namespaces work; skips with the reason elsewhere.
 
 from __future__ import annotations
 
+import asyncio
+import ssl
 import time
 
 import dask
 import pytest
-from distributed import Client
+from distributed.comm import CommClosedError, connect
 from distributed.utils_test import poll_for
 
 import dask_kvstate as kvs
@@ -28,6 +30,7 @@ from dask_kvstate import tasks
 from dask_kvstate.bench import probes
 from dask_kvstate.protocol import HOLDERS, PLACEMENT_EXTENSION, WORKER_PLUGIN
 from dask_kvstate.testing.hosts import Hosts, skip_reason
+from dask_kvstate.testing.tls import TLSFiles, throwaway_ca
 
 from .conftest import CONTEXT, TEST_CONFIG
 
@@ -67,15 +70,49 @@ def replay(client, text: str, n: int = 12):
     return client.submit(tasks.generate, text, max_new_tokens=n, pure=False).result()
 
 
-def test_hosts_speak_tls_only(hosts):
+def test_hosts_speak_tls_only(hosts, tmp_path):
     assert hosts.scheduler_address.startswith("tls://")
     assert set(hosts.kv_client.nthreads()) == set(hosts.workers.values())
     assert all(w.startswith("tls://") for w in hosts.workers.values())
-    # without the throwaway CA's certificates, or in plain TCP, nobody gets in
+    # Nobody gets in without a certificate the hosts' CA signed: not in plain TCP, not over
+    # TLS without a client certificate, not with one another CA signed (the client trusts
+    # the scheduler in the last two, so it is the scheduler that refuses). Raw comms, not
+    # a Client: a Client whose start fails is left to the garbage collector, and its
+    # __del__ takes distributed's class-wide LoopRunner lock, which deadlocked the next
+    # Client starting in this thread until pytest-timeout (236 s in one full run).
+    ca = hosts.tls_files.ca
+    foreign = throwaway_ca(str(tmp_path), [hosts.hosts["s"].addr])
     s = hosts.hosts["s"]
-    for address, security in ((hosts.scheduler_address, None), (f"tcp://{s.addr}:{s.port}", None)):
-        with pytest.raises(Exception), Client(address, security=security, timeout="3s"):
-            pass
+    attempts = {
+        "plain TCP": (f"tcp://{s.addr}:{s.port}", {}),
+        "no client certificate": (hosts.scheduler_address, {"ssl_context": _trusting(ca)}),
+        "another CA's certificate": (hosts.scheduler_address, {"ssl_context": _trusting(ca, foreign)}),
+    }
+    for what, (address, args) in attempts.items():
+        with pytest.raises((OSError, CommClosedError)) as refused:  # distributed raises OSError on a refused handshake
+            asyncio.run(_rpc_identity(address, args))
+        print(f"{what}: refused ({refused.value!r})")
+    assert asyncio.run(_rpc_identity(hosts.scheduler_address, hosts.tls_files.security().get_connection_args("client")))
+
+
+def _trusting(ca: str, cert: TLSFiles | None = None) -> ssl.SSLContext:
+    """A client TLS context that trusts the hosts' CA and shows ``cert`` (or no certificate).
+    Built by hand: distributed's ``Security`` makes no client context without a certificate."""
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+    ctx.check_hostname = False  # Dask verifies the chain, not the host name
+    if cert is not None:
+        ctx.load_cert_chain(cert.cert, cert.key)
+    return ctx
+
+
+async def _rpc_identity(address: str, connection_args: dict) -> dict:
+    """The scheduler's ``identity`` reply over one raw comm (connect, handshake, one call)."""
+    comm = await connect(address, timeout=3, **connection_args)
+    try:
+        await comm.write({"op": "identity"})
+        return await comm.read()
+    finally:
+        await comm.close()
 
 
 def test_state_made_on_one_host_resumes_on_another_over_a_shaped_link(hosts):
