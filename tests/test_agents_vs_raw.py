@@ -84,3 +84,22 @@ def test_a_rounds_phases_span_each_kind_of_task_in_the_task_stream():
     runs = {"kvstate/vllm": [{"wall_s": 18.0, "outputs": [[1]], "start_s": 1.0, "phases": got}]}
     res = agents_vs_raw.report(runs, agents_vs_raw.Options(repeats=1))
     assert "kvstate/vllm: kvs-materialize 9.50 s, kvs-resume_many 8.00 s" in agents_vs_raw.markdown(res)
+
+
+def test_the_report_counts_each_rows_prompt_tokens_computed_as_the_median_of_its_rounds():
+    runs = {
+        "raw-vllm": [
+            {"wall_s": w, "outputs": [[1]], "computed_tokens": c} for w, c in ((10.0, 6100), (11.0, 6000), (9.0, 6200))
+        ],
+        "kvstate/vllm": [{"wall_s": w, "outputs": [[1]], "computed_tokens": 4600} for w in (8.0, 7.0, 9.0)],
+        "kvstate/hf": [{"wall_s": 9.0, "outputs": [[1]]}],  # a round without the count: none shown
+    }
+    res = agents_vs_raw.report(runs, agents_vs_raw.Options(repeats=3))
+    assert res["table"]["raw-vllm"]["computed_tokens"] == 6100
+    assert res["table"]["kvstate/vllm"]["computed_tokens"] == 4600
+    assert "computed_tokens" not in res["table"]["kvstate/hf"]
+    md = agents_vs_raw.markdown(res)
+    assert "| prompt tokens computed |" in md
+    assert "| raw-vllm | 10.00 s | 10.00, 11.00, 9.00 | 1.00x | 3/3 | 6,100 |" in md
+    assert "| kvstate/vllm | 8.00 s | 8.00, 7.00, 9.00 | 1.25x | 3/3 | 4,600 |" in md
+    assert "| kvstate/hf | 9.00 s | 9.00 | 1.11x | 1/1 | - |" in md

@@ -25,7 +25,11 @@ token for token with the raw engine's:
 
 Rounds are interleaved (raw, raw eager, the Dask path, kvstate per backend, then again)
 and every row runs alone: started, warmed up on another context (untimed), measured and
-closed before the next starts. The table shows medians.
+closed before the next starts. The table shows medians, and each row's prompt tokens
+computed: the raw engine's are each prompt's tokens less those its prefix cache served
+(whole blocks: each sibling prefills the context's last partial block again), kvstate's
+the workers' ``prefill_tokens`` (the materialize's and every resume's), so the table says
+how much of a lead is tokens not computed.
 """
 
 from __future__ import annotations
@@ -89,7 +93,8 @@ def prompts(context: str, agents: int) -> list[tuple[str, str]]:
 def run_raw(engine: RawEngine, parts: list[tuple[str, str]], new_tokens: int) -> dict:
     engine.reset_prefix_cache()
     results, wall = engine.generate([c + s for c, s in parts], new_tokens)
-    return {"wall_s": wall, "outputs": [r.token_ids for r in results]}
+    computed = sum(r.prompt_tokens - r.cached_tokens for r in results)
+    return {"wall_s": wall, "outputs": [r.token_ids for r in results], "computed_tokens": computed}
 
 
 def run_kvstate(client, parts: list[tuple[str, str]], new_tokens: int, *, stateflow: bool = True) -> dict:
@@ -100,11 +105,23 @@ def run_kvstate(client, parts: list[tuple[str, str]], new_tokens: int, *, statef
     Dask path alone, with nothing of kvstate's KV handling.
     """
     workload.settle(client)
+    before = _prefill_tokens(client)
     t0 = time.perf_counter()
     with get_task_stream(client) as stream, kvs.stateflow() if stateflow else contextlib.nullcontext():
         got = dask.compute(*[kvs.generate(c, s, max_new_tokens=new_tokens) for c, s in parts])
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "outputs": [list(g.token_ids) for g in got], "phases": phases(stream.data)}
+    return {
+        "wall_s": wall,
+        "outputs": [list(g.token_ids) for g in got],
+        "phases": phases(stream.data),
+        "computed_tokens": _prefill_tokens(client) - before,
+    }
+
+
+def _prefill_tokens(client) -> int:
+    """Prompt tokens the workers' models computed so far (the materialize's and every
+    resume's; not those a state or an engine's own prefix cache served): ``kvs.stats``."""
+    return int(kvs.stats(client).workers.totals.get("prefill_tokens", 0))
 
 
 def phases(tasks: list[dict]) -> dict[str, float]:
@@ -230,6 +247,8 @@ def report(runs: dict[str, list[dict]], args: Options) -> dict:
     for name, reps in runs.items():
         walls = [r["wall_s"] for r in reps]
         row: dict[str, Any] = {"wall_s": statistics.median(walls), "walls": walls}
+        if all("computed_tokens" in r for r in reps):
+            row["computed_tokens"] = statistics.median(r["computed_tokens"] for r in reps)
         kinds = {k for r in reps for k in r.get("phases", {})}
         if kinds:
             row["phases"] = {k: statistics.median(r["phases"].get(k, 0.0) for r in reps) for k in sorted(kinds)}
@@ -252,14 +271,16 @@ def markdown(res: dict) -> str:
         f"{o['agents']} agents, a {res.get('context_tokens', o['length'])}-token shared context, "
         f"Y = {o['new_tokens']}, cold every round, medians of {o['repeats']} interleaved rounds.",
         "",
-        "| row | wall (median) | rounds | vs the faster raw engine | outputs equal to raw vLLM's |",
-        "|---|---|---|---|---|",
+        "| row | wall (median) | rounds | vs the faster raw engine | outputs equal to raw vLLM's "
+        "| prompt tokens computed |",
+        "|---|---|---|---|---|---|",
     ]
     for name, m in res["table"].items():
         rounds = ", ".join(f"{w:.2f}" for w in m["walls"])
+        computed = f"{m['computed_tokens']:,.0f}" if "computed_tokens" in m else "-"
         lines.append(
             f"| {name} | {m['wall_s']:.2f} s | {rounds} | {m.get('speedup_vs_raw', 1):.2f}x | "
-            f"{m.get('identical', '-')} |"
+            f"{m.get('identical', '-')} | {computed} |"
         )
     spans = [
         f"{name}: " + ", ".join(f"{k} {v:.2f} s" for k, v in m["phases"].items())

@@ -96,6 +96,7 @@ class RawResult:
     ttft_s: float  # submission to first token (one_by_one), or to the call's end (generate)
     latency_s: float  # submission to the last token
     cached_tokens: int  # prompt tokens vLLM's own prefix cache served
+    prompt_tokens: int = 0  # the prompt's tokens; less cached_tokens, those the engine computed
 
 
 @dataclass(frozen=True)
