@@ -105,7 +105,7 @@ def run_kvstate(client, parts: list[tuple[str, str]], new_tokens: int, *, statef
     Dask path alone, with nothing of kvstate's KV handling.
     """
     workload.settle(client)
-    before = _prefill_tokens(client)
+    before = workload.prefill_tokens(client)
     t0 = time.perf_counter()
     with get_task_stream(client) as stream, kvs.stateflow() if stateflow else contextlib.nullcontext():
         got = dask.compute(*[kvs.generate(c, s, max_new_tokens=new_tokens) for c, s in parts])
@@ -114,14 +114,8 @@ def run_kvstate(client, parts: list[tuple[str, str]], new_tokens: int, *, statef
         "wall_s": wall,
         "outputs": [list(g.token_ids) for g in got],
         "phases": phases(stream.data),
-        "computed_tokens": _prefill_tokens(client) - before,
+        "computed_tokens": workload.prefill_tokens(client) - before,
     }
-
-
-def _prefill_tokens(client) -> int:
-    """Prompt tokens the workers' models computed so far (the materialize's and every
-    resume's; not those a state or an engine's own prefix cache served): ``kvs.stats``."""
-    return int(kvs.stats(client).workers.totals.get("prefill_tokens", 0))
 
 
 def phases(tasks: list[dict]) -> dict[str, float]:

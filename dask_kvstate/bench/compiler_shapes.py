@@ -18,6 +18,7 @@ from distributed import Client, LocalCluster
 
 import dask_kvstate as kvs
 from dask_kvstate import progress
+from dask_kvstate.bench import workload
 from dask_kvstate.testing import shapes
 
 
@@ -28,23 +29,19 @@ class Options:
     model: str = field(default="tiny-llama", metadata={"help": "the model both workers install"})
 
 
-def _prefill(client) -> int:
-    return sum(s.get("prefill_tokens", 0) for s in kvs.stats(client).workers.values())
-
-
 def measure(client, build) -> dict:
     """One shape, compiler off then on: prefill tokens, wall time and token ids of each; calls and states."""
     row: dict = {}
     for mode in ("off", "on"):
         outs = build()
-        before, t0 = _prefill(client), time.perf_counter()
+        before, t0 = workload.prefill_tokens(client), time.perf_counter()
         if mode == "on":
             with kvs.stateflow():
                 res = dask.compute(*outs)
         else:
             res = dask.compute(*outs)
         row[mode] = {
-            "tokens": _prefill(client) - before,
+            "tokens": workload.prefill_tokens(client) - before,
             "wall": time.perf_counter() - t0,
             "ids": [r.token_ids for r in res],
         }

@@ -84,16 +84,16 @@ def _greedy(max_new_tokens: int, **kwargs):
     return SamplingParams(max_tokens=max(1, max_new_tokens), temperature=0.0, **kwargs)
 
 
-def _prompt_tokens(out) -> tuple[int, int]:
+def _prompt_tokens(out) -> dict[str, int]:
     """A finished request's prompt tokens its prefix cache served, and all its prompt tokens."""
-    return int(out.num_cached_tokens or 0), len(out.prompt_token_ids or [])
+    return {"cached_tokens": int(out.num_cached_tokens or 0), "prompt_tokens": len(out.prompt_token_ids or [])}
 
 
 def _generate(llm, prompts: list[str], max_new_tokens: int) -> dict:
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, _greedy(max_new_tokens), use_tqdm=False)
     wall = time.perf_counter() - t0
-    results = [asdict(RawResult(list(o.outputs[0].token_ids), wall, wall, *_prompt_tokens(o))) for o in outputs]
+    results = [asdict(RawResult(list(o.outputs[0].token_ids), wall, wall, **_prompt_tokens(o))) for o in outputs]
     return {"results": results, "wall_s": wall}
 
 
@@ -117,7 +117,7 @@ def _one_by_one(llm, prompts: list[str], max_new_tokens: int) -> dict:
                     done = out
         latency = time.perf_counter() - t0
         results.append(
-            asdict(RawResult(list(done.outputs[0].token_ids), first or latency, latency, *_prompt_tokens(done)))
+            asdict(RawResult(list(done.outputs[0].token_ids), first or latency, latency, **_prompt_tokens(done)))
         )
     return {"results": results}
 

@@ -167,6 +167,12 @@ def kv_bytes_per_token(client) -> int:
     )
 
 
+def prefill_tokens(client) -> int:
+    """Prompt tokens the workers' models computed so far (materializes and resumes alike;
+    not those a state or an engine's own prefix cache served): ``kvs.stats``' counter."""
+    return int(kvs.stats(client).workers.totals.get("prefill_tokens", 0))
+
+
 def _counters(client) -> dict:
     return {w: dict(s) for w, s in kvs.stats(client).workers.items()}
 
