@@ -103,3 +103,19 @@ def test_the_report_counts_each_rows_prompt_tokens_computed_as_the_median_of_its
     assert "| raw-vllm | 10.00 s | 10.00, 11.00, 9.00 | 1.00x | 3/3 | 6,100 |" in md
     assert "| kvstate/vllm | 8.00 s | 8.00, 7.00, 9.00 | 1.25x | 3/3 | 4,600 |" in md
     assert "| kvstate/hf | 9.00 s | 9.00 | 1.11x | 1/1 | - |" in md
+
+
+def test_a_kvstate_rows_engines_start_with_the_rows_kv_memory():
+    # The client's kvstate config travels with the worker plugin and the engines start
+    # under it: a row's engine memory set only around the cluster's start never reached
+    # them (kvstate's engines ran with the 2 GiB default beside a raw engine of less).
+    from distributed import get_client
+
+    from dask_kvstate.protocol import WORKER_PLUGIN
+
+    opts = agents_vs_raw.Options(model="tiny-llama", backends=["hf"], dask_path=[], raw=[], engine_kv="96MiB")
+    with agents_vs_raw.started("kvstate/hf", opts):
+        got = get_client().run(
+            lambda dask_worker: dask_worker.plugins[WORKER_PLUGIN].config["kvstate"]["vllm"]["kv-cache-bytes"]
+        )
+    assert list(got.values()) == [96 * 2**20] * 2

@@ -168,11 +168,10 @@ def started(name: str, args: Options) -> Iterator[tuple[float, Callable[[list[tu
     # The Dask path: one worker holding one engine on every core, a thread per request so
     # the engine batches them all. kvstate: the README's cluster, as it is.
     n_workers, threads = (1, args.agents) if dask_path else (2, 1)
-    with dask.config.set({"kvstate.vllm.kv-cache-bytes": kv}):  # read by the workers' engines
-        cluster = LocalCluster(n_workers=n_workers, threads_per_worker=threads, dashboard_address=":0")
+    cluster = LocalCluster(n_workers=n_workers, threads_per_worker=threads, dashboard_address=":0")
     try:
         with Client(cluster) as client:
-            kvs.install(client, args.model, backend=backend)
+            workload.install(client, args.model, {"kvstate.vllm.kv-cache-bytes": kv}, backend=backend)
             client.run(workload.warm_up)
             with client.as_current():
                 yield (

@@ -252,12 +252,11 @@ def _cluster(backend: str, args: Options, disk: bool):
         "kvstate.vllm.max-model-len": args.max_model_len,
     }
     tier = parse_bytes(args.memory_tier) if disk else None  # None: the store's own budgets
-    with dask.config.set(settings):
-        cluster = LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0")
-        client = Client(cluster)
-        kvs.install(client, args.model, backend=backend, device_bytes=tier, host_bytes=tier)
-        client.register_plugin(TierReads())
-        client.run(workload.warm_up)
+    cluster = LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0")
+    client = Client(cluster)
+    workload.install(client, args.model, settings, device_bytes=tier, host_bytes=tier)
+    client.register_plugin(TierReads())
+    client.run(workload.warm_up)
     return cluster, client
 
 

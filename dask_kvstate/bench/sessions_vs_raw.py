@@ -47,7 +47,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import dask
 import numpy as np
 from dask.utils import format_bytes, parse_bytes
 from distributed import Client, LocalCluster
@@ -257,11 +256,10 @@ def started(name: str, args: Options, spare: list[dict]) -> Iterator[Callable[[l
             yield lambda sessions: run_raw(e, sessions, args.new_tokens)
         return
     settings = {"kvstate.vllm.kv-cache-bytes": kv, "kvstate.vllm.max-model-len": args.max_model_len}
-    with dask.config.set(settings):  # read by the worker's engine
-        cluster = LocalCluster(n_workers=1, threads_per_worker=args.threads, dashboard_address=":0")
+    cluster = LocalCluster(n_workers=1, threads_per_worker=args.threads, dashboard_address=":0")
     try:
         with Client(cluster) as client:
-            kvs.install(client, args.model, backend="vllm", **KVSTATE[variant])
+            workload.install(client, args.model, settings, backend="vllm", **KVSTATE[variant])
             client.run(workload.warm_up)
             with client.as_current():
                 run_kvstate(client, spare, args.new_tokens)

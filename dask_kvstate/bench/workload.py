@@ -152,6 +152,27 @@ def settle(client, timeout: float = 60.0) -> None:
     client.run(_reset)
 
 
+def install(client, model: str, settings: dict[str, Any], **kwargs) -> dict:
+    """``kvs.install(client, model, **kwargs)`` with ``settings`` (``kvstate.*`` keys) in force,
+    each checked on every worker.
+
+    The client's ``kvstate`` config travels with the worker plugin, and the workers' engines
+    start under it, not under the config their processes were started with: a setting
+    meant for a row's engines (its KV memory, its longest request) set only around the
+    cluster's start is silently replaced by the client's. So it is set around the install,
+    and a row whose workers hold another value fails here rather than report figures
+    measured under an engine it does not name.
+    """
+    with dask.config.set(settings):
+        installed = kvs.install(client, model, **kwargs)
+    for worker, got in installed.items():
+        for key, want in settings.items():
+            have = dask.config.get(key, None, config=got["config"])
+            if have != want:
+                raise RuntimeError(f"{worker} installed {key} = {have!r}, the row asked for {want!r}")
+    return installed
+
+
 def warm_up(dask_worker) -> None:
     """Run with ``client.run``: a first generate pays kernel and allocator setup, so no measured run does."""
     dask_worker.plugins[WORKER_PLUGIN].runtime.backend.generate([1, 2, 3], None, Sampling(2))
