@@ -262,3 +262,54 @@ def check(cfg: dict) -> None:
     if not isinstance(cfg, dict):
         raise TypeError(f"a kvstate config is a dict, got {type(cfg).__name__}")
     _check_node(cfg, _schema(), "")
+
+
+def differences(own: dict, carried: dict, path: str = "") -> list[tuple[str, Any, Any]]:
+    """``(key, own value, carried value)`` for every setting two ``kvstate`` configs give differently.
+
+    Keys compare as the schema spells them (``block_tokens``, as an environment variable
+    gives it, is ``block-tokens``), and a formatted setting counts as the same when both
+    values parse to the same number (``"1GiB"`` and ``1073741824``).
+
+    Examples
+    --------
+    >>> differences({"block_tokens": 16, "vllm": {"kv-cache-bytes": "1GiB"}},
+    ...             {"block-tokens": 16, "vllm": {"kv-cache-bytes": "2 GiB"}})
+    [('vllm.kv-cache-bytes', '1GiB', '2 GiB')]
+    >>> differences({"worker": {"host-bytes": "1 KiB"}}, {"worker": {"host-bytes": 1024}})
+    []
+    """
+    own, carried = _spelled(own), _spelled(carried)
+    found = []
+    for key in sorted(set(own) | set(carried)):
+        name = f"{path}{'.' if path else ''}{key}"
+        mine, theirs = own.get(key), carried.get(key)
+        if isinstance(mine, dict) and isinstance(theirs, dict):
+            found += differences(mine, theirs, name)
+        elif mine != theirs and not _same_number(name, mine, theirs):
+            found.append((name, mine, theirs))
+    return found
+
+
+def overridden(own: dict, carried: dict) -> list[tuple[str, Any, Any]]:
+    """The settings this process was given (unlike the defaults) that ``carried`` replaces.
+
+    Why: ``kvs.install`` carries the client's ``kvstate`` config to every worker, and
+    the worker runs under it, so a setting made only where the workers start (around
+    ``LocalCluster(...)``, a ``DASK_KVSTATE__...`` variable on their hosts) is replaced
+    by the client's, usually its default. The worker plugin logs each one.
+    """
+    given = {key for key, _, _ in differences(_defaults["kvstate"], own)}
+    return [d for d in differences(own, carried) if d[0] in given]
+
+
+def _spelled(cfg: dict) -> dict:
+    return {str(k).replace("_", "-"): v for k, v in cfg.items()}
+
+
+def _same_number(key: str, a, b) -> bool:
+    try:
+        schema = _schema_of(key)
+        return "format" in schema and parse(key, a, schema) == parse(key, b, schema)
+    except (KeyError, ValueError, TypeError):  # a user-named key, or a value that does not parse
+        return False

@@ -148,3 +148,44 @@ def test_unknown_keys_are_rejected():
 def test_get_has_no_fallback():
     with pytest.raises(KeyError):
         config.get("no-such-key")
+
+
+def test_settings_given_only_to_the_workers_and_replaced_by_the_clients_are_named():
+    own = {"block-tokens": 64, "vllm": {"kv-cache-bytes": "1GiB", "max-model-len": None}}
+    carried = {"block-tokens": 16, "vllm": {"kv-cache-bytes": "2 GiB", "max-model-len": None}}
+    # the worker's block-tokens is the default: the client's 16 is a choice, not a setting lost
+    assert config.overridden(own, carried) == [("vllm.kv-cache-bytes", "1GiB", "2 GiB")]
+    assert config.overridden(own, {**carried, "vllm": {"kv-cache-bytes": 2**30}}) == []
+
+
+def _collect_warnings():
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("dask_kvstate").addHandler(handler)
+    globals()["_records"] = records
+
+
+def _warnings() -> list[str]:
+    return globals()["_records"]
+
+
+def test_a_worker_names_a_setting_of_its_own_that_the_clients_config_replaces():
+    # Set around the cluster's start only: the worker processes have it, the client's
+    # config at kvs.install does not, and the worker runs under the client's.
+    from distributed import Client, LocalCluster
+
+    import dask_kvstate as kvs
+
+    with dask.config.set({"kvstate.vllm.kv-cache-bytes": "1GiB"}):
+        cluster = LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0")
+    with cluster, Client(cluster) as client:
+        client.run(_collect_warnings)
+        kvs.install(client, "tiny-llama", torch_threads=1)
+        (logged,) = client.run(_warnings).values()
+    assert [m for m in logged if "kv-cache-bytes" in m] == [
+        "kvstate.vllm.kv-cache-bytes: '1GiB' in this worker's config, '2 GiB' in the client's, which "
+        "kvs.install carried here and the worker runs under; set it in the client's config before kvs.install"
+    ]

@@ -138,6 +138,14 @@ class KVStateWorkerPlugin(WorkerPlugin):
         # Loading a model takes seconds; keep the event loop (heartbeats, comms) free.
         loop = asyncio.get_running_loop()
         self.worker = worker
+        for key, own, carried in config.overridden(dask.config.get("kvstate", {}), self.config["kvstate"]):
+            logger.warning(
+                "kvstate.%s: %r in this worker's config, %r in the client's, which kvs.install carried here "
+                "and the worker runs under; set it in the client's config before kvs.install",
+                key,
+                own,
+                carried,
+            )
         self.worker_settings = settings = WorkerSettings.from_config(self.config)
         self.runtimes = await loop.run_in_executor(None, self._build, worker, settings)
         self.runtime = self.runtimes[self.models[0]]
