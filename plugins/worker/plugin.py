@@ -41,7 +41,7 @@ from dask_kvstate.plugins.worker.packing import PackingBuffers
 from dask_kvstate.plugins.worker.patches import MEMORY_DATA, PATCHES, SPILL
 from dask_kvstate.plugins.worker.reporter import StatsReporter
 from dask_kvstate.plugins.worker.serve import send_reply, serve_blocks, serve_inline, serve_run
-from dask_kvstate.plugins.worker.settings import WorkerSettings
+from dask_kvstate.plugins.worker.settings import WorkerSettings, warn_overridden
 from dask_kvstate.plugins.worker.transport import call
 from dask_kvstate.protocol import (
     BLOCKS,
@@ -138,14 +138,7 @@ class KVStateWorkerPlugin(WorkerPlugin):
         # Loading a model takes seconds; keep the event loop (heartbeats, comms) free.
         loop = asyncio.get_running_loop()
         self.worker = worker
-        for key, own, carried in config.overridden(dask.config.get("kvstate", {}), self.config["kvstate"]):
-            logger.warning(
-                "kvstate.%s: %r in this worker's config, %r in the client's, which kvs.install carried here "
-                "and the worker runs under; set it in the client's config before kvs.install",
-                key,
-                own,
-                carried,
-            )
+        warn_overridden(self.config)
         self.worker_settings = settings = WorkerSettings.from_config(self.config)
         self.runtimes = await loop.run_in_executor(None, self._build, worker, settings)
         self.runtime = self.runtimes[self.models[0]]

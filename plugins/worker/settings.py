@@ -9,12 +9,15 @@ again later, so a setting cannot change under a running task.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import dask.config
 from dask.utils import parse_bytes
 
 from dask_kvstate import config
+
+logger = logging.getLogger("dask_kvstate")
 
 
 @dataclass(frozen=True)
@@ -87,3 +90,17 @@ class WorkerSettings:
                 placement_report_interval=config.get_seconds("placement.report-interval"),
                 inline_copy_bytes=parse_bytes(dask.config.get("distributed.comm.offload")),
             )
+
+
+def warn_overridden(carried: dict) -> None:
+    """Log each setting of this process's own config that ``carried`` (the plugin's
+    ``{"kvstate": {...}}``) replaces: set where the worker started, lost unless the
+    client's config has it too (:func:`dask_kvstate.config.overridden`)."""
+    for key, own, theirs in config.overridden(dask.config.get("kvstate", {}), carried["kvstate"]):
+        logger.warning(
+            "kvstate.%s: %r in this worker's config, %r in the client's, which kvs.install carried here "
+            "and the worker runs under; set it in the client's config before kvs.install",
+            key,
+            own,
+            theirs,
+        )
