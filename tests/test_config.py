@@ -158,18 +158,20 @@ def test_settings_given_only_to_the_workers_and_replaced_by_the_clients_are_name
     assert config.overridden(own, {**carried, "vllm": {"kv-cache-bytes": 2**30}}) == []
 
 
+#: warnings of the ``dask_kvstate`` logger in the process that ran ``_collect_warnings``
+_LOGGED: list[str] = []
+
+
 def _collect_warnings():
     import logging
 
-    records: list[str] = []
     handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: records.append(record.getMessage())
+    handler.emit = lambda record: _LOGGED.append(record.getMessage())
     logging.getLogger("dask_kvstate").addHandler(handler)
-    globals()["_records"] = records
 
 
 def _warnings() -> list[str]:
-    return globals()["_records"]
+    return list(_LOGGED)
 
 
 def test_a_worker_names_a_setting_of_its_own_that_the_clients_config_replaces():
