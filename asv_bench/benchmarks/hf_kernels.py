@@ -14,8 +14,6 @@ once per track and mode, most of this file's time in the suite.
 
 from __future__ import annotations
 
-import time
-
 from dask_kvstate.generation import Sampling
 
 from .common import SEED
@@ -37,13 +35,13 @@ def siblings_over_a_state(backend, context_tokens: int, siblings: int):
 
 
 def _best_of_three(run):
-    """The shortest of three walls of ``run()``, and what its last call returned."""
-    walls = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        out = run()
-        walls.append(time.perf_counter() - t0)
-    return min(walls), out
+    """The shortest of three walls of ``run()`` (:func:`~dask_kvstate.bench.profile_resume.best`),
+    and what its last call returned."""
+    from dask_kvstate.bench.profile_resume import best
+
+    returned = []
+    wall = best(lambda: returned.append(run()))
+    return wall, returned[-1]
 
 
 class PackedLinear:
