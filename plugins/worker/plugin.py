@@ -251,20 +251,24 @@ class KVStateWorkerPlugin(WorkerPlugin):
             self.worker.batched_stream.send({"op": METRICS, **metrics})
             self._sent_metrics = metrics
 
-    def teardown(self, worker) -> None:
+    async def teardown(self, worker) -> None:
         for periodic in (getattr(self, "_reporter", None), getattr(self, "_observer", None)):
             if periodic is not None:
                 periodic.stop()
         for name in (GET_BLOCKS, EVICT):
             worker.handlers.pop(name, None)
         PATCHES.remove(worker, SPILL, owner=self)
-        if self.runtime is not None:
-            self.runtime.store.close()
-        for rt in self.runtimes.values():  # an engine holding threads and memory (the vLLM backend)
-            rt.backend.close()
+        runtime, runtimes = self.runtime, list(self.runtimes.values())
         self.runtime = None
         self.runtimes = {}
         self.held.clear()
+        if runtime is not None:
+            runtime.store.close()
+        # An engine holding threads and memory (the vLLM backend) closes off the event loop:
+        # vLLM's shutdown takes ~1.5 s (two full garbage collections), and a worker whose loop
+        # it held missed the reply to a heartbeat in flight, logging an error at every close.
+        for rt in runtimes:
+            await asyncio.to_thread(rt.backend.close)
 
     # -- refcounts -----------------------------------------------------------------
     def transition(self, key, start, finish, **kwargs) -> None:
