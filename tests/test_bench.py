@@ -109,8 +109,8 @@ def test_bench_puts_vllm_rows_beside_the_hf_rows(tmp_path, capfd):
     ``test_overhead``'s: three more clusters here would add ~17 s and test nothing vLLM).
 
     The vLLM cluster's close logs no failed heartbeat: its workers' engines close off the
-    event loop (vLLM's shutdown takes ~1.5 s), so a heartbeat in flight is answered before
-    the scheduler goes (with the engines closed on the loop, every close logged one or two)."""
+    event loop (vLLM's shutdown runs two full garbage collections), so a heartbeat in flight
+    is answered before the scheduler goes (closed on the loop, every close logged one or two)."""
     import dask
 
     from dask_kvstate.bench import experiments as ex

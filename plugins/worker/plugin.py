@@ -265,8 +265,8 @@ class KVStateWorkerPlugin(WorkerPlugin):
         if runtime is not None:
             runtime.store.close()
         # An engine holding threads and memory (the vLLM backend) closes off the event loop:
-        # vLLM's shutdown takes ~1.5 s (two full garbage collections), and a worker whose loop
-        # it held missed the reply to a heartbeat in flight, logging an error at every close.
+        # vLLM's shutdown runs two full garbage collections, and a worker whose loop it held
+        # missed the reply to a heartbeat in flight, logging an error at every close.
         for rt in runtimes:
             await asyncio.to_thread(rt.backend.close)
 
