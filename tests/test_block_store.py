@@ -128,6 +128,37 @@ def test_prefetch_brings_blocks_up_and_offload_sends_them_down(store):
         store.offload([b"a"], "tape")
 
 
+@pytest.mark.parametrize("expected", [True, False])
+def test_a_prefetched_block_a_task_is_expected_to_read_is_evicted_last(store, expected):
+    """A prefetch brings a block up for a task predicted soon; by its own record (never
+    read since it was stored) it is the coldest block there, so the next overflow would
+    send it straight back down unless it is marked expected, until a task pins it."""
+    store.put(b"due", block())
+    store.put(b"hot", block())
+    for _ in range(5):
+        store.get(b"hot")
+    store.offload([b"due"], "disk")
+    if expected:
+        store.expect([b"due"], within_s=60.0)
+    assert store.prefetch([b"due"]).result(timeout=10) == 1
+    store.put(b"new", block())  # the device tier over budget: the one just put, or the due one, goes down
+    assert layout(store)["host"] == ([b"new"] if expected else [b"due"])
+    store.pin("task", [b"due"])  # the task came and read it: an ordinary block again
+    store.unpin("task")
+    assert not store.ledger.expected
+
+
+def test_an_expected_mark_lapses_at_its_deadline_and_an_offload_clears_it(store):
+    store.put(b"a", block())
+    store.put(b"b", block())
+    store.expect([b"a"], within_s=0.0)  # a task that was due now and did not come
+    store.put(b"c", block())
+    assert store.where(b"a") == "host"  # the oldest, as if never marked
+    store.expect([b"b"], within_s=60.0)
+    store.unexpect([b"b"])
+    assert b"b" not in store.ledger.expected
+
+
 # -- the disk format ---------------------------------------------------------------
 
 

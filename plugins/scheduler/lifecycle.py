@@ -319,7 +319,14 @@ class KVLifecycle(AnnouncedWorkers, SchedulerPlugin):
         self.counters[action] += 1
         self.counters[f"{action}_{why}"] += 1
         op = OFFLOAD if action == "offload" else PREFETCH
-        self.scheduler.stream_comms[worker].send({"op": op, "session": sid, "tier": tier, "decision": decision["at"]})
+        msg = {"op": op, "session": sid, "tier": tier, "decision": decision["at"]}
+        if action == "prefetch":
+            # How long the worker evicts the fetched blocks last: until the task predicted to
+            # read them, with room for it to be as late again (later, it was mispredicted,
+            # and they compete like any other blocks).
+            due = (predicted or 0.0) + (margin if margin is not None else self.margin_s + self.tracker.interval_s)
+            msg["expect_s"] = 2 * due
+        self.scheduler.stream_comms[worker].send(msg)
         self.scheduler.log_event(LIFECYCLE_TOPIC, decision)
 
     def _outcomes(self, sid: str) -> None:

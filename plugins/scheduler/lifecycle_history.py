@@ -60,9 +60,11 @@ class TaskHistory:
 
     def spread(self, component: str) -> float:
         """Standard deviation of the component's durations: how early a prefetch must start
-        to be in time for a run that ends one deviation before its mean."""
+        to be in time for a run that ends one deviation before its mean. The sample's
+        (divided by ``n - 1``): from the few runs a workflow has seen when its sessions
+        first come back, the population's would understate it (its variance by half at two runs)."""
         n, total, sq = self.durations.get(component, (0, 0.0, 0.0))
-        return (max(sq / n - (total / n) ** 2, 0.0)) ** 0.5 if n > 1 else 0.0
+        return (max(sq - total * total / n, 0.0) / (n - 1)) ** 0.5 if n > 1 else 0.0
 
     def means(self) -> dict[str, float | None]:
         return {c: self.mean_duration(c) for c in self.durations}

@@ -39,6 +39,7 @@ import logging
 import shutil
 import tempfile
 import threading
+import time
 import weakref
 from collections import Counter
 from collections.abc import Hashable, Iterable, Iterator, Sequence
@@ -263,11 +264,23 @@ class TieredBlockStore:
         """Keep ``hashes`` where they are while ``owner`` (a running task) uses them."""
         with self.lock:
             self.pins.set(owner, hashes)
+            self.ledger.unexpect(self.pins.by_owner[owner])
 
     def pin_more(self, owner: Hashable, hashes: Iterable[bytes]) -> None:
         """Add ``hashes`` to what ``owner`` pins (:meth:`pin` replaces them)."""
         with self.lock:
             self.pins.set(owner, (*self.pins.by_owner.get(owner, ()), *hashes))
+            self.ledger.unexpect(self.pins.by_owner[owner])
+
+    def expect(self, hashes: Iterable[bytes], within_s: float) -> None:
+        """A task will read ``hashes`` within ``within_s`` seconds: evict them last until
+        then, or until a task pins them (:meth:`BlockLedger.expect`)."""
+        with self.lock:
+            self.ledger.expect(hashes, time.monotonic() + within_s)
+
+    def unexpect(self, hashes: Iterable[bytes]) -> None:
+        with self.lock:
+            self.ledger.unexpect(hashes)
 
     def unpin(self, owner: Hashable) -> None:
         """Let ``owner``'s blocks move again. From the event loop (the plugin's transition

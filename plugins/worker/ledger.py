@@ -1,10 +1,11 @@
 """What a block store knows of its blocks besides their bytes, and the eviction policy on it.
 
 Per block: its size, how often and when it was last used (:class:`BlockMeta`), and who
-protects it (:class:`Owners`: pins by running tasks, holds by refs). The
-:class:`BlockLedger` turns that into the choices a tier makes: the eviction score
-(``dask_kvstate.cost.eviction_score``: reuse, idleness, size), which blocks may move
-down a tier (not pinned) and which may be dropped (neither pinned nor held).
+protects it (:class:`Owners`: pins by running tasks, holds by refs), and whether a task
+is expected to read it soon (a prefetch's mark). The :class:`BlockLedger` turns that into
+the choices a tier makes: the eviction score (``dask_kvstate.cost.eviction_score``: reuse,
+idleness, size, expected blocks last), which blocks may move down a tier (not pinned) and
+which may be dropped (neither pinned nor held).
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ class BlockLedger:
         self.meta: dict[bytes, BlockMeta] = {}
         self.pins = Owners()  # in use: do not move
         self.holds = Owners()  # referenced: do not drop
+        #: block -> ``time.monotonic()`` deadline: a prefetch brought it up for a task due by then
+        self.expected: dict[bytes, float] = {}
 
     def touch(self, h: bytes, hit: bool, size: int | None = None) -> None:
         """Record a use of ``h`` (a first one creates its record with ``size``)."""
@@ -94,17 +97,35 @@ class BlockLedger:
         m.hits += hit
         m.last_used = time.monotonic()
 
+    def expect(self, hashes: Iterable[bytes], until: float) -> None:
+        """Evict ``hashes`` last until ``until`` (``time.monotonic()``) or until a task reads them.
+
+        A prefetch brings a session's blocks up for a task predicted soon. By their own
+        record those blocks are the coldest in the tier (read once, long ago), so without
+        the mark the next overflow, often the running task's own new blocks, sends them
+        straight back down and the task reads them from below after all.
+        """
+        for h in hashes:
+            self.expected[h] = max(until, self.expected.get(h, 0.0))
+
+    def unexpect(self, hashes: Iterable[bytes]) -> None:
+        """The reads came (a task pinned them) or will not (an offload was asked): no mark."""
+        for h in hashes:
+            self.expected.pop(h, None)
+
     def forget(self, h: bytes) -> None:
         self.meta.pop(h, None)
+        self.expected.pop(h, None)
 
     def size_of(self, h: bytes) -> int:
         m = self.meta.get(h)
         return m.nbytes if m is not None else 0
 
-    def score(self, h: bytes, now: float) -> float:
-        """Eviction score of ``h`` at ``now``; the lowest goes first."""
+    def score(self, h: bytes, now: float) -> tuple[bool, float]:
+        """Eviction score of ``h`` at ``now``, expected blocks above all others; the lowest goes first."""
         m = self.meta.get(h, UNKNOWN)
-        return eviction_score(m.hits, now - m.last_used, m.nbytes, self.half_life_s)
+        expected = self.expected.get(h, 0.0) > now
+        return expected, eviction_score(m.hits, now - m.last_used, m.nbytes, self.half_life_s)
 
     def movable(self, h: bytes) -> bool:
         """Whether ``h`` may move to another tier (no running task pins it)."""

@@ -299,6 +299,7 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         store.submit(self._offload_now, store, session, self.sessions.own(session), tier, decision)
 
     def _offload_now(self, store, session, own, tier, decision) -> None:
+        store.unexpect(own)  # a prefetch's mark on them is stale now
         hashes = [h for h in own if store.where(h) == "device" or (tier == "disk" and store.where(h) == "host")]
         nbytes = sum(store.size_of(h) for h in hashes)
         t0 = time.perf_counter()
@@ -316,11 +317,15 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
             self._done, action, session, decision, tier=tier, blocks=moved, nbytes=nbytes, seconds=seconds
         )
 
-    def _prefetch(self, session=None, decision=None, **_) -> None:
+    def _prefetch(self, session=None, decision=None, expect_s=0.0, **_) -> None:
         store = self.store
         if store is None or session not in self.sessions:
             return
-        hashes = [h for h in self.sessions.own(session) if store.where(h) in LOWER]
+        # All its blocks, shared ones too (unlike an offload): the session's task reads them all.
+        where = {h: store.where(h) for h in self.sessions.by_session[session]}
+        # Before the move: the rebalance each promotion triggers must already see them expected.
+        store.expect([h for h, t in where.items() if t is not None], expect_s)
+        hashes = [h for h, t in where.items() if t in LOWER]
         tiers = {store.where(h) for h in hashes}
         tier = "disk" if "disk" in tiers else "host"
         nbytes = sum(store.size_of(h) for h in hashes)

@@ -50,6 +50,8 @@ def generate(rt, text: str, namespace: str, sampling: Sampling) -> Generation:
         if len(seq) <= stored:  # the store holds them all (a whole-block prompt again, one token out)
             return
         chain = hashes if seq is ids else rt.hashes(seq, namespace)
+        if seq is not ids:  # the answer's blocks too are this task's: its session keeps them (lifecycle)
+            rt.store.pin_more(rt.task_owner(), chain[whole:])
         kv = backend.kv_to_store(cache, stored, rt.block_tokens)
         rt.store_kv(kv, chain, whole, first_token=len(seq) - kv_tokens(kv), ids=seq, namespace=namespace)
 

@@ -42,7 +42,8 @@ class ScoredLRU(zict.LRU):
     Parameters
     ----------
     score : callable
-        ``(key, now) -> float``; lower goes first. ``now`` (``time.monotonic()``) is read
+        ``(key, now) -> comparable`` (a float, or a tuple that ranks a class of keys first);
+        lower goes first. ``now`` (``time.monotonic()``) is read
         once per choice, so every candidate is judged at the same instant.
     movable : callable
         ``key -> bool``; keys for which it is False are never chosen as victims. If no
