@@ -42,8 +42,8 @@ class ScoredLRU(zict.LRU):
     Parameters
     ----------
     score : callable
-        ``(key, now) -> comparable`` (a float, or a tuple that ranks a class of keys first);
-        lower goes first. ``now`` (``time.monotonic()``) is read
+        ``(key, now) -> comparable`` (a float, or a tuple whose first item puts a class of
+        keys after all others); lower goes first. ``now`` (``time.monotonic()``) is read
         once per choice, so every candidate is judged at the same instant.
     movable : callable
         ``key -> bool``; keys for which it is False are never chosen as victims. If no
