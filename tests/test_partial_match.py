@@ -127,11 +127,12 @@ def test_a_short_stored_prefix_is_computed_again_on_transformers(client, workers
         kvs.generate(DOC, FIRST, max_new_tokens=4, prefix_cache=True, namespace="partial-short").compute()
     shared = common_prefix(backend.tokenize(DOC + FIRST), backend.tokenize(other))
     assert 0 < 4 * shared < len(backend.tokenize(other)), "the prompts should share a short header"
-    declined = counter(client, w, "declined_reuse_tokens")
+    declined, hits = counter(client, w, "declined_reuse_tokens"), counter(client, w, "hits")
     with on(w):
         got = kvs.generate(other, max_new_tokens=8, prefix_cache=True, namespace="partial-short").compute()
     assert got.reused_tokens == 0 and got.prefill_tokens == got.prompt_tokens
     assert counter(client, w, "declined_reuse_tokens") == declined + shared
+    assert counter(client, w, "hits") == hits  # the block it declined was not even read
     assert got.token_ids == kvs.generate(other, max_new_tokens=8).compute().token_ids
 
 

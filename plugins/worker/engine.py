@@ -110,9 +110,20 @@ class KVEngine:
         return whole, past
 
     def _partial_block(self, ids: Sequence[int], hashes: tuple[bytes, ...], i: int, namespace: str):
-        """The leading tokens of the stored block sharing the most with the prompt's block ``i``, or None."""
+        """The leading tokens of the stored block sharing the most with the prompt's block ``i``, or None.
+
+        Read and pinned only if a past that long is worth reusing (:meth:`Backend.worth_reusing`):
+        else the call would read a block (from disk, maybe) to throw it away, and its session
+        would hold the block of whichever prompt began alike (another document's header).
+        """
         want = ids[i * self.block_tokens : (i + 1) * self.block_tokens]
         for child, shared in self.children.matches(parent_of(hashes, i, self.root(namespace)), want):
+            reused = min(i * self.block_tokens + shared, len(ids) - 1)
+            if not self.backend.worth_reusing(reused, len(ids)):
+                # The longest match comes first, so no other is worth it; the whole blocks
+                # before it are declined, and counted, by the caller.
+                self.counters["declined_reuse_tokens"] += reused - i * self.block_tokens
+                return None
             self.store.pin_more(self.task_owner(), (child,))
             block = self.store.get(child)
             if block is not None:
