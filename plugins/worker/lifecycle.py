@@ -326,8 +326,7 @@ class KVLifecycleWorkerPlugin(WorkerPlugin):
         # Before the move: the rebalance each promotion triggers must already see them expected.
         store.expect([h for h, t in where.items() if t is not None], expect_s)
         hashes = [h for h, t in where.items() if t in LOWER]
-        tiers = {store.where(h) for h in hashes}
-        tier = "disk" if "disk" in tiers else "host"
+        tier = "disk" if any(where[h] == "disk" for h in hashes) else "host"
         nbytes = sum(store.size_of(h) for h in hashes)
         t0 = time.perf_counter()
         fut = store.prefetch(hashes)
