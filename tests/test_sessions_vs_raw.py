@@ -75,6 +75,26 @@ def test_raw_rows_run_again_with_more_engine_memory_and_the_best_raw_row_is_the_
     assert "engine KV 1GiB (raw rows also with 2GiB, 3GiB)" in md
 
 
+def test_the_report_gives_each_row_its_engine_steps_and_the_seconds_in_them_as_medians():
+    # An engine busy to the makespan is bounded by its own work: the table says how busy
+    # each row's engine was, and in how many steps, beside its latencies.
+    want = [[1]]
+    runs = {"raw-vllm": [[_session(0, 10, want)]] * 3, "kvstate": [[_session(0, 8, want)]] * 3}
+    steps = {
+        "raw-vllm": [{"steps": 150, "step_s": 9.5}, {"steps": 148, "step_s": 9.9}, {"steps": 149, "step_s": 9.7}],
+        "kvstate": [{"steps": 160, "step_s": 7.5}, {"steps": 170, "step_s": 7.0}, {"steps": 165, "step_s": 7.9}],
+    }
+    res = svr.report(runs, svr.Options(repeats=3), steps)
+    table = res["table"]
+    assert (table["raw-vllm"]["engine_steps"], table["raw-vllm"]["engine_busy_s"]) == (149, 9.7)
+    assert (table["kvstate"]["engine_steps"], table["kvstate"]["engine_busy_s"]) == (165, 7.5)
+    assert res["steps"] == steps
+    md = svr.markdown(res)
+    assert "| engine steps | seconds in them |" in md and "| 165 | 7.5 s |" in md
+    # A report without them (older runs' files) shows none.
+    assert "| - | - |" in svr.markdown(svr.report(runs, svr.Options(repeats=3)))
+
+
 def test_a_memory_size_that_does_not_parse_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match=r"--raw-engine-kv 'lots' is not a memory size"):
         svr.command(svr.Options(raw_engine_kv=["lots"]))
@@ -135,4 +155,8 @@ def test_sessions_on_kvstate_answer_as_the_raw_engine_fed_as_a_server(tmp_path):
     # The raw engine's prefix cache served each session's later calls from its earlier ones.
     assert all(s["calls"][-1]["cached_tokens"] > 0 for s in raw)
     assert all(len(s["calls"]) == 3 and s["end_s"] >= s["arrival_s"] for s in res["runs"]["kvstate"][0])
+    # Both engines counted their steps over the measured run, and the seconds in them
+    # fit inside it (kvstate's from its worker's engine through kvs.stats).
+    for row in table.values():
+        assert row["engine_steps"] >= 4 and 0 < row["engine_busy_s"] <= row["makespan_s"] + 1.0
     assert (tmp_path / "sessions_vs_raw.md").exists()

@@ -86,7 +86,8 @@ class Exchange:
     def __init__(self):
         self.orders: dict[str, Order] = {}
         self.lock = threading.Lock()
-        self.counters: defaultdict[str, float] = defaultdict(float)  # tokens, and seconds copying (load_s, capture_s)
+        # tokens, and seconds: copying (load_s, capture_s) and in the engine's steps (step_s)
+        self.counters: defaultdict[str, float] = defaultdict(float)
         #: the engine's paged KV per layer, in layer order (set by the worker half): the scheduler
         #: half copies a finished request's sequence out of it, in this same process
         self.layers: list[torch.Tensor] = []

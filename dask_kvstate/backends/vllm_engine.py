@@ -258,6 +258,7 @@ class EngineLoop:
             if not self.engine.has_unfinished_requests():
                 continue
             self._take_cores()
+            t_step = time.perf_counter()
             try:
                 outputs = self.engine.step()
             except Exception as e:
@@ -265,6 +266,10 @@ class EngineLoop:
                 self._recover_from_failed_step(e)
                 continue
             now = time.perf_counter()
+            # Steps and the seconds inside them (``engine_stats``): how busy the engine was,
+            # and in how many steps, beside what a caller waited.
+            self.exchange.counters["steps"] += 1
+            self.exchange.counters["step_s"] += now - t_step
             for out in outputs:
                 job = self._jobs.get(out.request_id)
                 if job is None:

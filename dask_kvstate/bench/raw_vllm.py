@@ -192,18 +192,19 @@ class RawEngine:
         reply = self._ask("one_by_one", prompts=prompts, max_new_tokens=max_new_tokens)
         return [RawResult(**r) for r in reply["results"]]
 
-    def sessions(self, sessions: list[dict], max_new_tokens: int, closing: str) -> list[dict]:
+    def sessions(self, sessions: list[dict], max_new_tokens: int, closing: str) -> tuple[list[dict], dict]:
         """Run multi-call sessions on the engine as their requests arrive (greedy).
 
         ``sessions``: one ``{"arrival": s, "context": str, "prompts": [str, ...]}`` each.
         Call ``i`` of a session is its context followed by ``prompts[i]``; once it is
         answered the context grows by the prompt, the answer's text and ``closing``, and
-        call ``i + 1`` goes in at once. One dict per session back: ``arrival_s``,
-        ``end_s`` (from the first arrival's clock) and ``calls`` (per call: ``token_ids``,
-        ``latency_s``, ``cached_tokens`` (served by the prefix cache), ``computed_tokens``).
+        call ``i + 1`` goes in at once. Back: one dict per session (``arrival_s``,
+        ``end_s`` from the first arrival's clock, and ``calls``: per call ``token_ids``,
+        ``latency_s``, ``cached_tokens`` served by the prefix cache, ``computed_tokens``),
+        and the engine's steps over the run (``steps``, ``step_s``: seconds inside them).
         """
         reply = self._ask("sessions", sessions=sessions, max_new_tokens=max_new_tokens, closing=closing)
-        return reply["sessions"]
+        return reply["sessions"], reply["engine"]
 
     def reset_prefix_cache(self) -> None:
         """Empty the engine's prefix cache, so the next request starts cold."""

@@ -147,7 +147,7 @@ def _sessions(llm, sessions: list[dict], max_new_tokens: int, closing: str) -> d
         inflight[request_id] = (i, time.perf_counter())
         engine.add_request(request_id, state[i]["context"] + sessions[i]["prompts"][n], params)
 
-    left = len(sessions)
+    left, steps, step_s = len(sessions), 0, 0.0
     while left:
         now = time.perf_counter() - t0
         while arrivals and sessions[arrivals[0]]["arrival"] <= now:
@@ -155,7 +155,10 @@ def _sessions(llm, sessions: list[dict], max_new_tokens: int, closing: str) -> d
         if not inflight:
             time.sleep(max(0.0, sessions[arrivals[0]]["arrival"] - now))
             continue
-        for out in engine.step():
+        t_step = time.perf_counter()
+        outputs = engine.step()
+        steps, step_s = steps + 1, step_s + time.perf_counter() - t_step
+        for out in outputs:
             if not out.finished:
                 continue
             i, submitted = inflight.pop(out.request_id)
@@ -177,4 +180,7 @@ def _sessions(llm, sessions: list[dict], max_new_tokens: int, closing: str) -> d
             else:
                 st["end_s"] = time.perf_counter() - t0
                 left -= 1
-    return {"sessions": [{k: v for k, v in st.items() if k != "context"} for st in state]}
+    return {
+        "sessions": [{k: v for k, v in st.items() if k != "context"} for st in state],
+        "engine": {"steps": steps, "step_s": step_s},
+    }

@@ -32,8 +32,9 @@ memory (``--raw-engine-kv``, named in the row: ``raw-vllm (3GiB KV)``): the raw 
 given that memory as its KV cache, which is what a user of vLLM on a CPU host can do
 (vLLM's own KV offloading to host memory runs on GPUs only). Reported per row: mean,
 P50 and P99 end-to-end session latency (arrival to last answer), the makespan, prompt
-tokens the engine computed, and their ratios to the raw engine's (the best raw row per
-figure, whatever its memory).
+tokens the engine computed, the engine's steps and the seconds inside them (an engine
+busy to the makespan is bounded by its own work), and the ratios to the raw engine's
+(the best raw row per figure, whatever its memory).
 """
 
 from __future__ import annotations
@@ -169,11 +170,13 @@ def sessions_of(args: Options, first: int = 0) -> list[dict]:
 
 
 # -- the rows -------------------------------------------------------------------------
-def run_kvstate(client: Client, sessions: list[dict], new_tokens: int) -> list[dict]:
+def run_kvstate(client: Client, sessions: list[dict], new_tokens: int) -> tuple[list[dict], dict]:
     """The sessions as a user writes them: a ``kvs.session`` each, plain ``kvs.generate``
     calls with the prefix cache, each computed as its prompt is known; from empty stores
-    and engine caches. A thread per session stands for the users."""
+    and engine caches. A thread per session stands for the users. Back: one dict per
+    session, and the workers' engine steps over the run (:func:`engine_steps`)."""
     workload.settle(client)
+    before = engine_steps(client)
     t0 = time.perf_counter()
 
     def session(i: int) -> dict:
@@ -195,26 +198,43 @@ def run_kvstate(client: Client, sessions: list[dict], new_tokens: int) -> list[d
         return {"calls": calls, "arrival_s": s["arrival"], "end_s": time.perf_counter() - t0}
 
     with ThreadPoolExecutor(len(sessions), thread_name_prefix="session") as pool:
-        return list(pool.map(session, range(len(sessions))))
+        result = list(pool.map(session, range(len(sessions))))
+    after = engine_steps(client)
+    return result, {k: after[k] - before[k] for k in after}
 
 
-def run_raw(engine: RawEngine, sessions: list[dict], new_tokens: int) -> list[dict]:
+def engine_steps(client: Client) -> dict[str, float]:
+    """Steps the workers' engines ran so far, and the seconds inside them (``kvs.stats``).
+
+    Beside the raw engine's own count, this says where a row's time went: an engine busy
+    through the whole run is bounded by its work (the tokens it computes and the steps it
+    takes for them), a row whose engine idles by what it waits on outside the steps.
+    """
+    engines = [w.get("engine", {}) for w in kvs.stats(client).workers.values()]
+    return {k: sum(float(e.get(k, 0)) for e in engines) for k in ("steps", "step_s")}
+
+
+def run_raw(engine: RawEngine, sessions: list[dict], new_tokens: int) -> tuple[list[dict], dict]:
     engine.reset_prefix_cache()
     return engine.sessions(sessions, new_tokens, CLOSING)
 
 
-def summarize(result: list[dict]) -> dict[str, float]:
+def summarize(result: list[dict], steps: dict | None = None) -> dict[str, float]:
     """End-to-end session latency (arrival to last answer): mean, P50, P99, and the makespan;
-    prompt tokens the engine computed (not served from a cache or a state)."""
+    prompt tokens the engine computed (not served from a cache or a state); given the run's
+    engine ``steps``, how many it took and the seconds inside them."""
     e2e = np.array([s["end_s"] - s["arrival_s"] for s in result])
     computed = sum(c["computed_tokens"] for s in result for c in s["calls"])
-    return {
+    out = {
         "mean_s": float(e2e.mean()),
         "p50_s": float(np.percentile(e2e, 50)),
         "p99_s": float(np.percentile(e2e, 99)),
         "makespan_s": max(s["end_s"] for s in result),
         "computed_tokens": computed,
     }
+    if steps is not None:
+        out.update(engine_steps=steps["steps"], engine_busy_s=steps["step_s"])
+    return out
 
 
 def rows(args: Options) -> dict[str, tuple[str, str]]:
@@ -237,7 +257,7 @@ def rows(args: Options) -> dict[str, tuple[str, str]]:
 
 
 @contextlib.contextmanager
-def started(name: str, args: Options, spare: list[dict]) -> Iterator[Callable[[list[dict]], list[dict]]]:
+def started(name: str, args: Options, spare: list[dict]) -> Iterator[Callable[[list[dict]], tuple[list[dict], dict]]]:
     """Row ``name`` started alone on the host and warmed up on the ``spare`` sessions
     (untimed): how to run the sessions on it; closed on leaving, before the next row
     starts (rows resident side by side slow each other, ``agents_vs_raw.started``)."""
@@ -293,12 +313,15 @@ def command(args: Options) -> dict:
         flush=True,
     )
     runs: dict[str, list[list[dict]]] = {}
+    steps: dict[str, list[dict]] = {}
     for rep in range(args.repeats):
         for name in rows(args):
             with started(name, args, spare) as run:
-                runs.setdefault(name, []).append(run(sessions))
-            print(f"  repeat {rep}: {name} {summarize(runs[name][-1])}", flush=True)
-    res = report(runs, args)
+                result, engine = run(sessions)
+            runs.setdefault(name, []).append(result)
+            steps.setdefault(name, []).append(engine)
+            print(f"  repeat {rep}: {name} {summarize(result, engine)}", flush=True)
+    res = report(runs, args, steps)
     res["cpu"] = cpu_model()
     if args.out:
         write(res, Path(args.out))
@@ -306,12 +329,14 @@ def command(args: Options) -> dict:
     return res
 
 
-def report(runs: dict[str, list[list[dict]]], args: Options) -> dict:
+def report(runs: dict[str, list[list[dict]]], args: Options, steps: dict[str, list[dict]] | None = None) -> dict:
     """Each row's figures, medians over repeats; the mean's speedup and the P99's change
-    against the better raw variant; answers equal to the raw engine's (its first repeat)."""
+    against the better raw variant; answers equal to the raw engine's (its first repeat);
+    given ``steps``, each row's engine steps and the seconds inside them."""
     table: dict[str, dict[str, Any]] = {}
     for name, reps in runs.items():
-        sums = [summarize(r) for r in reps]
+        engine = (steps or {}).get(name) or [None] * len(reps)
+        sums = [summarize(r, e) for r, e in zip(reps, engine)]
         table[name] = {k: statistics.median(s[k] for s in sums) for k in sums[0]}
     raw_names = [n for n in table if raw_variant(n)]
     if raw_names:
@@ -326,7 +351,7 @@ def report(runs: dict[str, list[list[dict]]], args: Options) -> dict:
                 got == want for rep in reps for got, want in zip((c["token_ids"] for s in rep for c in s["calls"]), ref)
             )
             row["identical"] = f"{same}/{len(ref) * len(reps)}"
-    return {"options": dataclasses.asdict(args), "table": table, "runs": runs}
+    return {"options": dataclasses.asdict(args), "table": table, "runs": runs, "steps": steps or {}}
 
 
 def markdown(res: dict) -> str:
@@ -344,14 +369,15 @@ def markdown(res: dict) -> str:
         f"medians of {o['repeats']} interleaved repeat(s).",
         "",
         "| row | mean E2E | vs raw (mean) | P50 | P99 | P99 vs raw | makespan | prompt tokens computed "
-        "| answers equal to raw vLLM's |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| engine steps | seconds in them | answers equal to raw vLLM's |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in res["table"].items():
+        steps = f"{m['engine_steps']:,.0f} | {m['engine_busy_s']:.1f} s" if "engine_steps" in m else "- | -"
         lines.append(
             f"| {name} | {m['mean_s']:.2f} s | {m.get('mean_speedup', 1):.2f}x | {m['p50_s']:.2f} s | "
             f"{m['p99_s']:.2f} s | {100 * m.get('p99_change', 0):+.0f}% | {m['makespan_s']:.1f} s | "
-            f"{m['computed_tokens']:,.0f} | {m.get('identical', '-')} |"
+            f"{m['computed_tokens']:,.0f} | {steps} | {m.get('identical', '-')} |"
         )
     return "\n".join(lines) + "\n"
 
