@@ -82,17 +82,22 @@ def test_the_report_gives_each_row_its_engine_steps_and_the_seconds_in_them_as_m
     runs = {"raw-vllm": [[_session(0, 10, want)]] * 3, "kvstate": [[_session(0, 8, want)]] * 3}
     steps = {
         "raw-vllm": [{"steps": 150, "step_s": 9.5}, {"steps": 148, "step_s": 9.9}, {"steps": 149, "step_s": 9.7}],
-        "kvstate": [{"steps": 160, "step_s": 7.5}, {"steps": 170, "step_s": 7.0}, {"steps": 165, "step_s": 7.9}],
+        "kvstate": [
+            {"steps": 160, "step_s": 7.5, "load_s": 0.25, "capture_s": 0.25},
+            {"steps": 170, "step_s": 7.0, "load_s": 0.5, "capture_s": 0.25},
+            {"steps": 165, "step_s": 7.9, "load_s": 0.5, "capture_s": 0.5},
+        ],
     }
     res = svr.report(runs, svr.Options(repeats=3), steps)
     table = res["table"]
     assert (table["raw-vllm"]["engine_steps"], table["raw-vllm"]["engine_busy_s"]) == (149, 9.7)
     assert (table["kvstate"]["engine_steps"], table["kvstate"]["engine_busy_s"]) == (165, 7.5)
+    assert (table["kvstate"]["engine_copy_s"], table["raw-vllm"]["engine_copy_s"]) == (0.75, 0.0)
     assert res["steps"] == steps
     md = svr.markdown(res)
-    assert "| engine steps | seconds in them |" in md and "| 165 | 7.5 s |" in md
+    assert "| engine steps | seconds in them | of which copying KV |" in md and "| 165 | 7.5 s | 0.8 s |" in md
     # A report without them (older runs' files) shows none.
-    assert "| - | - |" in svr.markdown(svr.report(runs, svr.Options(repeats=3)))
+    assert "| - | - | - |" in svr.markdown(svr.report(runs, svr.Options(repeats=3)))
 
 
 def test_a_memory_size_that_does_not_parse_is_refused_before_anything_starts():
@@ -159,4 +164,5 @@ def test_sessions_on_kvstate_answer_as_the_raw_engine_fed_as_a_server(tmp_path):
     # fit inside it (kvstate's from its worker's engine through kvs.stats).
     for row in table.values():
         assert row["engine_steps"] >= 4 and 0 < row["engine_busy_s"] <= row["makespan_s"] + 1.0
+        assert 0 <= row["engine_copy_s"] < row["engine_busy_s"]
     assert (tmp_path / "sessions_vs_raw.md").exists()

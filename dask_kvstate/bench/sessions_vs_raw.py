@@ -204,14 +204,15 @@ def run_kvstate(client: Client, sessions: list[dict], new_tokens: int) -> tuple[
 
 
 def engine_steps(client: Client) -> dict[str, float]:
-    """Steps the workers' engines ran so far, and the seconds inside them (``kvs.stats``).
+    """Steps the workers' engines ran so far, the seconds inside them, and of those the
+    seconds copying KV into the engine and out of it (``load_s``, ``capture_s``; ``kvs.stats``).
 
     Beside the raw engine's own count, this says where a row's time went: an engine busy
     through the whole run is bounded by its work (the tokens it computes and the steps it
     takes for them), a row whose engine idles by what it waits on outside the steps.
     """
     engines = [w.get("engine", {}) for w in kvs.stats(client).workers.values()]
-    return {k: sum(float(e.get(k, 0)) for e in engines) for k in ("steps", "step_s")}
+    return {k: sum(float(e.get(k, 0)) for e in engines) for k in ("steps", "step_s", "load_s", "capture_s")}
 
 
 def run_raw(engine: RawEngine, sessions: list[dict], new_tokens: int) -> tuple[list[dict], dict]:
@@ -222,7 +223,8 @@ def run_raw(engine: RawEngine, sessions: list[dict], new_tokens: int) -> tuple[l
 def summarize(result: list[dict], steps: dict | None = None) -> dict[str, float]:
     """End-to-end session latency (arrival to last answer): mean, P50, P99, and the makespan;
     prompt tokens the engine computed (not served from a cache or a state); given the run's
-    engine ``steps``, how many it took and the seconds inside them."""
+    engine ``steps``, how many it took, the seconds inside them and of those the seconds
+    copying KV in and out (none in the raw engine)."""
     e2e = np.array([s["end_s"] - s["arrival_s"] for s in result])
     computed = sum(c["computed_tokens"] for s in result for c in s["calls"])
     out = {
@@ -233,7 +235,11 @@ def summarize(result: list[dict], steps: dict | None = None) -> dict[str, float]
         "computed_tokens": computed,
     }
     if steps is not None:
-        out.update(engine_steps=steps["steps"], engine_busy_s=steps["step_s"])
+        out.update(
+            engine_steps=steps["steps"],
+            engine_busy_s=steps["step_s"],
+            engine_copy_s=steps.get("load_s", 0.0) + steps.get("capture_s", 0.0),
+        )
     return out
 
 
@@ -369,11 +375,15 @@ def markdown(res: dict) -> str:
         f"medians of {o['repeats']} interleaved repeat(s).",
         "",
         "| row | mean E2E | vs raw (mean) | P50 | P99 | P99 vs raw | makespan | prompt tokens computed "
-        "| engine steps | seconds in them | answers equal to raw vLLM's |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| engine steps | seconds in them | of which copying KV | answers equal to raw vLLM's |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in res["table"].items():
-        steps = f"{m['engine_steps']:,.0f} | {m['engine_busy_s']:.1f} s" if "engine_steps" in m else "- | -"
+        steps = (
+            f"{m['engine_steps']:,.0f} | {m['engine_busy_s']:.1f} s | {m.get('engine_copy_s', 0):.1f} s"
+            if "engine_steps" in m
+            else "- | - | -"
+        )
         lines.append(
             f"| {name} | {m['mean_s']:.2f} s | {m.get('mean_speedup', 1):.2f}x | {m['p50_s']:.2f} s | "
             f"{m['p99_s']:.2f} s | {100 * m.get('p99_change', 0):+.0f}% | {m['makespan_s']:.1f} s | "
