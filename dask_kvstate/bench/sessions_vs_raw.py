@@ -341,7 +341,8 @@ def report(runs: dict[str, list[list[dict]]], args: Options, steps: dict[str, li
     given ``steps``, each row's engine steps and the seconds inside them."""
     table: dict[str, dict[str, Any]] = {}
     for name, reps in runs.items():
-        engine = (steps or {}).get(name) or [None] * len(reps)
+        measured = (steps or {}).get(name)
+        engine: list[dict | None] = list(measured) if measured else [None] * len(reps)
         sums = [summarize(r, e) for r, e in zip(reps, engine)]
         table[name] = {k: statistics.median(s[k] for s in sums) for k in sums[0]}
     raw_names = [n for n in table if raw_variant(n)]
