@@ -365,5 +365,6 @@ class VLLMBackend(Backend):
         )
 
     def engine_stats(self) -> dict:
-        """What the engine did: requests, tokens loaded from states, tokens its own prefix cache served."""
+        """What the engine did: requests, tokens loaded from states, tokens its own prefix cache
+        served, its steps and the seconds inside them (of which copying KV in and out)."""
         return {"engine": "vllm", "compiled": self.compiled, **self.counters, **self.exchange.counters}
