@@ -13,6 +13,7 @@ import json
 import dask
 import pytest
 
+from dask_kvstate.bench import sessions_report
 from dask_kvstate.bench import sessions_vs_raw as svr
 
 from .conftest import SPAWNED, vllm_test
@@ -39,7 +40,7 @@ def test_the_report_takes_the_better_raw_engine_per_figure_and_counts_answers_ag
         "raw-vllm-eager": [[_session(0, 12, want), _session(1, 19, want)]],  # e2e 12, 18
         "kvstate": [[_session(0, 5, want), _session(1, 13, [[1, 2], [4]])]],  # e2e 5, 12; one answer differs
     }
-    table = svr.report(runs, svr.Options(repeats=1))["table"]
+    table = sessions_report.report(runs, svr.Options(repeats=1))["table"]
     assert table["raw-vllm"]["mean_s"] == 15.0 and table["raw-vllm-eager"]["mean_s"] == 15.0
     assert table["kvstate"]["mean_speedup"] == pytest.approx(15.0 / 8.5)
     best_p99 = table["raw-vllm-eager"]["p99_s"]
@@ -68,10 +69,10 @@ def test_raw_rows_run_again_with_more_engine_memory_and_the_best_raw_row_is_the_
         "raw-vllm-core-in-process (3GiB KV)": [[_session(0, 12, want)]],
         "kvstate": [[_session(0, 10, want)]],
     }
-    table = svr.report(runs, opts)["table"]
+    table = sessions_report.report(runs, opts)["table"]
     assert table["kvstate"]["mean_speedup"] == pytest.approx(1.2)
     assert table["raw-vllm-core-in-process (3GiB KV)"]["identical"] == "1/1"
-    md = svr.markdown({"options": dataclasses.asdict(opts), "table": table})
+    md = sessions_report.markdown({"options": dataclasses.asdict(opts), "table": table})
     assert "engine KV 1GiB (raw rows also with 2GiB, 3GiB)" in md
 
 
@@ -88,16 +89,16 @@ def test_the_report_gives_each_row_its_engine_steps_and_the_seconds_in_them_as_m
             {"steps": 165, "step_s": 7.9, "load_s": 0.5, "capture_s": 0.5},
         ],
     }
-    res = svr.report(runs, svr.Options(repeats=3), steps)
+    res = sessions_report.report(runs, svr.Options(repeats=3), steps)
     table = res["table"]
     assert (table["raw-vllm"]["engine_steps"], table["raw-vllm"]["engine_busy_s"]) == (149, 9.7)
     assert (table["kvstate"]["engine_steps"], table["kvstate"]["engine_busy_s"]) == (165, 7.5)
     assert (table["kvstate"]["engine_copy_s"], table["raw-vllm"]["engine_copy_s"]) == (0.75, 0.0)
     assert res["steps"] == steps
-    md = svr.markdown(res)
+    md = sessions_report.markdown(res)
     assert "| engine steps | seconds in them | of which copying KV |" in md and "| 165 | 7.5 s | 0.8 s |" in md
     # A report without them (older runs' files) shows none.
-    assert "| - | - | - |" in svr.markdown(svr.report(runs, svr.Options(repeats=3)))
+    assert "| - | - | - |" in sessions_report.markdown(sessions_report.report(runs, svr.Options(repeats=3)))
 
 
 def test_a_memory_size_that_does_not_parse_is_refused_before_anything_starts():
@@ -107,9 +108,9 @@ def test_a_memory_size_that_does_not_parse_is_refused_before_anything_starts():
 
 def test_the_report_files_hold_every_row(tmp_path):
     runs = {"raw-vllm-eager": [[_session(0, 4, [[7]])]], "kvstate": [[_session(0, 2, [[7]])]]}
-    res = svr.report(runs, svr.Options(repeats=1))
+    res = sessions_report.report(runs, svr.Options(repeats=1))
     res["cpu"] = "test cpu"
-    svr.write(res, tmp_path)
+    sessions_report.write(res, tmp_path)
     assert json.loads((tmp_path / "sessions_vs_raw.json").read_text())["table"]["kvstate"]["identical"] == "1/1"
     md = (tmp_path / "sessions_vs_raw.md").read_text()
     assert "| kvstate | 2.00 s | 2.00x |" in md and "(test cpu)" in md

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from dask_kvstate.bench import agents_vs_raw, beyond_memory, registry, vs_raw
+from dask_kvstate.bench import agents_vs_raw, beyond_memory, registry, sessions_report, vs_raw
 from dask_kvstate.bench import sessions_vs_raw as svr
 
 
@@ -54,7 +54,7 @@ def _sessions() -> dict:
         "kvstate": [[session(0, 50), session(0, 80)]],
         "kvstate-fcfs": [[session(0, 90), session(0, 190)]],
     }
-    return svr.report(runs, svr.Options(repeats=1))
+    return sessions_report.report(runs, svr.Options(repeats=1))
 
 
 def _bars() -> dict[tuple[str, str, str], dict]:
@@ -87,7 +87,7 @@ def test_a_raw_engine_given_more_memory_is_a_raw_engine_the_bars_are_held_agains
         "raw-vllm (3GiB KV)": [[session(40), session(40)]],
         "kvstate": [[session(24), session(37)]],
     }
-    res = svr.report(runs, svr.Options(repeats=1, raw_engine_kv=["3GiB"]))
+    res = sessions_report.report(runs, svr.Options(repeats=1, raw_engine_kv=["3GiB"]))
     bars = {b["measure"]: b for b in vs_raw.summary({"sessions-vs-raw": res})}
     assert bars["mean session latency"]["raw_s"] == 40 and bars["mean session latency"]["met"]  # 40 / 30.5
     assert bars["P99 session latency"]["ratio"] == pytest.approx(40 / res["table"]["kvstate"]["p99_s"])
