@@ -151,6 +151,7 @@ class VLLMBackend(Backend):
             cpu_cores=config.get("vllm.cpu-cores"),
             share_cores=bool(config.get("vllm.share-cores")),
             compile=bool(config.get("vllm.compile")),
+            prefill_attention=str(config.get("vllm.prefill-attention")),
         )
         return cls(name, options)
 

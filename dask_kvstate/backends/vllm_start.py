@@ -33,6 +33,7 @@ class EngineOptions:
     cpu_cores: str | None  # "0-1" style; None: every core this process may run on
     compile: bool  # torch.compile the model (slower start, faster steps) or run eager
     share_cores: bool = True  # split the cores with this host's other engines given the same ones (.vllm_cores)
+    prefill_attention: str = "auto"  # long prefills through torch's SDPA or vLLM's kernel (.vllm_prefill)
     exchange: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -77,6 +78,10 @@ def start_engine(options: EngineOptions):
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
 
+    from dask_kvstate.backends import vllm_prefill
+
+    fused_prefill = vllm_prefill.use(options.prefill_attention)
+
     transfer = KVTransferConfig(
         kv_connector=vllm_connector.KVStateConnector.__name__,
         kv_connector_module_path=vllm_connector.__name__,
@@ -98,10 +103,12 @@ def start_engine(options: EngineOptions):
         settings["max_model_len"] = options.max_model_len
     args = EngineArgs(**settings)
     logger.info(
-        "kvstate: starting a vLLM engine for %s (block size %d, cores %s); this takes up to a minute or two",
+        "kvstate: starting a vLLM engine for %s (block size %d, cores %s, long prefills on %s's attention); "
+        "this takes up to a minute or two",
         options.folder.name,
         options.block_tokens,
         os.environ["VLLM_CPU_OMP_THREADS_BIND"],
+        "torch" if fused_prefill else "vLLM",
     )
     t0 = time.perf_counter()
     try:
