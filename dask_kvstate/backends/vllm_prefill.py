@@ -77,6 +77,9 @@ class FusedPrefillImpl(cpu_attn.CPUAttentionBackendImpl):
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """One layer's attention for a step, into ``output``: the step's requests of
+        :data:`LONG_QUERY` new tokens or more through torch's kernel, the others through
+        vLLM's (all of them, where the layer is not one torch's kernel computes alike)."""
         md = attn_metadata
         if md is None or md.max_query_len < LONG_QUERY or not self._same_math(layer):
             return super().forward(layer, query, key, value, kv_cache, md, output, output_scale, output_block_scale)
